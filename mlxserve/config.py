@@ -1,0 +1,105 @@
+"""Frozen settings for the block pool, the scheduler and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV block pool: how many blocks of how many tokens, and prefix caching."""
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
+        # Block 0 is the null block, so a usable pool needs at least two.
+        _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, ">= 2")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets of the scheduler."""
+
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            ">= 1",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a user can set when starting an engine (vLLM's engine-arg names).
+
+    ``None`` means "derive it": from the model (max_model_len) or from memory
+    (num_blocks via memory_fraction).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float = 0.5
+    enable_prefix_caching: bool = True
+    chat_template: str | None = None
+    served_model_name: str | None = None
+    enforce_eager: bool = False
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            ">= 1",
+        )
+        _require(1 <= self.block_size <= 256, "block_size", self.block_size, "in [1, 256]")
+        if self.num_blocks is not None:
+            _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, ">= 2")
+        _require(
+            0.0 < self.memory_fraction <= 1.0,
+            "memory_fraction (gpu_memory_utilization)",
+            self.memory_fraction,
+            "in (0, 1]",
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """Build from keyword arguments; accepts vLLM aliases, rejects unknown names."""
+        if "gpu_memory_utilization" in kwargs:
+            kwargs["memory_fraction"] = kwargs.pop("gpu_memory_utilization")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known | {'gpu_memory_utilization'}))}"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _require(ok: bool, name: str, value: object, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {limit}, got {value!r}")

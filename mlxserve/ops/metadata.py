@@ -1,0 +1,103 @@
+"""AttentionMetadata: where each token of a flat batch lives in the block pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step layout of a varlen batch, shared by every layer.
+
+    Tokens of all requests are laid out on one flat axis, decodes first::
+
+        tokens:  | d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 |   (d = decode, p = prefill chunk)
+        query_start_loc: [0, 1, 2, 3, 7, 9]
+
+    Request i's new tokens sit at positions ``context_lens[i] - query_lens[i] ..
+    context_lens[i] - 1`` of its sequence; everything before them is already in the
+    block pool. Padding tokens (bucketed shapes) write to the null block 0.
+    """
+
+    slot_mapping: mx.array  # (num_tokens,) int32: block_id * block_size + offset
+    query_start_loc: mx.array  # (num_reqs + 1,) int32
+    context_lens: mx.array  # (num_reqs,) int32: cached + new tokens after this step
+    block_tables: mx.array  # (num_reqs, max_blocks) int32, padded with 0 (null block)
+    # Host copies, so ops never need .item() on device arrays.
+    num_decodes: int  # requests [0, num_decodes) each have exactly one query token
+    query_lens: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_host, default=0)
+
+    @property
+    def max_decode_context_len(self) -> int:
+        return max(self.context_lens_host[: self.num_decodes], default=0)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        num_tokens_padded: int | None = None,
+        num_blocks_padded: int | None = None,
+    ) -> AttentionMetadata:
+        """Make metadata from host lists (tests and the runner).
+
+        ``query_lens`` must put one-token (decode) requests first. Positions of new
+        tokens follow from ``context_lens``; slots from the block tables.
+        """
+        import numpy as np
+
+        num_reqs = len(query_lens)
+        assert len(context_lens) == num_reqs == len(block_tables)
+        num_decodes = 0
+        while num_decodes < num_reqs and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        assert all(q >= 1 for q in query_lens)
+        num_tokens = sum(query_lens)
+        padded = max(num_tokens_padded or num_tokens, num_tokens)
+        slots = np.zeros(padded, dtype=np.int32)
+        t = 0
+        for q, c, table in zip(query_lens, context_lens, block_tables, strict=True):
+            assert c >= q and len(table) * block_size >= c, (q, c, len(table))
+            pos = np.arange(c - q, c)
+            blocks = np.asarray(table, dtype=np.int64)[pos // block_size]
+            slots[t : t + q] = blocks * block_size + pos % block_size
+            t += q
+        width = max(num_blocks_padded or 0, max((len(b) for b in block_tables), default=0), 1)
+        tables = np.zeros((num_reqs, width), dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+        qsl[1:] = np.cumsum(query_lens)
+        return cls(
+            slot_mapping=mx.array(slots),
+            query_start_loc=mx.array(qsl),
+            context_lens=mx.array(np.asarray(context_lens, dtype=np.int32)),
+            block_tables=mx.array(tables),
+            num_decodes=num_decodes,
+            query_lens=tuple(int(q) for q in query_lens),
+            context_lens_host=tuple(int(c) for c in context_lens),
+        )
+
+    def positions(self) -> list[int]:
+        """Sequence position of every (unpadded) token, on the host."""
+        out: list[int] = []
+        for q, c in zip(self.query_lens, self.context_lens_host, strict=True):
+            out.extend(range(c - q, c))
+        return out

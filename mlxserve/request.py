@@ -1,0 +1,156 @@
+"""Request (the engine's view of one generation) and RequestOutput (the user's view)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from mlxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated: its tokens, progress and status.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the block pool (cached or
+    computed); the scheduler advances it, the KV cache manager reads it.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_ids",
+        "max_tokens",
+        "output_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "status",
+        "stop_reason",
+        "arrival_time",
+        "block_hashes",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_tokens: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        # The effective cap: SamplingParams.max_tokens, or what max_model_len leaves.
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # -1 until first scheduled (prefix cache lookup)
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.block_hashes: list = []  # filled by the KV cache manager
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+# A logprobs entry for one position: token id -> logprob (the chosen token and the top-k).
+Logprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n samples of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request (time.monotonic seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What LLM.generate returns and the engine streams, shaped like vLLM's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[Logprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = field(default=None, repr=False)

@@ -1,0 +1,141 @@
+"""The paged-attention fallback against a plainly written dense attention (numpy)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxserve import ops
+from mlxserve.ops import AttentionMetadata
+
+TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3}
+
+
+def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Causal attention of the last q_len positions over a contiguous sequence.
+
+    q: (q_len, H, D); k, v: (ctx, KVH, D). Written per head with explicit loops.
+    """
+    q_len, num_heads, _ = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    out = np.zeros(q.shape, dtype=np.float64)
+    for h in range(num_heads):
+        kh, vh = k[:, h // group].astype(np.float64), v[:, h // group].astype(np.float64)
+        for t in range(q_len):
+            visible = ctx - q_len + t + 1
+            s = kh[:visible] @ q[t, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ vh[:visible]
+    return out
+
+
+def make_case(
+    rng: np.random.Generator,
+    block_size: int,
+    requests: list[tuple[int, int]],  # (query_len, context_len), decodes first
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+):
+    """Random sequences placed in a pool through shuffled block tables."""
+    blocks_per_req = [-(-ctx // block_size) for _, ctx in requests]
+    num_blocks = 1 + sum(blocks_per_req) + 3  # null block + spare
+    free = rng.permutation(np.arange(1, num_blocks)).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in blocks_per_req]
+    seqs_k = [
+        rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32) for _, ctx in requests
+    ]
+    seqs_v = [
+        rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32) for _, ctx in requests
+    ]
+    qs = [
+        rng.standard_normal((q_len, num_heads, head_dim)).astype(np.float32)
+        for q_len, _ in requests
+    ]
+    return tables, num_blocks, seqs_k, seqs_v, qs
+
+
+def run_paged(requests, tables, num_blocks, seqs_k, seqs_v, qs, block_size, dtype, scale):
+    num_kv_heads, head_dim = seqs_k[0].shape[1:]
+    k_pool = np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
+    v_pool = np.full_like(k_pool, np.nan)
+    # Cached prefix goes straight into the pool; the new tokens go through write_kv.
+    new_k, new_v = [], []
+    for (q_len, ctx), table, k, v in zip(requests, tables, seqs_k, seqs_v, strict=True):
+        for pos in range(ctx - q_len):
+            k_pool[table[pos // block_size], pos % block_size] = k[pos]
+            v_pool[table[pos // block_size], pos % block_size] = v[pos]
+        new_k.append(k[ctx - q_len :])
+        new_v.append(v[ctx - q_len :])
+    md = AttentionMetadata.build(
+        [q for q, _ in requests], [c for _, c in requests], tables, block_size
+    )
+    k_cache = mx.array(np.nan_to_num(k_pool, nan=1e4)).astype(dtype)
+    v_cache = mx.array(np.nan_to_num(v_pool, nan=1e4)).astype(dtype)
+    k_cache, v_cache = ops.write_kv(
+        k_cache,
+        v_cache,
+        mx.array(np.concatenate(new_k)).astype(dtype),
+        mx.array(np.concatenate(new_v)).astype(dtype),
+        md.slot_mapping,
+    )
+    out = ops.paged_attention(
+        mx.array(np.concatenate(qs)).astype(dtype), k_cache, v_cache, md, scale
+    )
+    return np.array(out.astype(mx.float32))
+
+
+def lengths_for(block_size: int) -> list[tuple[int, int]]:
+    """Decodes at 1, bs-1, bs, bs+1 and many blocks; fresh and chunked prefills."""
+    bs = block_size
+    decode_ctx = sorted({1, max(bs - 1, 1), bs, bs + 1, 5 * bs + 3})
+    prefills = [(bs + 2, bs + 2), (3, 2 * bs + 1), (min(bs, 7), 4 * bs)]
+    return [(1, c) for c in decode_ctx] + prefills
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 2, 3, 8])
+@pytest.mark.parametrize("block_size", [1, 2, 5, 16, 32, 128])
+def test_fallback_matches_dense(block_size: int, gqa: int, head_dim: int, dtype) -> None:
+    rng = np.random.default_rng(block_size * 1000 + gqa * 10 + head_dim)
+    num_kv_heads = 2
+    num_heads = num_kv_heads * gqa
+    requests = lengths_for(block_size)
+    if block_size >= 32:  # keep the many-block cases small enough to run fast
+        requests = [(q, min(c, 3 * block_size + 1)) for q, c in requests]
+    tables, num_blocks, ks, vs, qs = make_case(
+        rng, block_size, requests, num_heads, num_kv_heads, head_dim
+    )
+    scale = head_dim**-0.5
+    got = run_paged(requests, tables, num_blocks, ks, vs, qs, block_size, dtype, scale)
+    # The reference sees the same rounding of inputs to dtype as the kernel does.
+    rnd = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731
+    want = np.concatenate(
+        [dense_attention(rnd(q), rnd(k), rnd(v), scale) for q, k, v in zip(qs, ks, vs, strict=True)]
+    )
+    np.testing.assert_allclose(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_padding_rows_and_only_decodes() -> None:
+    rng = np.random.default_rng(0)
+    requests = [(1, 7), (1, 1)]
+    tables, num_blocks, ks, vs, qs = make_case(rng, 4, requests, 4, 2, 64)
+    got = run_paged(requests, tables, num_blocks, ks, vs, qs, 4, mx.float32, 0.125)
+    want = np.concatenate(
+        [dense_attention(q, k, v, 0.125) for q, k, v in zip(qs, ks, vs, strict=True)]
+    )
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_write_kv_updates_only_its_slots() -> None:
+    k = mx.zeros((4, 2, 1, 3))
+    v = mx.zeros((4, 2, 1, 3))
+    new = mx.arange(6, dtype=mx.float32).reshape(2, 1, 3) + 1
+    k, v = ops.write_kv(k, v, new, -new, mx.array([3, 6], dtype=mx.int32))
+    flat_k = np.array(k).reshape(8, 3)
+    assert flat_k[3].tolist() == [1, 2, 3] and flat_k[6].tolist() == [4, 5, 6]
+    assert np.count_nonzero(flat_k) == 6
+    assert np.array(v).reshape(8, 3)[6].tolist() == [-4, -5, -6]
