@@ -7,6 +7,7 @@ mlx-lm runs each request alone with its own KV cache.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mlxserve.models import build_model
 from tests.model_helpers import (
     BlockPoolRunner,
     greedy_generate,
@@ -51,8 +53,9 @@ LLAMA3_SCALING = {
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
-    # Small, so that the scaled and blended frequency bands matter at test positions.
-    "original_max_position_embeddings": 32,
+    # Small, so all three bands occur at head_dim 16, base 5e5: wavelength 6.3 kept (< 16),
+    # 32.4 blended (16..64), the rest scaled (> 64).
+    "original_max_position_embeddings": 64,
 }
 
 CASES: dict[str, dict[str, Any]] = {
@@ -161,12 +164,6 @@ def test_model_attributes(checkpoints) -> None:
 
 def test_llama3_rope_scaling_changes_the_output(checkpoints) -> None:
     """The llama3 case would pass vacuously if the scaling did nothing at test positions."""
-    import json
-
-    import mlx.core as mx
-
-    from mlxserve.models import build_model
-
     _, path = checkpoints("llama-llama3rope-untied")
     config = json.loads((path / "config.json").read_text())
     weights = mx.load(str(path / "model.safetensors"))
@@ -215,8 +212,6 @@ def test_mixed_per_layer_quantization_like_gguf(tmp_path: Path) -> None:
         quantize={"group_size": 32, "bits": 4, "quant_predicate": predicate},
     )
     # Rewrite the config as the GGUF loader expresses it: defaults plus overrides only.
-    import json
-
     quant = {
         "group_size": 32,
         "bits": 4,
@@ -232,3 +227,16 @@ def test_mixed_per_layer_quantization_like_gguf(tmp_path: Path) -> None:
     down = model.model.layers[1].mlp.down_proj
     assert type(down) is nn.Linear and down.weight.dtype == mx.float32
     check_varlen_batch(oracle, model)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(mx.float16, 1.5e-2), (mx.bfloat16, 8e-2)])
+def test_half_precision_weights_and_cache(dtype: mx.Dtype, atol: float, checkpoints) -> None:
+    """dtype= casts the weights; with a same-dtype pool the logits stay near fp32 mlx-lm."""
+    oracle, path = checkpoints("qwen3-untied")
+    model = load_checkpoint(path, dtype=dtype)
+    tokens = list(range(5, 30))
+    runner = BlockPoolRunner(model, num_blocks=16, block_size=4, dtype=dtype)
+    got = runner.step([("r", tokens[:20])], all_logits=True)["r"]
+    got = np.concatenate([got, runner.step([("r", tokens[20:])], all_logits=True)["r"]])
+    want = mlx_lm_chunk_logits(oracle, [tokens])[0]
+    np.testing.assert_allclose(got, want, atol=atol, rtol=0)

@@ -207,6 +207,10 @@ def test_rope_parameters_match_classic_keys() -> None:
     c = last_logits(build_model(CONFIG, weights), tokens)
     np.testing.assert_array_equal(a, b)
     assert np.abs(a - c).max() > 1e-3
+    # Dynamic NTK only changes the base past max_position_embeddings, the context the
+    # model reports: inside it, it is plain RoPE.
+    dynamic = {**CONFIG, "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    np.testing.assert_array_equal(last_logits(build_model(dynamic, weights), tokens), c)
 
 
 def test_qwen3_head_dim_default_and_kv_cache_allocate() -> None:
