@@ -1,0 +1,342 @@
+"""Tokenizer: encode/decode, special tokens and chat templates for HF directories and GGUF files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as Backend
+
+from mlxserve.tokenizer.chat_template import ChatTemplate, make_environment
+from mlxserve.tokenizer.gguf_reader import read_gguf_metadata
+from mlxserve.tokenizer.gguf_vocab import build_gguf_vocab
+
+# Named special tokens a chat template can see (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, {} when the file does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores a special token as a string or as {"content": ...}."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _ids(value: Any) -> list[int]:
+    """An eos_token_id field: int, list of ints or missing."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _chat_template_from_dir(path: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """chat_template.jinja (+ additional_chat_templates/), else tokenizer_config, else .json."""
+    templates: dict[str, str] = {}
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        templates["default"] = jinja_file.read_text(encoding="utf-8")
+    extra_dir = path / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for f in sorted(extra_dir.glob("*.jinja")):
+            templates[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+    if not templates:
+        value = config.get("chat_template")
+        if value is None:
+            value = _read_json(path / "chat_template.json").get("chat_template")
+        if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
+            templates = {t["name"]: t["template"] for t in value if "name" in t and "template" in t}
+        elif isinstance(value, str):
+            return value
+    if list(templates) == ["default"]:
+        return templates["default"]
+    return templates or None
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its special tokens and chat template."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        pad_token_id: int | None = None,
+        add_bos_token: bool | None = None,
+        chat_template: str | dict[str, str] | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        name: str = "tokenizer",
+    ) -> None:
+        self.backend = backend
+        self.name = name
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        eos = set(extra_eos_token_ids)
+        if eos_token_id is not None:
+            eos.add(eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.chat_templates = chat_template
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        for key, token_id in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
+            if token_id is not None and key not in self.special_tokens:
+                self.special_tokens[key] = self.id_to_token(token_id) or ""
+        added = backend.get_added_tokens_decoder()
+        # Exactly the ids the backend drops when decoding with skip_special_tokens=True.
+        self.all_special_ids: frozenset[int] = frozenset(
+            i for i, tok in added.items() if tok.special
+        )
+        if add_bos_token is None:  # what the post-processor does is the model's configuration
+            probe = backend.encode("", add_special_tokens=True).ids
+            add_bos_token = bos_token_id is not None and probe[:1] == [bos_token_id]
+        self.add_bos_token = add_bos_token
+        self._env = make_environment()
+        self._compiled: dict[str, ChatTemplate] = {}
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load a Hugging Face model directory (tokenizer.json required)."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(
+                f"{tokenizer_file}: not found; mlxserve needs a Hugging Face tokenizer.json "
+                "(directories with only a SentencePiece tokenizer.model are not supported)"
+            )
+        try:
+            backend = Backend.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception on parse errors
+            raise ValueError(f"{tokenizer_file}: not a valid tokenizers file: {e}") from e
+        config = _read_json(path / "tokenizer_config.json")
+        legacy_map = _read_json(path / "special_tokens_map.json")
+        generation = _read_json(path / "generation_config.json")
+        model_config = _read_json(path / "config.json")
+
+        special: dict[str, str] = {}
+        for key in SPECIAL_TOKEN_NAMES:
+            text = _token_text(config.get(key)) or _token_text(legacy_map.get(key))
+            if text is not None:
+                special[key] = text
+        # Tokens the config declares but tokenizer.json lacks are added, as transformers does.
+        declared = config.get("added_tokens_decoder") or {}
+        missing = [
+            AddedToken(
+                t["content"],
+                special=bool(t.get("special", True)),
+                normalized=bool(t.get("normalized", False)),
+                lstrip=bool(t.get("lstrip", False)),
+                rstrip=bool(t.get("rstrip", False)),
+                single_word=bool(t.get("single_word", False)),
+            )
+            for _, t in sorted(declared.items(), key=lambda kv: int(kv[0]))
+            if isinstance(t, Mapping)
+            and t.get("content")
+            and backend.token_to_id(t["content"]) is None
+        ]
+        missing += [
+            AddedToken(text, special=True, normalized=False)
+            for text in special.values()
+            if backend.token_to_id(text) is None and text not in {str(t) for t in missing}
+        ]
+        if missing:
+            backend.add_tokens(missing)
+
+        def token_id(key: str) -> int | None:
+            return backend.token_to_id(special[key]) if key in special else None
+
+        config_eos = _ids(generation.get("eos_token_id")) + _ids(model_config.get("eos_token_id"))
+        text_config = model_config.get("text_config")
+        if isinstance(text_config, Mapping):
+            config_eos += _ids(text_config.get("eos_token_id"))
+        eos_id = token_id("eos_token")
+        if eos_id is None and config_eos:
+            eos_id = config_eos[0]
+        pad_id = token_id("pad_token")
+        if pad_id is None:
+            pads = _ids(generation.get("pad_token_id")) or _ids(model_config.get("pad_token_id"))
+            pad_id = pads[0] if pads else None
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=eos_id,
+            extra_eos_token_ids=config_eos,
+            pad_token_id=pad_id,
+            chat_template=_chat_template_from_dir(path, config),
+            special_tokens=special,
+            name=str(path),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer embedded in a GGUF file (reads only the metadata header)."""
+        return cls.from_gguf_metadata(read_gguf_metadata(path), source=str(path))
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, meta: Mapping[str, Any], source: str = "GGUF metadata"
+    ) -> Tokenizer:
+        """Build from GGUF metadata, e.g. ``mx.load(path, return_metadata=True)[1]``."""
+        vocab = build_gguf_vocab(meta, source)
+        tok = cls(
+            vocab.backend,
+            bos_token_id=vocab.bos_token_id,
+            eos_token_id=vocab.eos_token_id,
+            extra_eos_token_ids=vocab.eos_token_ids,
+            pad_token_id=vocab.pad_token_id,
+            add_bos_token=vocab.add_bos_token,
+            chat_template=vocab.chat_template,
+            name=source,
+        )
+        if vocab.unk_token_id is not None:
+            tok.special_tokens["unk_token"] = tok.id_to_token(vocab.unk_token_id) or ""
+        if vocab.pad_token_id is not None:
+            tok.special_tokens["pad_token"] = tok.id_to_token(vocab.pad_token_id) or ""
+        return tok
+
+    # ---- tokens -------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        """Text of the BOS token, if the model has one."""
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        """Text of the EOS token, if the model has one."""
+        return self.special_tokens.get("eos_token")
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocab entry (its stored form, e.g. 'Ġthe' or '▁the'), None when absent."""
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Stored form of a token id, None when out of range."""
+        return self.backend.id_to_token(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        """True for special (control) tokens: those decode(skip_special_tokens=True) drops."""
+        return token_id in self.all_special_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token text is parsed; BOS/EOS added as the model says."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids` (ids outside the vocab decode to nothing)."""
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # ---- chat ---------------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template source, None when the model has none."""
+        templates = self.chat_templates
+        if isinstance(templates, dict):
+            return templates.get("default")
+        return templates
+
+    def get_chat_template(
+        self, chat_template: str | None = None, tools: Sequence[Any] | None = None
+    ) -> str:
+        """Pick a template source as transformers does (named templates, 'tool_use' with tools)."""
+        templates = self.chat_templates
+        if isinstance(templates, dict):
+            if chat_template is not None:
+                return templates.get(chat_template, chat_template)
+            if tools is not None and "tool_use" in templates:
+                return templates["tool_use"]
+            if "default" in templates:
+                return templates["default"]
+            raise ValueError(
+                f"{self.name}: the model has several chat templates {sorted(templates)} and none "
+                "is 'default'; pass chat_template=<name>"
+            )
+        if chat_template is not None:
+            return chat_template
+        if templates is None:
+            raise ValueError(
+                f"{self.name}: the model has no chat template; pass chat_template=... "
+                "(a Jinja template string) or use plain text completion"
+            )
+        return templates
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **extra: Any,
+    ) -> str:
+        """Render `messages` (OpenAI-style dicts) to the prompt text with the model's template."""
+        source = self.get_chat_template(chat_template, tools)
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = self._compiled[source] = ChatTemplate(source, self._env)
+        return compiled.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            variables={**self.special_tokens, **extra},
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **extra: Any,
+    ) -> list[int]:
+        """Token ids of the rendered chat; BOS added only if the model wants it and it is absent."""
+        text = self.apply_chat_template(
+            messages, add_generation_prompt, tools, chat_template, **extra
+        )
+        ids = self.encode(text, add_special_tokens=False)
+        bos = self.bos_token_id
+        if self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
+            f"eos={sorted(self.eos_token_ids)}, add_bos={self.add_bos_token})"
+        )
