@@ -39,7 +39,8 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         prompt_token_ids: Sequence[int] | None = None,
     ) -> None:
-        self._decode = tokenizer.backend.decode
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         # Dropping skipped ids up front keeps windows from starting at an id decode() ignores.
         self._skipped = tokenizer.all_special_ids if skip_special_tokens else frozenset()
         self.text = ""  # everything emitted so far
@@ -51,6 +52,9 @@ class IncrementalDetokenizer:
             self._ids = context
         self._prefix = 0
         self._read = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def _keep(self, ids: Iterable[int]) -> list[int]:
         return [i for i in ids if i not in self._skipped]

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 logger = logging.getLogger(__name__)
@@ -231,8 +231,6 @@ def build_gguf_vocab(meta: Mapping[str, Any], source: str = "GGUF metadata") -> 
         if types[i] in (CONTROL, UNKNOWN, USER_DEFINED)
     ]
     backend.add_tokens(added)
-    _set_post_processor(backend, tokens, bos_id if add_bos else None, eos_id if add_eos else None)
-
     eog = {i for i in (eos_id, eot_id, eom_id) if i is not None}
     found = {vocab[t] for t in _EOG_TEXTS if t in vocab}
     if {"<|return|>", "<|call|>", "<|end|>"} <= vocab.keys():
@@ -341,19 +339,3 @@ def _merges_from_scores(
                 ranked.append((-float(scores[i]), i, vocab[left], left, right))
     ranked.sort()
     return [(left, right) for _, _, _, left, right in ranked]
-
-
-def _set_post_processor(
-    backend: Backend, tokens: list[str], bos_id: int | None, eos_id: int | None
-) -> None:
-    if bos_id is None and eos_id is None:
-        return
-    single, special = "$A", []
-    if bos_id is not None:
-        single = f"{tokens[bos_id]} {single}"
-        special.append((tokens[bos_id], bos_id))
-    if eos_id is not None:
-        single = f"{single} {tokens[eos_id]}"
-        if eos_id != bos_id:
-            special.append((tokens[eos_id], eos_id))
-    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ from tokenizers import Tokenizer as Backend
 from mlxserve.tokenizer.chat_template import ChatTemplate, make_environment
 from mlxserve.tokenizer.gguf_reader import read_gguf_metadata
 from mlxserve.tokenizer.gguf_vocab import build_gguf_vocab
+
+REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 # Named special tokens a chat template can see (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -46,6 +50,10 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def _flag(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
 def _ids(value: Any) -> list[int]:
     """An eos_token_id field: int, list of ints or missing."""
     if value is None:
@@ -77,6 +85,22 @@ def _chat_template_from_dir(path: Path, config: Mapping[str, Any]) -> str | dict
     return templates or None
 
 
+def _byte_tokens(run: bytes) -> list[str]:
+    """<0xXX> tokens for the UTF-8 of the lossy decoding of `run` (always a valid run)."""
+    fixed = run.decode("utf-8", errors="replace").encode("utf-8")
+    return [f"<0x{b:02X}>" for b in fixed]
+
+
+def _added_around(backend: Backend) -> tuple[list[int], list[int]]:
+    """The ids the post-processor puts before and after a text's own ids."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    return [], []
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its special tokens and chat template."""
 
@@ -89,6 +113,7 @@ class Tokenizer:
         extra_eos_token_ids: Iterable[int] = (),
         pad_token_id: int | None = None,
         add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
         chat_template: str | dict[str, str] | None = None,
         special_tokens: Mapping[str, str] | None = None,
         name: str = "tokenizer",
@@ -112,10 +137,17 @@ class Tokenizer:
         self.all_special_ids: frozenset[int] = frozenset(
             i for i, tok in added.items() if tok.special
         )
-        if add_bos_token is None:  # what the post-processor does is the model's configuration
-            probe = backend.encode("", add_special_tokens=True).ids
-            add_bos_token = bos_token_id is not None and probe[:1] == [bos_token_id]
-        self.add_bos_token = add_bos_token
+        # Explicit flags (GGUF metadata, tokenizer_config.json) decide BOS/EOS; otherwise the
+        # backend's post-processor does, and the flags describe what it does.
+        self._manual_bos_eos = add_bos_token is not None or add_eos_token is not None
+        before, after = _added_around(backend)
+        if add_bos_token is None:
+            add_bos_token = bos_token_id is not None and before == [bos_token_id]
+        if add_eos_token is None:
+            add_eos_token = eos_token_id is not None and after == [eos_token_id]
+        self.add_bos_token = add_bos_token and bos_token_id is not None
+        self.add_eos_token = add_eos_token and eos_token_id is not None
+        self._byte_fallback = "ByteFallback" in repr(backend.decoder)
         self._env = make_environment()
         self._compiled: dict[str, ChatTemplate] = {}
 
@@ -189,6 +221,10 @@ class Tokenizer:
             eos_token_id=eos_id,
             extra_eos_token_ids=config_eos,
             pad_token_id=pad_id,
+            # llama.cpp's converter copies these flags into GGUF; honoring them keeps a model's
+            # HF directory and its GGUF agreeing (transformers 4.x did the same for Llama-likes)
+            add_bos_token=_flag(config.get("add_bos_token")),
+            add_eos_token=_flag(config.get("add_eos_token")),
             chat_template=_chat_template_from_dir(path, config),
             special_tokens=special,
             name=str(path),
@@ -212,6 +248,7 @@ class Tokenizer:
             extra_eos_token_ids=vocab.eos_token_ids,
             pad_token_id=vocab.pad_token_id,
             add_bos_token=vocab.add_bos_token,
+            add_eos_token=vocab.add_eos_token,
             chat_template=vocab.chat_template,
             name=source,
         )
@@ -254,11 +291,49 @@ class Tokenizer:
         """Token ids of `text`; special-token text is parsed; BOS/EOS added as the model says."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if not self._manual_bos_eos:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token:
+            ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self.add_eos_token:
+            ids.append(self.eos_token_id)
+        return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `token_ids` (ids outside the vocab decode to nothing)."""
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        """Text of `token_ids` (ids outside the vocab decode to nothing).
+
+        Invalid UTF-8 decodes to U+FFFD per maximal invalid subsequence, so the text of a prefix
+        of ids is a prefix of the text of all ids (once its last character is complete).
+        """
+        ids = list(token_ids)
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._byte_fallback and REPLACEMENT_CHAR in text:
+            return self._decode_byte_runs(ids, skip_special_tokens)
+        return text
+
+    def _decode_byte_runs(self, ids: list[int], skip_special_tokens: bool) -> str:
+        # tokenizers' ByteFallback turns a whole run of <0xXX> tokens into one U+FFFD per byte
+        # when any byte in it is invalid, so a later byte could change text already streamed.
+        # Re-encode each run's bytes as their lossy decoding before running the decoder chain.
+        tokens: list[str] = []
+        run = bytearray()
+        for token_id in ids:
+            if skip_special_tokens and token_id in self.all_special_ids:
+                continue
+            token = self.backend.id_to_token(token_id)
+            if token is None:
+                continue
+            if _BYTE_TOKEN.fullmatch(token):
+                run.append(int(token[3:5], 16))
+                continue
+            if run:
+                tokens += _byte_tokens(run)
+                run.clear()
+            tokens.append(token)
+        if run:
+            tokens += _byte_tokens(run)
+        return self.backend.decoder.decode(tokens)
 
     # ---- chat ---------------------------------------------------------------------------------
 
