@@ -285,6 +285,20 @@ def test_content_parts_flattened_for_string_templates(pair: tuple[Tokenizer, Any
     )  # trim_blocks ate the newlines
 
 
+def test_generation_tag_and_helpers_match_transformers(pair: tuple[Tokenizer, Any]) -> None:
+    ours, hf = pair
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{% generation %}[{{ m.content }}]{% endgeneration %}"
+        "{% else %}{{ m.content | tojson(indent=2) }}{% endif %}{% endfor %}"
+        "{{ strftime_now('%Y') | length }}"
+    )
+    messages = CONVERSATIONS[2][-2:]
+    kwargs = {"chat_template": template, "add_generation_prompt": False}
+    expected = hf.apply_chat_template(messages, tokenize=False, **kwargs)
+    assert ours.apply_chat_template(messages, **kwargs) == expected
+
+
 def test_continue_final_message_matches_transformers(pair: tuple[Tokenizer, Any]) -> None:
     ours, hf = pair
     messages = [*CONVERSATIONS[1], {"role": "assistant", "content": "It is"}]

@@ -46,7 +46,8 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
         self.token_ids: list[int] = []  # every id received (unfiltered)
         self._ids: list[int] = []
-        context = self._keep(prompt_token_ids or [])[-_CONTEXT_TOKENS:]
+        tail = list(prompt_token_ids or [])[-8 * _CONTEXT_TOKENS :]  # specials may drop out
+        context = self._keep(tail)[-_CONTEXT_TOKENS:]
         # A context ending inside a UTF-8 character would shift the first delta; skip it then.
         if context and not self._decode(context).endswith(REPLACEMENT_CHAR):
             self._ids = context
