@@ -361,3 +361,26 @@ def test_model_runner_output_must_match_sampling_requests():
     out = sched.schedule()  # partial chunk: must not sample
     with pytest.raises(AssertionError):
         sched.update_from_output(out, ModelRunnerOutput({"a": [5]}))
+
+
+def test_output_maps_onto_attention_metadata():
+    from mlxserve.ops.metadata import AttentionMetadata
+
+    sched, model = make(budget=10, block_size=4)
+    sched.add_request(req("a", [1, 2, 3, 4, 5]))
+    sched.add_request(req("b", [6, 7]))
+    step(sched, model)
+    sched.add_request(req("c", list(range(20, 32))))
+    out = sched.schedule()
+    assert layout(out) == [("a", 5, 1), ("b", 2, 1), ("c", 0, 8)]
+    rids = [r.request_id for r in out.scheduled_requests]
+    starts = [out.start_positions[rid] for rid in rids]
+    query_lens = [out.num_scheduled_tokens[rid] for rid in rids]
+    context_lens = [s + q for s, q in zip(starts, query_lens, strict=True)]
+    meta = AttentionMetadata.build(query_lens, context_lens, [out.block_ids[r] for r in rids], 4)
+    assert meta.num_decodes == out.num_decodes == 2
+    assert meta.positions() == [5, 2, 0, 1, 2, 3, 4, 5, 6, 7]
+    # a: [1, 2], b: [3], c: [4, 5]: slot = block_id * block_size + position % block_size
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 3 * 4 + 2, 16, 17, 18, 19, 20, 21, 22, 23]
+    # The sampled rows are the last token of each sampling request.
+    assert [rid for rid in rids if out.samples(rid)] == ["a", "b"]
