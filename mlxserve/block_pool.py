@@ -116,16 +116,23 @@ class BlockPool:
 
     Block 0 is the null block: taken out at init and never handed out. It pads block
     tables, and padding tokens write their K/V into it.
+
+    The pool may start with ``initial_blocks`` and grow (doubling) up to ``num_blocks``
+    when the free queue runs short, so memory follows the live working set instead of
+    being committed at start-up. Cached-but-free blocks are reused before it grows.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, initial_blocks: int | None = None
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
             )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        start = num_blocks if initial_blocks is None else max(2, min(initial_blocks, num_blocks))
+        self.blocks = [KVCacheBlock(i) for i in range(start)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.null_block = self.free_block_queue.popleft()
@@ -136,12 +143,28 @@ class BlockPool:
 
         A block that still holds a cached prefix is evicted here, when it is reused.
         """
+        missing = num_blocks - self.free_block_queue.num_free_blocks
+        if missing > 0 and len(self.blocks) < self.num_blocks:
+            self._grow(missing)
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0, block
             self._evict(block)
             block.ref_cnt = 1
         return blocks
+
+    def _grow(self, num_missing: int) -> None:
+        """Add new blocks at the free queue's tail: at least num_missing, doubling if possible."""
+        current = len(self.blocks)
+        target = min(self.num_blocks, max(2 * current, current + num_missing))
+        new = [KVCacheBlock(i) for i in range(current, target)]
+        self.blocks.extend(new)
+        self.free_block_queue.append_n(new)
+
+    @property
+    def num_allocated_blocks(self) -> int:
+        """Blocks that exist now (null block included): the KV arrays' first dimension."""
+        return len(self.blocks)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
@@ -210,8 +233,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
 
     def get_num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (free, cached-but-unused included)."""
-        return self.free_block_queue.num_free_blocks
+        """Blocks that can be handed out now (free, cached-but-unused, not yet grown)."""
+        return self.free_block_queue.num_free_blocks + self.num_blocks - len(self.blocks)
 
     def get_usage(self) -> float:
         """Fraction of usable blocks (the null block excluded) in use, in [0, 1]."""

@@ -51,12 +51,18 @@ class KVCacheManager:
     ``prefix_cache_queries`` (tokens looked up) and ``prefix_cache_hits`` (tokens found).
     """
 
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_caching: bool = True,
+        initial_blocks: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, initial_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the cache map.
         self.num_cached_blocks: dict[str, int] = {}

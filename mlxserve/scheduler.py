@@ -94,7 +94,10 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            cache_config.block_size, cache_config.num_blocks, cache_config.enable_prefix_caching
+            cache_config.block_size,
+            cache_config.num_blocks,
+            cache_config.enable_prefix_caching,
+            cache_config.initial_blocks,
         )
         self.max_model_len = scheduler_config.max_model_len
         self.num_pool_tokens = self.kv_cache_manager.num_usable_blocks * self.block_size

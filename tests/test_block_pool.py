@@ -188,3 +188,30 @@ def test_caching_disabled_registers_nothing():
     pool.cache_full_blocks(blocks, [b"h"], [[1]])
     assert blocks[0].block_hash is None
     assert pool.get_cached_block(b"h", [1]) is None
+
+
+def test_pool_grows_on_demand_up_to_num_blocks() -> None:
+    pool = BlockPool(num_blocks=10, initial_blocks=3)
+    assert pool.num_allocated_blocks == 3
+    assert pool.get_num_free_blocks() == 9  # 2 existing + 7 that can still be grown
+    assert ids(pool.get_new_blocks(2)) == [1, 2]
+    # Short by one: doubles to 6 blocks; new ones join the free queue in id order.
+    assert ids(pool.get_new_blocks(1)) == [3]
+    assert pool.num_allocated_blocks == 6
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [4, 5]
+    # Short by 4 with 2 free: grows to min(12, 10) = 10.
+    assert ids(pool.get_new_blocks(6)) == [4, 5, 6, 7, 8, 9]
+    assert pool.num_allocated_blocks == 10 and pool.get_usage() == 1.0
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+
+
+def test_cached_free_blocks_are_reused_before_growing() -> None:
+    pool = BlockPool(num_blocks=8, initial_blocks=3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks([a], [b"h"], [(1, 2)])
+    pool.free_blocks([a, b])
+    # Two free blocks (one holding a cached prefix) cover a request for two: no growth.
+    assert ids(pool.get_new_blocks(2)) == [1, 2]
+    assert pool.num_allocated_blocks == 3
+    assert pool.get_cached_block(b"h", (1, 2)) is None  # evicted on reuse
