@@ -58,7 +58,7 @@ class LLMEngine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         if config.chat_template is not None:
-            self.tokenizer.set_chat_template(config.chat_template)
+            self.tokenizer.chat_templates = config.chat_template
         self.model_name = config.served_model_name or loaded.source.name
         mx.random.seed(config.seed)
         self.plan = self._plan_memory()

@@ -277,6 +277,10 @@ class Tokenizer:
         text = self.apply_chat_template(
             messages, add_generation_prompt, tools, chat_template, **extra
         )
+        return self.encode_rendered_chat(text)
+
+    def encode_rendered_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered chat template (special tokens parsed, no double BOS)."""
         ids = self.encode(text, add_special_tokens=False)
         bos = self.bos_token_id
         if self.add_bos_token and bos is not None and ids[:1] != [bos]:
