@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from mlxserve.engine import LLMEngine
 from mlxserve.request import RequestOutput
 from mlxserve.sampling_params import SamplingParams
@@ -42,6 +44,9 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, on_step=None) -> None:
         self.engine = engine
+        # MLX arrays still lazy here belong to this thread's stream and cannot be
+        # evaluated on the engine thread ("There is no Stream(cpu, 0) in current thread").
+        mx.eval(engine.kv_cache.keys, engine.kv_cache.values)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._on_step = on_step  # called in the engine thread after each step (metrics)
