@@ -124,6 +124,16 @@ BAD_REQUESTS = [
     ),
     (
         "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        "max_completion_tokens",
+    ),
+    (
+        "/v1/chat/completions",
         {
             "messages": [{"role": "user", "content": "x"}],
             "response_format": {"type": "json_object"},

@@ -6,7 +6,6 @@ token and the top-k (k + 1 entries when the chosen token is not among the top k)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxserve.request import Logprobs, RequestOutput
@@ -142,15 +141,3 @@ class PromptResult:
     @property
     def num_completion_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples.values())
-
-
-@dataclass
-class StreamCounter:
-    """Per-sample bookkeeping of a stream: tokens so far, whether finish was sent."""
-
-    num_tokens: int = 0
-    finished: set[int] = field(default_factory=set)
-    started: set[int] = field(default_factory=set)
-
-
-TextFn = Callable[[int], str]

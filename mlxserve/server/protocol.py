@@ -63,8 +63,13 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        rename: dict[str, str] | None = None,
     ) -> SamplingParams:
+        """SamplingParams; a bad value is a 400 naming the request field (``rename``d)."""
         try:
             return SamplingParams(
                 n=self.n,
@@ -88,7 +93,11 @@ class _SamplingFields(_Strict):
                 skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as e:
-            raise bad_request(str(e), _param_of(str(e))) from None
+            message, param = str(e), _param_of(str(e))
+            if param is not None and rename and param in rename:
+                message = rename[param] + message[len(param) :]
+                param = rename[param]
+            raise bad_request(message, param) from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -175,8 +184,11 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._params(max_tokens, logprobs)
+        max_tokens, rename = self.max_tokens, {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            max_tokens = self.max_completion_tokens
+            rename["max_tokens"] = "max_completion_tokens"
+        return self._params(max_tokens, logprobs, rename=rename)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template() for m in self.messages]
