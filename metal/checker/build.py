@@ -31,7 +31,7 @@ KERNEL_DIR = CHECKER_DIR.parent
 SHIM = CHECKER_DIR / "metal_stdlib.h"
 RUNTIME = CHECKER_DIR / "emu_runtime.cpp"
 
-GXX_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-w", "-fno-exceptions"]
+GXX_FLAGS = ["-std=c++20", "-O0", "-fPIC", "-shared", "-w", "-fno-exceptions"]
 RUNTIME_FLAGS = ["-std=c++20", "-O2", "-fPIC", "-shared", "-Wall"]
 CLANG_FLAGS = [
     "-cc1",

@@ -1,13 +1,14 @@
 // emu_runtime.cpp -- runs a compiled Metal kernel body on the CPU, one fiber per GPU thread.
 //
 // Threadgroups run one after another. Inside a threadgroup every thread is a cooperative fiber
-// that runs until it blocks on a collective (simd_*), a barrier, or finishes. When no fiber can
-// run, the scheduler resolves what is complete: a simdgroup collective once every live lane of
-// that simdgroup waits at the same call, a barrier once every thread of the threadgroup (or
-// simdgroup) waits at the same barrier. Anything else -- lanes at different collectives, threads
-// that exited while others wait at a barrier, barriers reached on different iterations -- is a
-// divergence or deadlock and is reported with the source line. Invalid memory accesses (guard
-// pages), arithmetic traps and kernels that never finish (CPU-time limit) are reported too.
+// that runs until it blocks on a collective (simd_*), a barrier, or finishes; runnable fibers
+// take turns from a queue. A simdgroup collective completes when every lane of the simdgroup
+// that has not exited waits at the same call (exited lanes are inactive); a barrier when every
+// thread of the threadgroup (simdgroup, for simdgroup_barrier) waits at the same barrier.
+// Anything else -- lanes at different collectives, threads that exited while others wait at a
+// barrier, barriers reached on different iterations, nothing left to run -- is a divergence or
+// deadlock and is reported with the source lines. Invalid memory accesses (guard pages),
+// arithmetic traps and kernels that never finish (CPU-time limit) are reported too.
 //
 // This is one legal schedule of the kernel (two, with `reverse`), not Apple's hardware.
 #include <setjmp.h>
@@ -21,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <deque>
 #include <map>
 #include <string>
 #include <vector>
@@ -56,20 +58,30 @@ struct Fiber {
   int line = 0;
   unsigned long seq = 0;  // how many collectives / barriers of this kind it passed
   unsigned long n_collectives = 0, n_tg_barriers = 0, n_simd_barriers = 0;
-  // collective payload
-  unsigned char value[64];
-  unsigned nbytes = 0;
-  void* out_lanes = nullptr;
-  unsigned* out_mask = nullptr;
+  unsigned nbytes = 0;  // size of the collective's value
 };
 
 struct TgArray {
-  std::string label;     // "name (declared at file:line)"
+  std::string label;  // "name (declared at file:line)"
+  const char* name = nullptr;
+  const char* file = nullptr;
+  int line = 0;
   char* base = nullptr;  // mapping base
   size_t map_len = 0;
   char* data = nullptr;  // ends at a guard page
   unsigned long nbytes = 0;
   unsigned long generation = 0;
+};
+
+struct Simd {
+  unsigned lo = 0, hi = 0;  // its threads [lo, hi)
+  unsigned live = 0;        // lanes that have not exited
+  unsigned arrived = 0;     // lanes waiting at the pending collective or simdgroup_barrier
+  int first = -1;           // first of them, whose site the others must match
+  alignas(16) unsigned char buf[2][kSimdWidth * 64];  // lane values, by collective parity
+  alignas(16) unsigned char result[2][64];            // a reduction's result, computed once
+  int fresh[2] = {0, 0};
+  unsigned mask[2] = {0, 0};
 };
 
 struct Launch {
@@ -84,6 +96,12 @@ struct Launch {
   unsigned long generation = 0;  // threadgroup counter, for threadgroup memory poisoning
   std::map<std::string, TgArray> tg_arrays;
   unsigned tg_pos[3] = {0, 0, 0};
+  unsigned n = 0;  // threads in the current threadgroup
+  bool reverse = false;
+  std::vector<Simd> simds;
+  unsigned tg_live = 0, tg_arrived = 0;
+  int tg_first = -1;
+  std::deque<int> runq;
   std::string error;
   unsigned long fault_addr = 0;
 };
@@ -201,10 +219,19 @@ void switch_to_scheduler(Launch& L, Fiber& f) {
 #endif
 }
 
+void maybe_complete_simd(Launch& L, Simd& s);
+void maybe_complete_barrier(Launch& L);
+
 void fiber_main(Fiber* f) {
-  g_launch->entry(g_launch->args, f->ids);
+  Launch& L = *g_launch;
+  L.entry(L.args, f->ids);
   f->state = DONE;
-  switch_to_scheduler(*g_launch, *f);
+  Simd& s = L.simds[unsigned(f->index) / kSimdWidth];
+  s.live--;
+  L.tg_live--;
+  maybe_complete_simd(L, s);  // the others may have been waiting for this lane
+  maybe_complete_barrier(L);
+  switch_to_scheduler(L, *f);
   __builtin_trap();  // a finished fiber is never resumed
 }
 
@@ -316,20 +343,21 @@ void restore_signals() {
   sigaltstack(&g_old_altstack, nullptr);
 }
 
-// ---- resolution of collectives and barriers ----------------------------------------------
+// ---- collectives and barriers ------------------------------------------------------------
 std::string tg_name(const Launch& L) {
   return fmt("threadgroup (%u,%u,%u)", L.tg_pos[0], L.tg_pos[1], L.tg_pos[2]);
 }
 
 bool same_site(const Fiber& a, const Fiber& b) {
-  return a.line == b.line && a.seq == b.seq && strcmp(a.what, b.what) == 0 &&
-         strcmp(a.file, b.file) == 0;
+  return a.line == b.line && a.seq == b.seq && a.nbytes == b.nbytes &&
+         (a.what == b.what || strcmp(a.what, b.what) == 0) &&
+         (a.file == b.file || strcmp(a.file, b.file) == 0);
 }
 
-// Describes where the threads in `idx` are, grouped by state and site.
-std::string describe(const Launch& L, const std::vector<int>& idx) {
+// Describes where the threads in [lo, hi) are, grouped by state and site.
+std::string describe(const Launch& L, unsigned lo, unsigned hi) {
   std::map<std::string, std::vector<int>> groups;
-  for (int i : idx) {
+  for (unsigned i = lo; i < hi; ++i) {
     const Fiber& f = L.fibers[i];
     std::string key;
     if (f.state == DONE) {
@@ -339,91 +367,83 @@ std::string describe(const Launch& L, const std::vector<int>& idx) {
     } else {
       key = fmt("at %s (%s, call #%lu)", f.what, where(f).c_str(), f.seq + 1);
     }
-    groups[key].push_back(i);
+    groups[key].push_back(int(i));
   }
   std::string out;
   for (auto& [k, v] : groups) out += fmt("\n    threads %s: ", thread_list(v).c_str()) + k;
   return out;
 }
 
-// Returns true if something was released; sets L.error on divergence.
-bool resolve(Launch& L, unsigned nthreads) {
-  bool released = false;
-  const unsigned nsimd = (nthreads + kSimdWidth - 1) / kSimdWidth;
-  for (unsigned s = 0; s < nsimd; ++s) {
-    unsigned lo = s * kSimdWidth, hi = lo + kSimdWidth < nthreads ? lo + kSimdWidth : nthreads;
-    std::vector<int> coll, sbar, all;
-    bool blocked_elsewhere = false;
-    for (unsigned i = lo; i < hi; ++i) {
-      all.push_back(int(i));
-      State st = L.fibers[i].state;
-      if (st == COLLECTIVE) coll.push_back(int(i));
-      if (st == SIMD_BARRIER) sbar.push_back(int(i));
-      if (st == TG_BARRIER) blocked_elsewhere = true;
-    }
-    std::vector<int>& waiting = !coll.empty() ? coll : sbar;
-    if (waiting.empty()) continue;
-    bool diverged = blocked_elsewhere || (!coll.empty() && !sbar.empty());
-    for (int i : waiting) diverged |= !same_site(L.fibers[i], L.fibers[waiting[0]]);
-    if (!diverged && coll.empty()) {  // simdgroup_barrier: every lane must reach it
-      for (int i : all) diverged |= L.fibers[i].state == DONE;
-    }
-    if (diverged) {
-      L.error = fmt("divergence in simdgroup %u of %s: lanes of one simdgroup must reach the "
-                    "same simd collective or simdgroup_barrier together",
-                    s, tg_name(L).c_str()) +
-                describe(L, all);
-      return false;
-    }
-    if (!coll.empty()) {
-      unsigned mask = 0;
-      unsigned nb = L.fibers[coll[0]].nbytes;
-      for (int i : coll) mask |= 1u << (unsigned(i) - lo);
-      for (int i : coll) {
-        Fiber& f = L.fibers[i];
-        unsigned char* out = static_cast<unsigned char*>(f.out_lanes);
-        memset(out, 0xff, size_t(kSimdWidth) * nb);
-        for (int j : coll) memcpy(out + size_t(unsigned(j) - lo) * nb, L.fibers[j].value, nb);
-        *f.out_mask = mask;
-        f.state = RUNNABLE;
-      }
-    } else {
-      for (int i : sbar) L.fibers[i].state = RUNNABLE;
-    }
-    released = true;
-  }
-  if (released) return true;
-
-  std::vector<int> at_barrier, all;
-  bool any_exited = false, any_other = false;
-  for (unsigned i = 0; i < nthreads; ++i) {
-    all.push_back(int(i));
-    State st = L.fibers[i].state;
-    if (st == TG_BARRIER) at_barrier.push_back(int(i));
-    else if (st == DONE) any_exited = true;
-    else any_other = true;
-  }
-  if (at_barrier.empty()) return false;
-  bool diverged = any_exited || any_other;
-  for (int i : at_barrier) diverged |= !same_site(L.fibers[i], L.fibers[at_barrier[0]]);
-  if (diverged) {
-    L.error = fmt("barrier divergence in %s: every thread of the threadgroup must reach the "
-                  "same threadgroup_barrier (threads that returned early never do)",
-                  tg_name(L).c_str()) +
-              describe(L, all);
-    return false;
-  }
-  for (int i : at_barrier) L.fibers[i].state = RUNNABLE;
-  return true;
+[[noreturn]] void fail_launch(Launch& L, const std::string& msg) {
+  L.error = msg;
+  siglongjmp(g_jmp, ERR_DIVERGENCE);
 }
 
-void block(Fiber& f, State st, const char* what, const char* file, int line, unsigned long seq) {
+void make_runnable(Launch& L, unsigned lo, unsigned hi) {
+  for (unsigned k = lo; k < hi; ++k) {
+    unsigned i = L.reverse ? hi - 1 - (k - lo) : k;
+    Fiber& f = L.fibers[i];
+    if (f.state != DONE) {
+      f.state = RUNNABLE;
+      L.runq.push_back(int(i));
+    }
+  }
+}
+
+// Completes the simdgroup's pending collective or simdgroup_barrier once every live lane
+// is there. A collective runs over the lanes that arrived (lanes that exited are inactive).
+void maybe_complete_simd(Launch& L, Simd& s) {
+  if (s.arrived == 0 || s.arrived < s.live) return;
+  const Fiber& first = L.fibers[s.first];
+  if (first.state == SIMD_BARRIER && s.live < s.hi - s.lo) {
+    fail_launch(L, fmt("simdgroup_barrier at %s in %s: some lanes of the simdgroup exited "
+                       "and never reach it", where(first).c_str(), tg_name(L).c_str()) +
+                       describe(L, s.lo, s.hi));
+  }
+  if (first.state == COLLECTIVE) {
+    unsigned mask = 0;
+    for (unsigned i = s.lo; i < s.hi; ++i)
+      if (L.fibers[i].state == COLLECTIVE) mask |= 1u << (i - s.lo);
+    s.mask[first.seq & 1] = mask;
+    s.fresh[first.seq & 1] = 1;
+  }
+  s.arrived = 0;
+  make_runnable(L, s.lo, s.hi);
+}
+
+void maybe_complete_barrier(Launch& L) {
+  if (L.tg_arrived == 0 || L.tg_arrived < L.tg_live) return;
+  if (L.tg_live < L.n) {
+    fail_launch(L, fmt("barrier divergence in %s: every thread of the threadgroup must reach "
+                       "the same threadgroup_barrier (threads that returned early never do)",
+                       tg_name(L).c_str()) + describe(L, 0, L.n));
+  }
+  L.tg_arrived = 0;
+  make_runnable(L, 0, L.n);
+}
+
+void arrive_simd(Launch& L, Fiber& f, State st, const char* what, const char* file, int line,
+                 unsigned long seq) {
+  Simd& s = L.simds[unsigned(f.index) / kSimdWidth];
   f.state = st;
   f.what = what;
   f.file = file;
   f.line = line;
   f.seq = seq;
-  switch_to_scheduler(*g_launch, f);
+  if (s.arrived == 0) {
+    s.first = f.index;
+  } else {
+    const Fiber& first = L.fibers[s.first];
+    if (first.state != st || !same_site(f, first)) {
+      fail_launch(L, fmt("divergence in simdgroup %d of %s: lanes of one simdgroup must reach "
+                         "the same simd collective or simdgroup_barrier together",
+                         f.index / kSimdWidth, tg_name(L).c_str()) +
+                         describe(L, s.lo, s.hi));
+    }
+  }
+  s.arrived++;
+  maybe_complete_simd(L, s);
+  switch_to_scheduler(L, f);
 }
 
 void ids_for(Fiber& f, const unsigned grid[3], const unsigned req[3], const unsigned tgsize[3],
@@ -470,35 +490,61 @@ char* map_guarded(size_t bytes, size_t* map_len) {
 }  // namespace
 
 // ---- the interface used by compiled kernels (metal_stdlib.h) -------------------------------
-extern "C" unsigned mlxs_simd_exchange(const void* value, unsigned nbytes, void* lanes,
-                                       unsigned* mask, const char* what, const char* file,
-                                       int line) {
+extern "C" const void* mlxs_simd_exchange(const void* value, unsigned nbytes, unsigned* mask,
+                                          unsigned* lane, void** shared, int* fresh,
+                                          const char* what, const char* file, int line) {
   Fiber& f = current_fiber();
-  if (nbytes > sizeof f.value) {
+  Launch& L = *g_launch;
+  if (nbytes > 64) {
     fprintf(stderr, "mlxs: simd value of %u bytes is too large\n", nbytes);
     abort();
   }
-  memcpy(f.value, value, nbytes);
+  Simd& s = L.simds[unsigned(f.index) / kSimdWidth];
+  const unsigned long seq = f.n_collectives++;
+  unsigned char* buf = s.buf[seq & 1];
+  *lane = f.ids[26];
+  memcpy(buf + size_t(*lane) * nbytes, value, nbytes);
   f.nbytes = nbytes;
-  f.out_lanes = lanes;
-  f.out_mask = mask;
-  block(f, COLLECTIVE, what, file, line, f.n_collectives++);
-  return f.ids[26];
+  arrive_simd(L, f, COLLECTIVE, what, file, line, seq);
+  *mask = s.mask[seq & 1];
+  *shared = s.result[seq & 1];
+  *fresh = s.fresh[seq & 1];
+  s.fresh[seq & 1] = 0;
+  return buf;
 }
 
 extern "C" void mlxs_barrier(int simd_only, const char* file, int line) {
   Fiber& f = current_fiber();
-  if (simd_only)
-    block(f, SIMD_BARRIER, "simdgroup_barrier", file, line, f.n_simd_barriers++);
-  else
-    block(f, TG_BARRIER, "threadgroup_barrier", file, line, f.n_tg_barriers++);
+  Launch& L = *g_launch;
+  f.nbytes = 0;
+  if (simd_only) {
+    arrive_simd(L, f, SIMD_BARRIER, "simdgroup_barrier", file, line, f.n_simd_barriers++);
+    return;
+  }
+  f.state = TG_BARRIER;
+  f.what = "threadgroup_barrier";
+  f.file = file;
+  f.line = line;
+  f.seq = f.n_tg_barriers++;
+  if (L.tg_arrived == 0) {
+    L.tg_first = f.index;
+  } else if (!same_site(f, L.fibers[L.tg_first])) {
+    fail_launch(L, fmt("barrier divergence in %s: threads reached different "
+                       "threadgroup_barriers", tg_name(L).c_str()) + describe(L, 0, L.n));
+  }
+  L.tg_arrived++;
+  maybe_complete_barrier(L);
+  switch_to_scheduler(L, f);
 }
 
 extern "C" void* mlxs_tg_alloc(const char* name, unsigned long nbytes, const char* file,
                                int line) {
   Launch& L = *g_launch;
-  std::string key = fmt("%s:%d:%s", file, line, name);
-  TgArray& a = L.tg_arrays[key];
+  TgArray* found = nullptr;
+  for (auto& [k, arr] : L.tg_arrays)
+    if (arr.name == name && arr.file == file && arr.line == line) found = &arr;
+  if (!found) found = &L.tg_arrays[fmt("%s:%d:%s", file, line, name)];
+  TgArray& a = *found;
   if (!a.base) {
     unsigned long total = nbytes;
     for (auto& [k, other] : L.tg_arrays) total += other.nbytes;
@@ -518,6 +564,9 @@ extern "C" void* mlxs_tg_alloc(const char* name, unsigned long nbytes, const cha
     a.data = a.base + pages * kPage - ((nbytes + 15) / 16) * 16;
     a.nbytes = nbytes;
     a.label = fmt("`%s` (declared at %s:%d)", name, file, line);
+    a.name = name;
+    a.file = file;
+    a.line = line;
   }
   if (a.generation != L.generation) {  // first use in this threadgroup: uninitialized = NaN
     memset(a.data, 0xff, a.nbytes);
@@ -558,6 +607,7 @@ extern "C" int mlxs_run(Entry entry, void** args, const unsigned grid_in[3],
                         unsigned long* fault_addr) {
   Launch L;
   L.entry = entry;
+  L.reverse = reverse != 0;
   L.args = args;
   unsigned grid[3], req[3], ntg[3];
   unsigned long nreq = 1;
@@ -600,6 +650,16 @@ extern "C" int mlxs_run(Entry entry, void** args, const unsigned grid_in[3],
       }
       unsigned n = tgsize[0] * tgsize[1] * tgsize[2];
       L.generation++;
+      L.n = n;
+      L.simds.assign((n + kSimdWidth - 1) / kSimdWidth, Simd());
+      for (unsigned k = 0; k < L.simds.size(); ++k) {
+        L.simds[k].lo = k * kSimdWidth;
+        L.simds[k].hi = (k + 1) * kSimdWidth < n ? (k + 1) * kSimdWidth : n;
+        L.simds[k].live = L.simds[k].hi - L.simds[k].lo;
+      }
+      L.tg_live = n;
+      L.tg_arrived = 0;
+      L.runq.clear();
       for (unsigned i = 0; i < n; ++i) {
         Fiber& f = L.fibers[i];
         f.index = int(i);
@@ -608,24 +668,17 @@ extern "C" int mlxs_run(Entry entry, void** args, const unsigned grid_in[3],
         ids_for(f, grid, req, tgsize, tgpos, ntg, i);
         fiber_init(f);
       }
-      for (;;) {
-        bool ran = false, all_done = true;
-        for (unsigned k = 0; k < n; ++k) {
-          int i = reverse ? int(n - 1 - k) : int(k);
-          if (L.fibers[i].state == RUNNABLE) {
-            switch_to_fiber(L, i);
-            ran = true;
-          }
-        }
-        for (unsigned i = 0; i < n; ++i) all_done &= L.fibers[i].state == DONE;
-        if (all_done) break;
-        if (ran) continue;
-        if (!resolve(L, n)) {
-          if (L.error.empty()) {
-            std::vector<int> all;
-            for (unsigned i = 0; i < n; ++i) all.push_back(int(i));
-            L.error = "deadlock in " + tg_name(L) + describe(L, all);
-          }
+      make_runnable(L, 0, n);
+      while (!L.runq.empty()) {
+        int i = L.runq.front();
+        L.runq.pop_front();
+        if (L.fibers[i].state == RUNNABLE) switch_to_fiber(L, i);
+      }
+      for (unsigned i = 0; i < n; ++i) {
+        if (L.fibers[i].state != DONE) {
+          L.error = fmt("deadlock in %s: lanes of a simdgroup must reach each simd collective "
+                        "and simdgroup_barrier together, and every thread each "
+                        "threadgroup_barrier", tg_name(L).c_str()) + describe(L, 0, n);
           code = ERR_DIVERGENCE;
           break;
         }

@@ -31,10 +31,13 @@ typedef unsigned char uchar;
 // ---- emulator entry points (emu_runtime.cpp) -------------------------------------------
 #if defined(MLXS_EMULATE)
 extern "C" {
-// Blocks until the whole simdgroup's active lanes arrive; `lanes` receives every lane's value
-// (32 * nbytes), `mask` the active lanes; returns this thread's lane.
-unsigned mlxs_simd_exchange(const void* value, unsigned nbytes, void* lanes, unsigned* mask,
-                            const char* what, const char* file, int line);
+// Blocks until the simdgroup's active lanes arrive; returns every lane's value (32 slots of
+// nbytes, valid until this lane's next collective), the active lanes in `mask`, this
+// thread's lane in `lane`, and a 64-byte scratch slot shared by the lanes of this collective
+// (`*fresh` is 1 for the first lane to ask) so a reduction is computed once, not per lane.
+const void* mlxs_simd_exchange(const void* value, unsigned nbytes, unsigned* mask,
+                               unsigned* lane, void** shared, int* fresh, const char* what,
+                               const char* file, int line);
 void mlxs_barrier(int simd_only, const char* file, int line);
 void* mlxs_tg_alloc(const char* name, unsigned long nbytes, const char* file, int line);
 }
@@ -68,7 +71,10 @@ void* mlxs_tg_alloc(const char* name, unsigned long nbytes, const char* file, in
 // ---- half / bfloat -----------------------------------------------------------------------
 typedef _Float16 half;
 
-struct bfloat {
+#if defined(MLXS_AS_CHECK)
+typedef __bf16 bfloat;  // a builtin scalar, as in Metal, so it lives in any address space
+#else
+struct bfloat {  // g++ 12 has no __bf16 arithmetic: a storage type with float conversions
   uint16_t bits;
   bfloat() = default;
   explicit bfloat(float f) {
@@ -83,6 +89,7 @@ struct bfloat {
   explicit bfloat(int i) : bfloat(float(i)) {}
   explicit operator float() const { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
 };
+#endif
 
 typedef half float16_t;  // what MLX's generated signatures call these
 typedef bfloat bfloat16_t;
@@ -187,14 +194,20 @@ void simdgroup_barrier(mem_flags);
 namespace mlxs_detail {
 template <typename T>
 struct Lanes {
-  T v[32];
+  const T* v;
   unsigned mask;
   unsigned me;
+  T* shared;  // the collective's result, computed by the first lane that resumes
+  int fresh;
 };
 template <typename T>
 inline Lanes<T> exchange(T x, const char* what, const char* file, int line) {
+  static_assert(sizeof(T) <= 64, "simd value too large");
   Lanes<T> l;
-  l.me = mlxs_simd_exchange(&x, sizeof(T), l.v, &l.mask, what, file, line);
+  void* shared;
+  l.v = static_cast<const T*>(mlxs_simd_exchange(&x, sizeof(T), &l.mask, &l.me, &shared,
+                                                 &l.fresh, what, file, line));
+  l.shared = static_cast<T*>(shared);
   return l;
 }
 inline bool active(unsigned mask, unsigned lane) { return lane < 32 && ((mask >> lane) & 1u); }
@@ -207,29 +220,39 @@ inline T poison() {
 }  // namespace mlxs_detail
 
 #define MLXS_SITE const char *file = __builtin_FILE(), int line = __builtin_LINE()
+// Reductions run in lane order, whichever lane computes them, so results are deterministic.
 template <typename T>
 inline T simd_sum(T x, MLXS_SITE) {
   auto l = mlxs_detail::exchange(x, "simd_sum", file, line);
-  T acc = T(0);
-  for (unsigned i = 0; i < 32; ++i)
-    if (mlxs_detail::active(l.mask, i)) acc = acc + l.v[i];
-  return acc;
+  if (l.fresh) {
+    T acc = T(0);
+    for (unsigned i = 0; i < 32; ++i)
+      if (mlxs_detail::active(l.mask, i)) acc = acc + l.v[i];
+    *l.shared = acc;
+  }
+  return *l.shared;
 }
 template <typename T>
 inline T simd_max(T x, MLXS_SITE) {
   auto l = mlxs_detail::exchange(x, "simd_max", file, line);
-  T acc = x;
-  for (unsigned i = 0; i < 32; ++i)
-    if (mlxs_detail::active(l.mask, i)) acc = max(acc, l.v[i]);
-  return acc;
+  if (l.fresh) {
+    T acc = l.v[__builtin_ctz(l.mask)];
+    for (unsigned i = 0; i < 32; ++i)
+      if (mlxs_detail::active(l.mask, i)) acc = max(acc, l.v[i]);
+    *l.shared = acc;
+  }
+  return *l.shared;
 }
 template <typename T>
 inline T simd_min(T x, MLXS_SITE) {
   auto l = mlxs_detail::exchange(x, "simd_min", file, line);
-  T acc = x;
-  for (unsigned i = 0; i < 32; ++i)
-    if (mlxs_detail::active(l.mask, i)) acc = min(acc, l.v[i]);
-  return acc;
+  if (l.fresh) {
+    T acc = l.v[__builtin_ctz(l.mask)];
+    for (unsigned i = 0; i < 32; ++i)
+      if (mlxs_detail::active(l.mask, i)) acc = min(acc, l.v[i]);
+    *l.shared = acc;
+  }
+  return *l.shared;
 }
 template <typename T>
 inline T simd_prefix_exclusive_sum(T x, MLXS_SITE) {
