@@ -138,12 +138,17 @@ def _digest(*parts: str) -> str:
 
 
 def _origin(text: str) -> str | None:
-    """The kernel file (relative, e.g. metal/paged_decode.metal) whose content is `text`."""
+    """The kernel file (e.g. metal/paged_decode.metal) that `text` is, or is an edited copy
+    of (same first line; line numbers then hold up to the first edit)."""
     if not text:
         return None
+    first = text.split("\n", 1)[0]
     for path in sorted(KERNEL_DIR.glob("*.metal")):
-        if path.read_text() == text:
+        content = path.read_text()
+        if content == text:
             return f"metal/{path.name}"
+        if first.startswith("//") and content.split("\n", 1)[0] == first:
+            return f"metal/{path.name} (edited copy)"
     return None
 
 
