@@ -1,0 +1,230 @@
+"""Pieces every architecture shares: config parsing, the KV block pool, RoPE, paged attention."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxserve import ops
+from mlxserve.ops import AttentionMetadata
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass
+class BaseModelArgs:
+    """Base of every ModelArgs: built from an HF config.json dict."""
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]):
+        """Take the keys this dataclass knows, ignore the rest; missing required keys raise."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [name for name in required if config.get(name) is None]
+        if missing:
+            raise ValueError(
+                f"model config ({cls.__module__}) is missing required key(s): {', '.join(missing)}"
+            )
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+
+def resolve_rope(
+    rope_theta: float | None,
+    rope_scaling: dict[str, Any] | None,
+    rope_parameters: dict[str, Any] | None,
+    default_theta: float,
+) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either the classic keys or transformers 5's ``rope_parameters``."""
+    if rope_parameters:
+        if rope_theta is None:
+            rope_theta = rope_parameters.get("rope_theta")
+        if rope_scaling is None:
+            rope_scaling = rope_parameters
+    if rope_scaling is not None and _rope_type(rope_scaling) == "default":
+        rope_scaling = None
+    return float(default_theta if rope_theta is None else rope_theta), rope_scaling
+
+
+def _rope_type(scaling: dict[str, Any]) -> str:
+    return str(scaling.get("rope_type") or scaling.get("type") or "default")
+
+
+def _require_key(scaling: dict[str, Any], key: str) -> Any:
+    if scaling.get(key) is None:
+        raise ValueError(f"rope_scaling of type {_rope_type(scaling)!r} needs {key!r}: {scaling}")
+    return scaling[key]
+
+
+def llama3_inv_freq(
+    head_dim: int, base: float, scaling: dict[str, Any]
+) -> list[float]:  # (head_dim // 2,)
+    """Llama 3.1 frequency scaling: slow down long wavelengths, keep short ones, blend between."""
+    factor = float(_require_key(scaling, "factor"))
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low_freq_factor  # longer than this: fully scaled
+    high_freq_wavelen = old_context / high_freq_factor  # shorter than this: unchanged
+    out = []
+    for i in range(0, head_dim, 2):
+        inv_freq = 1.0 / base ** (i / head_dim)
+        wavelen = 2 * math.pi / inv_freq
+        if wavelen < high_freq_wavelen:
+            out.append(inv_freq)
+        elif wavelen > low_freq_wavelen:
+            out.append(inv_freq / factor)
+        else:
+            smooth = (old_context / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            out.append((1 - smooth) * inv_freq / factor + smooth * inv_freq)
+    return out
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE applied at an explicit position per token (flat token axis, any mix of requests).
+
+    Scaling types: ``linear`` (positions / factor), ``llama3`` (per-frequency scaling) and
+    ``dynamic`` (NTK; identical to plain RoPE within ``max_position_embeddings``, which is the
+    context the model reports, so it is applied as plain RoPE).
+    """
+
+    def __init__(
+        self,
+        dims: int,
+        base: float,
+        traditional: bool = False,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.dims = dims
+        self.traditional = traditional
+        self._base: float | None = base
+        self._scale = 1.0
+        self._freqs: mx.array | None = None
+        rope_type = "default" if scaling is None else _rope_type(scaling)
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if rope_type == "linear":
+            self._scale = 1.0 / float(_require_key(scaling, "factor"))
+        elif rope_type == "llama3":
+            # mx.fast.rope takes periods (1 / inv_freq) when given explicit frequencies.
+            inv_freq = llama3_inv_freq(dims, base, scaling)
+            self._freqs = mx.array([1.0 / f for f in inv_freq], dtype=mx.float32)
+            self._base = None
+
+    def __call__(
+        self,
+        x: mx.array,  # (num_tokens, num_heads, dims)
+        positions: mx.array,  # (num_tokens,) int32
+    ) -> mx.array:  # (num_tokens, num_heads, dims)
+        # Each token is its own "batch" row of length 1, so offset=positions rotates it
+        # by its own position.
+        y = mx.fast.rope(
+            x[:, :, None, :],  # (num_tokens, num_heads, 1, dims)
+            self.dims,
+            traditional=self.traditional,
+            base=self._base,
+            scale=self._scale,
+            offset=positions,
+            freqs=self._freqs,
+        )
+        return y[:, :, 0, :]
+
+
+@dataclass
+class KVCache:
+    """Per-layer K and V block pools, each ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+
+    Layers replace their entries every step (``ops.write_kv`` returns the updated pool) and
+    drop the old arrays, so MLX can update the buffers in place.
+    """
+
+    keys: list[mx.array]
+    values: list[mx.array]
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype = mx.float16,
+    ) -> KVCache:
+        """Zeroed pools for every layer (lazy: memory is committed on first evaluation)."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(
+            keys=[mx.zeros(shape, dtype=dtype) for _ in range(num_layers)],
+            values=[mx.zeros(shape, dtype=dtype) for _ in range(num_layers)],
+        )
+
+    def ensure_num_blocks(self, num_blocks: int) -> None:
+        """Grow every pool to ``num_blocks`` blocks (new blocks zeroed); never shrinks.
+
+        Lazy like everything else: the copy happens inside the next evaluated step.
+        """
+        extra = num_blocks - self.num_blocks
+        if extra <= 0:
+            return
+        shape = (extra, *self.keys[0].shape[1:])
+        dtype = self.keys[0].dtype
+        for pools in (self.keys, self.values):
+            for i, pool in enumerate(pools):
+                pools[i] = mx.concatenate([pool, mx.zeros(shape, dtype=dtype)])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.keys[0].shape[1]
+
+
+def cached_attention(
+    cache: KVCache,
+    layer_idx: int,
+    q: mx.array,  # (num_tokens, num_heads, head_dim)
+    k: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+    v: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+    md: AttentionMetadata,
+    scale: float,
+) -> mx.array:  # (num_tokens, num_heads, head_dim)
+    """Write this step's K/V into layer ``layer_idx``'s pool, then attend over the context."""
+    k_pool, v_pool = ops.write_kv(
+        cache.keys[layer_idx], cache.values[layer_idx], k, v, md.slot_mapping
+    )
+    cache.keys[layer_idx] = k_pool
+    cache.values[layer_idx] = v_pool
+    return ops.paged_attention(q, k_pool, v_pool, md, scale)
+
+
+def select_rows(
+    h: mx.array,  # (num_tokens, hidden)
+    logits_indices: mx.array | None,  # (num_rows,) int32
+) -> mx.array:  # (num_rows or num_tokens, hidden)
+    """Keep only the rows whose logits are needed, before the (large) LM head."""
+    return h if logits_indices is None else h[logits_indices]
+
+
+def context_limit(max_position_embeddings: int | None, sliding_window: int | None) -> int | None:
+    """Longest context computed exactly: full attention equals a sliding window up to its size."""
+    limits = [x for x in (max_position_embeddings, sliding_window) if x is not None]
+    return min(limits) if limits else None

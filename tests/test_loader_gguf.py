@@ -1,0 +1,142 @@
+"""GGUF reading: exact repacking, llama.cpp's Q/K permutation, config mapping, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxserve.loader.gguf import hf_tensor_name, load_gguf, make_config, unpermute_rows
+from mlxserve.loader.gguf_quants import convert_tensor
+
+
+def test_numpy_repack_is_bit_exact_with_mx_load(smollm2_gguf: Path) -> None:
+    """Our Q4_1/Q8_0/F32 conversion reproduces MLX's own GGUF reader bit for bit."""
+    reference = mx.load(str(smollm2_gguf))
+    reader = gguf.GGUFReader(smollm2_gguf)
+    for t in reader.tensors[:40] + reader.tensors[-3:]:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        base = t.name.rsplit(".", 1)[0]
+        for kind, arr in convert_tensor(t.data, t.tensor_type, shape, False).items():
+            key = t.name if kind == "weight" else f"{base}.{kind}"
+            assert arr.dtype == reference[key].dtype, key
+            assert mx.array_equal(arr, reference[key]).item(), key
+
+
+def llamacpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """The row permutation llama.cpp's converter applies to Q and K (from its description)."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+@pytest.mark.parametrize("num_heads,head_dim", [(3, 64), (2, 8), (4, 128)])
+def test_unpermute_inverts_llamacpp_permutation(num_heads: int, head_dim: int) -> None:
+    w = np.random.default_rng(0).standard_normal((num_heads * head_dim, 5)).astype(np.float32)
+    got = unpermute_rows(mx.array(llamacpp_permute(w, num_heads)), num_heads)
+    np.testing.assert_array_equal(np.array(got), w)
+
+
+def test_permuted_rows_with_interleaved_rope_equal_hf_rope() -> None:
+    """Why the un-permute is right: llama.cpp's rows + interleaved RoPE == HF rows + HF RoPE."""
+    rng = np.random.default_rng(1)
+    heads, head_dim, dim, pos = 2, 16, 12, 7
+    wq = rng.standard_normal((heads * head_dim, dim)).astype(np.float32)
+    x = mx.array(rng.standard_normal((1, dim)).astype(np.float32))
+
+    def project_rope(w: np.ndarray, traditional: bool) -> np.ndarray:
+        q = (x @ mx.array(w).T).reshape(1, heads, 1, head_dim)
+        return np.array(
+            mx.fast.rope(q, head_dim, traditional=traditional, base=10000.0, scale=1.0, offset=pos)
+        )
+
+    hf = project_rope(wq, traditional=False)
+    permuted = llamacpp_permute(wq, heads)
+    interleaved = project_rope(permuted, traditional=True)
+    restored = project_rope(np.array(unpermute_rows(mx.array(permuted), heads)), False)
+    np.testing.assert_allclose(restored, hf, atol=1e-5)
+    # Dot products between heads' q and k are what attention sees: those agree too.
+    np.testing.assert_allclose(
+        (interleaved.reshape(heads, head_dim) ** 2).sum(-1),
+        (hf.reshape(heads, head_dim) ** 2).sum(-1),
+        rtol=1e-5,
+    )
+
+
+def test_smollm2_config_and_names(smollm2_gguf: Path) -> None:
+    config, weights, meta = load_gguf(smollm2_gguf)
+    # Hand-checked against HuggingFaceTB/SmolLM2-135M-Instruct's config.json.
+    expected = {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "vocab_size": 49152,
+    }
+    assert {k: config[k] for k in expected} == expected
+    assert config["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+    }
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
+    assert weights["model.layers.0.self_attn.k_proj.scales"].shape == (192, 18)
+    assert "lm_head.weight" not in weights
+    assert meta["tokenizer.ggml.eos_token_id"] == 2
+
+
+def test_tensor_name_mapping() -> None:
+    assert hf_tensor_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
+    assert hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert hf_tensor_name("blk.1.attn_k_norm.weight") == "model.layers.1.self_attn.k_norm.weight"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("rope_freqs.weight") is None
+
+
+def test_unsupported_architecture_names_it() -> None:
+    meta = {"general.architecture": "gpt2", "gpt2.block_count": 2}
+    with pytest.raises(ValueError, match=r"x\.gguf: unsupported GGUF architecture 'gpt2'"):
+        make_config(meta, set(), Path("x.gguf"))
+
+
+def test_missing_metadata_names_the_keys() -> None:
+    meta = {"general.architecture": "llama", "llama.block_count": 2}
+    with pytest.raises(ValueError, match="llama.embedding_length"):
+        make_config(meta, set(), Path("x.gguf"))
+
+
+def test_unknown_tensor_type_names_file_and_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    # Q8_K is a type llama.cpp uses only for intermediate products: no dequantizer exists.
+    raw = np.zeros((4, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K][1]), np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        ValueError,
+        match=r"odd\.gguf: tensor blk\.0\.attn_q\.weight: "
+        r"unsupported GGUF tensor type Q8_K",
+    ):
+        load_gguf(path)
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(ValueError, match=r"junk\.gguf: not a readable GGUF file"):
+        load_gguf(path)
