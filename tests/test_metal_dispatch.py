@@ -238,3 +238,54 @@ def test_kernel_sources_ship_in_the_package(tmp_path) -> None:
     kernels = sorted(p.name for p in (root / "metal").glob("*.metal"))
     assert shipped == sorted(["__init__.py", *kernels])
     assert (out / "mlxserve" / "ops" / "metal.py").exists()
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 6], [9, 17, 6]), ([1, 1], [9, 30])])
+def test_export_a_tiny_model_forward_through_the_metal_path(tmp_path, query_lens, context_lens):
+    """A whole (tiny, random) llama forward takes the Metal path when exported."""
+    from mlxserve.models import KVCache, get_model_class
+
+    model_cls, args_cls = get_model_class("llama")
+    config = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 64,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    blocks = [[1 + 10 * i + j for j in range(-(-c // 8))] for i, c in enumerate(context_lens)]
+    md = AttentionMetadata.build(query_lens, context_lens, blocks, 8)
+    num_layers, num_blocks = 2, 1 + max(max(b) for b in blocks)
+    pools = KVCache.allocate(num_layers, num_blocks, 8, 2, 64, mx.float32)
+    input_ids = mx.array(np.arange(md.slot_mapping.shape[0]) % 64, dtype=mx.int32)
+    positions = mx.array(md.positions(), dtype=mx.int32)
+
+    def forward(input_ids, positions, *flat_pools):
+        cache = KVCache(list(flat_pools[:num_layers]), list(flat_pools[num_layers:]))
+        logits = model(input_ids, positions, md, cache)
+        return (logits, *cache.keys, *cache.values)
+
+    args = [input_ids, positions, *pools.keys, *pools.values]
+    path = tmp_path / "model.mlxfn"
+    with ops.force_backend("metal"):
+        mx.export_function(str(path), forward, *args)
+    kernel = (
+        b"custom_kernel_paged_prefill" if max(query_lens) > 1 else b"custom_kernel_paged_decode"
+    )
+    assert path.read_bytes().count(kernel) >= 1
+    if not ON_METAL:
+        with pytest.raises((ValueError, RuntimeError), match="(?i)gpu"):
+            mx.eval(mx.import_function(str(path))(*args))
+        return
+    got = mx.import_function(str(path))(*args)[0]
+    with ops.force_backend("fallback"):
+        want = forward(*args)[0]
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
