@@ -14,6 +14,7 @@ Compiled libraries are cached by content hash in ``$MLXSERVE_METAL_CACHE`` (defa
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -96,25 +97,22 @@ class Toolchain:
 
 
 def find_toolchain() -> Toolchain:
-    """g++ from $CXX or PATH; clang from $MLXSERVE_CLANG, PATH, or the ziglang package."""
+    """g++ from $MLXSERVE_CXX or PATH; clang from $MLXSERVE_CLANG, the ziglang package (a
+    recent clang, brought by the test extra), or PATH. The shim needs clang >= 17 (x86
+    _Float16 and __bf16 arithmetic): Debian 12's clang-14 is too old."""
     gxx = os.environ.get("MLXSERVE_CXX") or shutil.which("g++")
     if not gxx:
         raise CompileError("g++ not found: the Metal checker needs g++ (C++20)")
     clang: list[str] | None = None
     if os.environ.get("MLXSERVE_CLANG"):
         clang = os.environ["MLXSERVE_CLANG"].split()
+    elif importlib.util.find_spec("ziglang") is not None:
+        clang = [sys.executable, "-m", "ziglang", "clang"]  # `-cc1` needs no zig cache
     else:
         for name in ("clang++", "clang"):
             if shutil.which(name):
                 clang = [shutil.which(name)]
                 break
-        if clang is None:
-            try:
-                import ziglang  # noqa: F401
-
-                clang = [sys.executable, "-m", "ziglang", "clang"]
-            except ImportError:
-                clang = None
     return Toolchain([gxx], clang)
 
 
