@@ -103,8 +103,9 @@ def test_kernels_match_fallback(kernels, dtype, head_dim, block_size, gqa) -> No
             assert ran == expected, (name, ran)
 
 
-def test_write_kv_updates_the_pool_in_place(emulator) -> None:
+def test_write_kv_updates_the_pool_in_place(kernels) -> None:
     """The write kernel changes exactly the new tokens' slots, in the pool's own buffer."""
+    factory, emu = kernels
     case = Case(mixed_requests(8), 8, 2, 64, "float16", pad_tokens=0, seed=7)
     inp = make_inputs(case)
     k_cache = mx.array(inp.k_pool).astype(mx.float16)
@@ -114,7 +115,7 @@ def test_write_kv_updates_the_pool_in_place(emulator) -> None:
     address = np.asarray(k_cache).__array_interface__["data"][0]
     from mlxserve import ops
 
-    with ops.force_backend("metal", emulator.metal_kernel):
+    with ops.force_backend("metal", factory):
         out, k_new, v_new = ops.write_kv_and_attend(
             mx.array(inp.q).astype(mx.float16),
             mx.array(inp.keys).astype(mx.float16),
@@ -125,10 +126,11 @@ def test_write_kv_updates_the_pool_in_place(emulator) -> None:
             inp.scale,
         )
         mx.eval(out, k_new, v_new)
-    launches = emulator.launches[-2:]
-    assert [x["name"] for x in launches] == ["write_kv", "paged_prefill"]
-    assert launches[0]["written_inputs"] == ["k_cache", "v_cache"]
-    assert launches[1]["written_inputs"] == []
+    if emu:
+        launches = emu.launches[-2:]
+        assert [x["name"] for x in launches] == ["write_kv", "paged_prefill"]
+        assert launches[0]["written_inputs"] == ["k_cache", "v_cache"]
+        assert launches[1]["written_inputs"] == []
     # Same buffer: no copy of the pool was made.
     assert np.asarray(k_new).__array_interface__["data"][0] == address
     # Expected pool: the old one with the new rows at their slots, nothing else touched.
