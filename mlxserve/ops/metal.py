@@ -124,10 +124,12 @@ class MetalKernels:
             )
         return self._kernels[name]
 
-    def _constant(self, value, dtype: mx.Dtype, shape: tuple[int, ...] = ()) -> mx.array:
-        key = (value, str(dtype), shape)
+    def _constant(self, value, dtype: mx.Dtype, vector: bool = False) -> mx.array:
+        # Built from Python data, so already materialized: safe to reuse across graphs,
+        # mx.compile and export traces (a lazy mx.full made inside a trace would not be).
+        key = (value, str(dtype), vector)
         if key not in self._constants:
-            self._constants[key] = mx.full(shape, value, dtype=dtype)
+            self._constants[key] = mx.array([value] if vector else value, dtype=dtype)
         return self._constants[key]
 
     # ---- write_kv ---------------------------------------------------------------------
@@ -184,7 +186,7 @@ class MetalKernels:
             q = q.astype(k_cache.dtype)
         gqa = num_heads // num_kv_heads
         num_simd = max(self.config.num_simd, -(-head_dim // 32))
-        token = token if token is not None else self._constant(0, mx.int32, (1,))
+        token = token if token is not None else self._constant(0, mx.int32, vector=True)
         scale_arr = self._constant(float(scale), mx.float32)
         common = [q, k_cache, v_cache, md.block_tables, md.context_lens]
         base = [
