@@ -207,13 +207,15 @@ def cached_attention(
     md: AttentionMetadata,
     scale: float,
 ) -> mx.array:  # (num_tokens, num_heads, head_dim)
-    """Write this step's K/V into layer ``layer_idx``'s pool, then attend over the context."""
-    k_pool, v_pool = ops.write_kv(
-        cache.keys[layer_idx], cache.values[layer_idx], k, v, md.slot_mapping
+    """Write this step's K/V into layer ``layer_idx``'s pool, then attend over the context.
+
+    One fused op, so the Metal path can write the pool in place and order the attention
+    kernel after the write (see mlxserve/ops).
+    """
+    out, cache.keys[layer_idx], cache.values[layer_idx] = ops.write_kv_and_attend(
+        q, k, v, cache.keys[layer_idx], cache.values[layer_idx], md, scale
     )
-    cache.keys[layer_idx] = k_pool
-    cache.values[layer_idx] = v_pool
-    return ops.paged_attention(q, k_pool, v_pool, md, scale)
+    return out
 
 
 def select_rows(
