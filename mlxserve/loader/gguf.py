@@ -12,8 +12,15 @@ from mlxserve.loader.gguf_quants import GROUP_SIZE, convert_tensor
 # GGUF general.architecture -> HF model_type (the registry key of mlxserve.models).
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-# llama.cpp stores Q/K rows of these architectures permuted for its interleaved RoPE.
+# llama.cpp stores Q/K rows of these architectures permuted for its interleaved ("NORM")
+# RoPE; qwen2/qwen3 use its NEOX RoPE, which is HF's half-split rotation: rows as in HF.
 PERMUTED_QK_ARCHS = {"llama"}
+
+# Llama 3.1+ files carry llama.cpp's per-frequency RoPE divisors instead of scaling metadata.
+ROPE_FREQS = "rope_freqs.weight"
+# Tensors llama.cpp files may hold that mlxserve recomputes itself.
+_IGNORED_RE = re.compile(r"^blk\.\d+\.attn_rot_embd\.weight$")
+ROPE_SCALING_TYPES = ("none", "linear")
 
 TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -54,7 +61,7 @@ def read_metadata(reader) -> dict[str, object]:
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (None: not needed)."""
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (None: unknown)."""
     if m := _LAYER_RE.match(gguf_name):
         layer, part, kind = m.groups()
         if part not in LAYER_NAMES:
@@ -65,14 +72,22 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def make_config(meta: dict[str, object], tensor_names: set[str], path: Path) -> dict:
-    """An HF config.json-like dict from GGUF metadata."""
+def check_architecture(meta: dict[str, object], path: Path) -> str:
+    """general.architecture, if mlxserve runs it; else a ValueError naming it."""
     arch = str(meta.get("general.architecture", ""))
     if arch not in ARCH_TO_MODEL_TYPE:
         raise ValueError(
-            f"{path}: unsupported GGUF architecture {arch!r}; "
+            f"{path}: unsupported GGUF architecture {arch!r} (general.architecture); "
             f"supported: {', '.join(sorted(ARCH_TO_MODEL_TYPE))}"
         )
+    return arch
+
+
+def make_config(
+    meta: dict[str, object], tensor_shapes: dict[str, tuple[int, ...]], path: Path
+) -> dict:
+    """An HF config.json-like dict from GGUF metadata and the tensors' (rows, cols) shapes."""
+    arch = check_architecture(meta, path)
 
     def get(key: str, default: object = None) -> object:
         return meta.get(f"{arch}.{key}", default)
@@ -83,6 +98,7 @@ def make_config(meta: dict[str, object], tensor_names: set[str], path: Path) -> 
         raise ValueError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // heads))
     config: dict = {
         "model_type": ARCH_TO_MODEL_TYPE[arch],
         "hidden_size": hidden,
@@ -90,20 +106,67 @@ def make_config(meta: dict[str, object], tensor_names: set[str], path: Path) -> 
         "intermediate_size": int(get("feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "vocab_size": _vocab_size(meta, arch, tensor_shapes, path),
     }
-    if get("vocab_size") is not None:
-        config["vocab_size"] = int(get("vocab_size"))
-    scaling = get("rope.scaling.type")
-    if scaling and scaling != "none":
-        if scaling != "linear":
-            raise ValueError(f"{path}: unsupported GGUF rope scaling type {scaling!r}")
-        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    rope_dims = get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(
+            f"{path}: {arch}.rope.dimension_count = {rope_dims} differs from the head size "
+            f"{head_dim}; partial rotary embeddings are not supported"
+        )
+    if scaling := _rope_scaling(meta, arch, path):
+        config["rope_scaling"] = scaling
     return config
+
+
+def _vocab_size(
+    meta: dict[str, object], arch: str, tensor_shapes: dict[str, tuple[int, ...]], path: Path
+) -> int:
+    """<arch>.vocab_size, else the token embedding's rows, else the tokenizer's token count."""
+    if (n := meta.get(f"{arch}.vocab_size")) is not None:
+        return int(n)
+    if "token_embd.weight" in tensor_shapes:
+        return int(tensor_shapes["token_embd.weight"][0])
+    if isinstance(tokens := meta.get("tokenizer.ggml.tokens"), list):
+        return len(tokens)
+    raise ValueError(f"{path}: no {arch}.vocab_size, token_embd.weight or tokenizer.ggml.tokens")
+
+
+def _rope_scaling(meta: dict[str, object], arch: str, path: Path) -> dict | None:
+    """rope_scaling from <arch>.rope.scaling.* (or the older <arch>.rope.scale_linear)."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind is None and meta.get(f"{arch}.rope.scale_linear") is not None:
+        kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
+    if kind is None or kind == "none":
+        return None
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(
+            f"{path}: unsupported RoPE scaling {arch}.rope.scaling.type = {kind!r}; "
+            f"supported: {', '.join(ROPE_SCALING_TYPES)}"
+        )
+    if factor is None:
+        raise ValueError(f"{path}: {arch}.rope.scaling.type is {kind!r} but no factor is given")
+    if float(factor) == 1.0:
+        return None
+    return {"type": "linear", "factor": float(factor)}
+
+
+def freq_factors_scaling(factors: mx.array, config: dict, path: Path) -> dict:
+    """rope_scaling for llama.cpp's rope_freqs tensor: one divisor per rotary frequency."""
+    if "rope_scaling" in config:
+        raise ValueError(f"{path}: both {ROPE_FREQS} and rope scaling metadata are present")
+    if factors.shape != (config["head_dim"] // 2,):
+        raise ValueError(
+            f"{path}: {ROPE_FREQS} has shape {tuple(factors.shape)}, "
+            f"expected ({config['head_dim'] // 2},) (head_dim / 2)"
+        )
+    return {"rope_type": "freq_factors", "freq_factors": factors.astype(mx.float32).tolist()}
 
 
 def unpermute_rows(w: mx.array, num_heads: int) -> mx.array:
@@ -122,14 +185,24 @@ def load_gguf(path: Path, keep_float: bool = False) -> tuple[dict, dict[str, mx.
 
     Quantized tensors come as ``name.weight`` (packed uint32) + ``name.scales`` +
     ``name.biases``; ``config["quantization"]`` gives their group size and bits.
+    ``keep_float`` dequantizes every quantized tensor to float32 instead.
     """
     meta, tensors = _read(path, keep_float)
-    names = {name for name, _ in tensors}
-    config = make_config(meta, names, path)
+    shapes = {name: tuple(parts["weight"].shape) for name, parts in tensors}
+    config = make_config(meta, shapes, path)
     arch = str(meta["general.architecture"])
+    unknown = [n for n in shapes if hf_tensor_name(n) is None and n != ROPE_FREQS]
+    unknown = [n for n in unknown if not _IGNORED_RE.match(n)]
+    if unknown:
+        raise ValueError(
+            f"{path}: tensor(s) mlxserve's {arch} model has no place for: {', '.join(unknown[:5])}"
+        )
     weights: dict[str, mx.array] = {}
     layer_bits: dict[str, int] = {}
     for gguf_name, parts in tensors:
+        if gguf_name == ROPE_FREQS:
+            config["rope_scaling"] = freq_factors_scaling(parts["weight"], config, path)
+            continue
         hf_name = hf_tensor_name(gguf_name)
         if hf_name is None:
             continue
@@ -143,7 +216,7 @@ def load_gguf(path: Path, keep_float: bool = False) -> tuple[dict, dict[str, mx.
         for kind, arr in parts.items():
             weights[hf_name if kind == "weight" else f"{module}.{kind}"] = arr
     if layer_bits:
-        counts = [b for b in layer_bits.values()]
+        counts = list(layer_bits.values())
         bits = max(set(counts), key=counts.count)
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": bits} | {
             m: {"group_size": GROUP_SIZE, "bits": b} for m, b in layer_bits.items() if b != bits
@@ -183,6 +256,8 @@ def _read(path: Path, keep_float: bool) -> tuple[dict, list[tuple[str, dict[str,
         reader = GGUFReader(path)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+    meta = read_metadata(reader)
+    check_architecture(meta, path)  # before converting (maybe gigabytes of) tensors
     tensors = []
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (columns) first
@@ -190,4 +265,4 @@ def _read(path: Path, keep_float: bool) -> tuple[dict, list[tuple[str, dict[str,
             tensors.append((t.name, convert_tensor(t.data, t.tensor_type, shape, keep_float)))
         except ValueError as e:
             raise ValueError(f"{path}: tensor {t.name}: {e}") from None
-    return read_metadata(reader), tensors
+    return meta, tensors
