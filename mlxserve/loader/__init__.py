@@ -100,6 +100,16 @@ def _source_from_dir(path: Path, name: str) -> ModelSource:
     raise ValueError(f"{path}: no config.json and no .gguf file: not a model directory")
 
 
+# vLLM's --dtype names: "half" and "float" are aliases.
+DTYPES = {
+    "float16": mx.float16,
+    "half": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+    "float": mx.float32,
+}
+
+
 def resolve_dtype(dtype: str, config: dict) -> mx.Dtype:
     """The activation dtype: as asked, else float32 on CPU and the checkpoint's on Metal.
 
@@ -107,7 +117,11 @@ def resolve_dtype(dtype: str, config: dict) -> mx.Dtype:
     40x slower there); on Metal the checkpoint dtype (bfloat16/float16) is best.
     """
     if dtype != "auto":
-        return getattr(mx, dtype)
+        if dtype not in DTYPES:
+            raise ValueError(
+                f"dtype {dtype!r} is not supported; choose one of auto, {', '.join(DTYPES)}"
+            )
+        return DTYPES[dtype]
     if not uses_gpu():
         return mx.float32
     torch_dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
@@ -143,28 +157,45 @@ def load_model(
     revision: str | None = None,
     tokenizer: str | None = None,
     gguf_keep_float: bool = False,
+    skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
-    """Resolve and load a model and its tokenizer (see module docstring)."""
+    """Resolve and load a model and its tokenizer (see module docstring).
+
+    ``dtype``: auto | float16 | bfloat16 | float32 (vLLM's --dtype). On the CPU,
+    quantization scales stay float32 whatever ``dtype`` says (see :func:`cast_weights`),
+    so quantized layers there compute in float32. ``tokenizer`` loads the tokenizer from
+    another model; ``skip_tokenizer_init`` loads none (``LoadedModel.tokenizer`` is None).
+    ``gguf_keep_float`` dequantizes GGUF tensors instead of keeping them quantized.
+    """
     from mlxserve.models import build_model
-    from mlxserve.tokenizer import Tokenizer
 
     source = resolve_model(model, revision)
+    meta = None
     if source.kind == "gguf":
         config, weights, meta = load_gguf(source.path, keep_float=gguf_keep_float)
-        tok = Tokenizer.from_gguf_metadata(meta)
     else:
         config, weights = read_model_dir(source.path)
-        tok = None
-    if tokenizer is not None:
-        tok_source = resolve_model(tokenizer, revision)
-        tok = (
-            Tokenizer.from_dir(tok_source.path)
-            if tok_source.kind == "dir"
-            else Tokenizer.from_gguf(tok_source.path)
-        )
-    elif tok is None:
-        tok = Tokenizer.from_dir(source.path)
     act_dtype = resolve_dtype(dtype, config)
-    net = build_model(config, cast_weights(weights, act_dtype))
+    try:
+        net = build_model(config, cast_weights(weights, act_dtype))
+    except ValueError as e:
+        raise ValueError(f"{source.path}: {e}") from None
     mx.eval(net.parameters())
+    tok = None if skip_tokenizer_init else _load_tokenizer(source, meta, tokenizer, revision)
     return LoadedModel(net, tok, config, source, act_dtype)
+
+
+def _load_tokenizer(
+    source: ModelSource, meta: dict | None, tokenizer: str | None, revision: str | None
+) -> object:
+    """The tokenizer of ``tokenizer`` when given, else the model's own (GGUF or directory)."""
+    from mlxserve.tokenizer import Tokenizer
+
+    if tokenizer is not None:
+        source = resolve_model(tokenizer, revision)
+        meta = None
+    if source.kind == "dir":
+        return Tokenizer.from_dir(source.path)
+    if meta is None:
+        return Tokenizer.from_gguf(source.path)
+    return Tokenizer.from_gguf_metadata(meta, source=str(source.path))
