@@ -6,7 +6,9 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
+from gguf import GGMLQuantizationType as QT
 
+from mlxserve.loader.gguf_file import GGUFHeader, read_gguf_header, read_tensor_bytes
 from mlxserve.loader.gguf_quants import GROUP_SIZE, convert_tensor
 
 # GGUF general.architecture -> HF model_type (the registry key of mlxserve.models).
@@ -21,6 +23,8 @@ ROPE_FREQS = "rope_freqs.weight"
 # Tensors llama.cpp files may hold that mlxserve recomputes itself.
 _IGNORED_RE = re.compile(r"^blk\.\d+\.attn_rot_embd\.weight$")
 ROPE_SCALING_TYPES = ("none", "linear")
+# Tensor types MLX's own GGUF reader (mx.load) handles; it gets files with only these.
+MX_LOAD_TYPES = {QT.F32, QT.F16, QT.Q4_0, QT.Q4_1, QT.Q8_0}
 
 TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -42,22 +46,6 @@ LAYER_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
-
-
-def plain_metadata(meta: dict[str, object]) -> dict[str, object]:
-    """Metadata values as plain Python (mx.load gives mx.array for numbers)."""
-    return {k: v.tolist() if isinstance(v, mx.array) else v for k, v in meta.items()}
-
-
-def read_metadata(reader) -> dict[str, object]:
-    """GGUF key/value metadata from a gguf.GGUFReader, as plain Python values."""
-    meta: dict[str, object] = {}
-    for name, field in reader.fields.items():
-        try:
-            meta[name] = field.contents()
-        except Exception:  # noqa: BLE001 -- an odd field must not block loading the rest
-            continue
-    return meta
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -92,24 +80,34 @@ def make_config(
     def get(key: str, default: object = None) -> object:
         return meta.get(f"{arch}.{key}", default)
 
+    def number(key: str, kind: type, default: object = None) -> int | float:
+        """A positive int/float metadata value (corrupt values must not reach the model)."""
+        value = get(key, default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        if not ok or (kind is int and value != int(value)):
+            raise ValueError(f"{path}: {arch}.{key} = {value!r} is not a positive {kind.__name__}")
+        return kind(value)
+
     required = ["embedding_length", "block_count", "feed_forward_length", "attention.head_count"]
     missing = [f"{arch}.{k}" for k in required if get(k) is None]
     if missing:
         raise ValueError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = int(get("attention.key_length", hidden // heads))
+    heads = number("attention.head_count", int)
+    hidden = number("embedding_length", int)
+    head_dim = number("attention.key_length", int, hidden // heads)
     config: dict = {
         "model_type": ARCH_TO_MODEL_TYPE[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": number("block_count", int),
+        "intermediate_size": number("feed_forward_length", int),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": number("attention.head_count_kv", int, heads),
         "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", float, 1e-6),
+        "rope_theta": number("rope.freq_base", float, 10000.0),
+        "max_position_embeddings": number("context_length", int, 2048),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "vocab_size": _vocab_size(meta, arch, tensor_shapes, path),
     }
@@ -129,7 +127,9 @@ def _vocab_size(
 ) -> int:
     """<arch>.vocab_size, else the token embedding's rows, else the tokenizer's token count."""
     if (n := meta.get(f"{arch}.vocab_size")) is not None:
-        return int(n)
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"{path}: {arch}.vocab_size = {n!r} is not a positive int")
+        return n
     if "token_embd.weight" in tensor_shapes:
         return int(tensor_shapes["token_embd.weight"][0])
     if isinstance(tokens := meta.get("tokenizer.ggml.tokens"), list):
@@ -187,19 +187,28 @@ def load_gguf(path: Path, keep_float: bool = False) -> tuple[dict, dict[str, mx.
     ``name.biases``; ``config["quantization"]`` gives their group size and bits.
     ``keep_float`` dequantizes every quantized tensor to float32 instead.
     """
-    meta, tensors = _read(path, keep_float)
-    shapes = {name: tuple(parts["weight"].shape) for name, parts in tensors}
-    config = make_config(meta, shapes, path)
-    arch = str(meta["general.architecture"])
-    unknown = [n for n in shapes if hf_tensor_name(n) is None and n != ROPE_FREQS]
-    unknown = [n for n in unknown if not _IGNORED_RE.match(n)]
+    header = read_gguf_header(path)
+    meta = header.metadata
+    arch = check_architecture(meta, path)
+    config = make_config(meta, {t.name: t.shape for t in header.tensors}, path)
+    layers = {int(m.group(1)) for t in header.tensors if (m := _LAYER_RE.match(t.name))}
+    num_layers = config["num_hidden_layers"]
+    if len(layers) != num_layers or max(layers, default=-1) != num_layers - 1:
+        have = sorted(layers)[:8] or "none"
+        if layers and layers == set(range(len(layers))):
+            have = f"0..{len(layers) - 1}"
+        raise ValueError(
+            f"{path}: {arch}.block_count is {num_layers} but the file has tensors for layers {have}"
+        )
+    unknown = [t.name for t in header.tensors if hf_tensor_name(t.name) is None]
+    unknown = [n for n in unknown if n != ROPE_FREQS and not _IGNORED_RE.match(n)]
     if unknown:
         raise ValueError(
             f"{path}: tensor(s) mlxserve's {arch} model has no place for: {', '.join(unknown[:5])}"
         )
     weights: dict[str, mx.array] = {}
     layer_bits: dict[str, int] = {}
-    for gguf_name, parts in tensors:
+    for gguf_name, parts in _read_tensors(path, header, keep_float):
         if gguf_name == ROPE_FREQS:
             config["rope_scaling"] = freq_factors_scaling(parts["weight"], config, path)
             continue
@@ -212,6 +221,12 @@ def load_gguf(path: Path, keep_float: bool = False) -> tuple[dict, dict[str, mx.
             layer_bits[module] = parts["weight"].shape[1] * 32 // cols
         if arch in PERMUTED_QK_ARCHS and module.endswith(("q_proj", "k_proj")):
             key = "num_attention_heads" if module.endswith("q_proj") else "num_key_value_heads"
+            rows = config[key] * config["head_dim"]
+            if parts["weight"].shape[0] != rows:
+                raise ValueError(
+                    f"{path}: tensor {gguf_name} has {parts['weight'].shape[0]} rows, but the "
+                    f"metadata says {config[key]} heads x {config['head_dim']} = {rows}"
+                )
             parts = {k: unpermute_rows(v, config[key]) for k, v in parts.items()}
         for kind, arr in parts.items():
             weights[hf_name if kind == "weight" else f"{module}.{kind}"] = arr
@@ -224,45 +239,33 @@ def load_gguf(path: Path, keep_float: bool = False) -> tuple[dict, dict[str, mx.
     return config, weights, meta
 
 
-def _read(path: Path, keep_float: bool) -> tuple[dict, list[tuple[str, dict[str, mx.array]]]]:
-    """Metadata and (gguf name, {"weight", maybe "scales"/"biases"}) per tensor.
+def _read_tensors(
+    path: Path, header: GGUFHeader, keep_float: bool
+) -> list[tuple[str, dict[str, mx.array]]]:
+    """(gguf name, {"weight", maybe "scales"/"biases"}) per tensor.
 
-    ``mx.load`` reads GGUFs whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 in C++ (the
-    bits :func:`convert_tensor` produces too, which a test checks). It refuses other
-    types; then each tensor goes through the gguf package and numpy.
+    ``mx.load`` reads files whose tensors are all of the types in MX_LOAD_TYPES in C++,
+    fast (into the same bits :func:`convert_tensor` produces, which a test checks); it is
+    only given files whose header has been checked. Other files go through numpy.
     """
-    if not keep_float:
+    if not keep_float and all(t.qtype in MX_LOAD_TYPES for t in header.tensors):
         try:
-            arrays, meta = mx.load(str(path), return_metadata=True)
-        except Exception:  # noqa: BLE001 -- unsupported types or not a GGUF: try gguf
-            pass
-        else:
-            tensors = []
-            for name, arr in arrays.items():
-                base, kind = name.rsplit(".", 1)
-                if kind in ("scales", "biases"):
-                    continue
-                parts = {"weight": arr}
-                if kind == "weight" and f"{base}.scales" in arrays:
-                    parts |= {
-                        "scales": arrays[f"{base}.scales"],
-                        "biases": arrays[f"{base}.biases"],
-                    }
-                tensors.append((name, parts))
-            return plain_metadata(meta), tensors
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
-    meta = read_metadata(reader)
-    check_architecture(meta, path)  # before converting (maybe gigabytes of) tensors
+            arrays = mx.load(str(path))
+        except Exception as e:  # noqa: BLE001 -- MLX raises RuntimeError/ValueError variously
+            raise ValueError(f"{path}: unreadable GGUF file ({e})") from None
+        tensors = []
+        for t in header.tensors:
+            parts = {"weight": arrays[t.name]}
+            base = t.name.rsplit(".", 1)[0]
+            if f"{base}.scales" in arrays:
+                parts |= {"scales": arrays[f"{base}.scales"], "biases": arrays[f"{base}.biases"]}
+            tensors.append((t.name, parts))
+        return tensors
     tensors = []
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (columns) first
+    for t in header.tensors:
         try:
-            tensors.append((t.name, convert_tensor(t.data, t.tensor_type, shape, keep_float)))
+            parts = convert_tensor(read_tensor_bytes(path, t), t.qtype, t.shape, keep_float)
         except ValueError as e:
             raise ValueError(f"{path}: tensor {t.name}: {e}") from None
-    return meta, tensors
+        tensors.append((t.name, parts))
+    return tensors

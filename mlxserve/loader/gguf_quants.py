@@ -159,10 +159,12 @@ def convert_tensor(
     to float32.
     """
     if qtype in FLOAT_TYPES:
+        data = np.ascontiguousarray(raw).view(np.uint8)  # raw bytes or an already typed array
         if qtype == QT.BF16:  # numpy has no bfloat16: widen the raw 16-bit words
-            arr = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            arr = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
             return {"weight": mx.array(arr.reshape(shape)).astype(mx.bfloat16)}
-        return {"weight": mx.array(np.ascontiguousarray(raw).reshape(shape))}
+        arr = data.view(np.float32 if qtype == QT.F32 else np.float16)
+        return {"weight": mx.array(arr.reshape(shape))}
     quantizable = len(shape) == 2 and shape[1] % GROUP_SIZE == 0
     if qtype in REPACKABLE and quantizable and not keep_float:
         return repack_blocks(raw, qtype, shape[0], shape[1])
