@@ -144,6 +144,7 @@ class BlockPoolRunner:
         self.free_blocks = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
         self.block_tables: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
+        self.logits_dtype: mx.Dtype | None = None
 
     def step(
         self,
@@ -183,6 +184,7 @@ class BlockPoolRunner:
             logits_indices,
         )
         mx.eval(logits, self.cache.keys, self.cache.values)
+        self.logits_dtype = logits.dtype  # the model's own output dtype, before the cast
         logits = np.array(logits.astype(mx.float32))
         out = {}
         for i, (request_id, tokens) in enumerate(work):
