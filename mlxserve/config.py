@@ -14,6 +14,8 @@ class CacheConfig:
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Blocks that exist at start; the pool grows on demand up to num_blocks (None: all).
+    initial_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")

@@ -51,9 +51,10 @@ class KVPlan:
     def describe(self, max_num_seqs: int) -> str:
         concurrency = self.num_tokens / self.max_model_len
         return (
-            f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
+            f"KV cache: up to {self.num_blocks - 1} blocks x {self.block_size} tokens = "
             f"{self.num_tokens} tokens ({self.kv_bytes / GiB:.2f} GiB, "
-            f"{self.bytes_per_token // 1024} KiB/token); max_model_len {self.max_model_len}; "
+            f"{self.bytes_per_token // 1024} KiB/token, allocated as used); "
+            f"max_model_len {self.max_model_len}; "
             f"max concurrency at max_model_len: {concurrency:.1f}x "
             f"(max_num_seqs {max_num_seqs})"
         )

@@ -57,6 +57,7 @@ class Request:
         "stop_reason",
         "arrival_time",
         "block_hashes",
+        "cache_salt",
     )
 
     def __init__(
@@ -67,6 +68,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         max_tokens: int | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,7 +83,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.block_hashes: list = []  # filled by the KV cache manager
+        self.block_hashes: list[bytes] = []  # full-block hashes, filled by the KV cache manager
+        # Mixed into the first block's hash: only requests with the same salt share a prefix.
+        self.cache_salt = cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +102,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def get_token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def is_finished(self) -> bool:

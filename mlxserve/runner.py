@@ -27,6 +27,9 @@ class _RequestState:
 
     sampling: SamplingState
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
+    # Set once the whole prompt is scored: a preempted request recomputes its prompt,
+    # but its prompt logprobs are not computed (or reported) twice.
+    prompt_logprobs_done: bool = False
 
 
 class ModelRunner:
@@ -59,10 +62,7 @@ class ModelRunner:
             self._states.pop(rid, None)
         if not so.scheduled_requests:
             return ModelRunnerOutput(sampled_token_ids={})
-        # One-token requests first: the attention op batches them as decodes.
-        reqs = sorted(
-            so.scheduled_requests, key=lambda r: so.num_scheduled_tokens[r.request_id] != 1
-        )
+        # The scheduler orders decodes (one token each) first, as the attention op wants.
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables = [], [], []
@@ -70,24 +70,25 @@ class ModelRunner:
         samplers: list[Request] = []
         plp_rows: list[int] = []  # rows whose logits score the next prompt token
         plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
-        for req in reqs:
-            n = so.num_scheduled_tokens[req.request_id]
-            end = req.num_computed_tokens  # the scheduler has advanced it past this chunk
-            start = end - n
+        for req in so.scheduled_requests:
+            rid = req.request_id
+            n = so.num_scheduled_tokens[rid]
+            start = so.start_positions[rid]
+            end = start + n
             row0 = len(input_ids)
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(so.token_ids(req))
             positions.extend(range(start, end))
             query_lens.append(n)
             context_lens.append(end)
-            tables.append(so.block_ids[req.request_id])
+            tables.append(so.block_ids[rid])
             state = self._state(req)
-            if req.sampling_params.prompt_logprobs is not None:
+            if req.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
                 if start == 0:
                     state.prompt_logprobs = [None]
                 for pos in range(start, min(end, req.num_prompt_tokens - 1)):
                     plp_rows.append(row0 + pos - start)
                     plp_targets.append((req, pos + 1))
-            if end == req.num_tokens:
+            if so.samples(rid):
                 sample_rows.append(row0 + n - 1)
                 samplers.append(req)
         md = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
@@ -160,4 +161,5 @@ class ModelRunner:
                 entry.setdefault(tops[0][i][j], tops[1][i][j])
             state.prompt_logprobs.append(entry)
             if len(state.prompt_logprobs) == req.num_prompt_tokens:
+                state.prompt_logprobs_done = True
                 output.prompt_logprobs[req.request_id] = state.prompt_logprobs

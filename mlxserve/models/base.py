@@ -182,6 +182,20 @@ class KVCache:
             values=[mx.zeros(shape, dtype=dtype) for _ in range(num_layers)],
         )
 
+    def ensure_num_blocks(self, num_blocks: int) -> None:
+        """Grow every pool to ``num_blocks`` blocks (new blocks zeroed); never shrinks.
+
+        Lazy like everything else: the copy happens inside the next evaluated step.
+        """
+        extra = num_blocks - self.num_blocks
+        if extra <= 0:
+            return
+        shape = (extra, *self.keys[0].shape[1:])
+        dtype = self.keys[0].dtype
+        for pools in (self.keys, self.values):
+            for i, pool in enumerate(pools):
+                pools[i] = mx.concatenate([pool, mx.zeros(shape, dtype=dtype)])
+
     @property
     def num_layers(self) -> int:
         return len(self.keys)

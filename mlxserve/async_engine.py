@@ -1,0 +1,151 @@
+"""AsyncLLM: one thread owns the engine; asyncio callers get async iterators of outputs.
+
+    HTTP handler --(inbox: add / abort)--> engine thread: step() in a loop
+    HTTP handler <--(per-request asyncio.Queue, via call_soon_threadsafe)-- outputs
+
+Handlers never touch the model. A failing step fails the requests in it (they get the
+exception) and the loop goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from mlxserve.engine import LLMEngine
+from mlxserve.request import RequestOutput
+from mlxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("mlxserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    """Thread-owned LLMEngine with an async generate() per request."""
+
+    def __init__(self, engine: LLMEngine, on_step=None) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._on_step = on_step  # called in the engine thread after each step (metrics)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlxserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one request; closing the iterator early aborts the request."""
+        if not self.is_running:
+            raise EngineDeadError("the engine thread is not running")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, prompt, params, prompt_token_ids, time.monotonic()))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # client went away, or the consumer stopped early
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed on the engine thread."""
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests()
+            self._drain(block=not busy)
+            if self._stop.is_set():
+                break
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step(delta=True)
+            except Exception as e:  # noqa: BLE001 -- keep serving; fail only this step's requests
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+            if self._on_step is not None:
+                self._on_step(self.engine, outputs)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "add":
+            _, rid, prompt, params, token_ids, arrival = item
+            try:
+                self.engine.add_request(
+                    rid, prompt, params, prompt_token_ids=token_ids, arrival_time=arrival
+                )
+            except Exception as e:  # noqa: BLE001 -- bad requests go back to their caller
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.put(e)
+        elif kind == "abort":
+            for out in self.engine.abort_request(item[1]):
+                if self._on_step is not None:
+                    self._on_step(self.engine, [out])
+
+    def _fail_all(self, error: Exception) -> None:
+        ids = list(self.engine.outputs.states)
+        self.engine.abort_request(ids)
+        for rid in ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(RuntimeError(f"internal error while running the model: {error}"))

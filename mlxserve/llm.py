@@ -1,0 +1,146 @@
+"""LLM: the offline API, shaped like vLLM's (`LLM(model).generate(prompts, params)`).
+
+Runs in the caller's thread: no worker process, so a notebook or a plain script
+needs no ``if __name__ == "__main__"`` guard.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine import LLMEngine
+from mlxserve.request import RequestOutput
+from mlxserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts or conversations."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's tokenizer (encode/decode/apply_chat_template)."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of the prompts.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or
+        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt).
+        """
+        items = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(items))
+        ids = []
+        for item, p in zip(items, params, strict=True):
+            rid = str(next(self._counter))
+            if isinstance(item, dict):
+                if "prompt_token_ids" in item:
+                    self.engine.add_request(
+                        rid, item.get("prompt"), p, prompt_token_ids=list(item["prompt_token_ids"])
+                    )
+                elif "prompt" in item:
+                    self.engine.add_request(rid, item["prompt"], p)
+                else:
+                    self._abort(ids)
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            else:
+                try:
+                    self.engine.add_request(rid, item, p)
+                except ValueError:
+                    self._abort(ids)
+                    raise
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template=chat_template,
+            )
+            prompts.append(
+                {
+                    "prompt": text,
+                    "prompt_token_ids": tok.encode_chat(
+                        conv,
+                        add_generation_prompt=add_generation_prompt,
+                        tools=tools,
+                        chat_template=chat_template,
+                    ),
+                }
+            )
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _abort(self, ids: list[str]) -> None:
+        self.engine.abort_request(ids)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self._abort([i for i in ids if i not in finished])  # Ctrl-C leaves no leftovers
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one or {n}")
+    return params

@@ -1,0 +1,206 @@
+"""From engine Requests to user RequestOutputs: text, stop strings, logprobs, n samples.
+
+A user request with n > 1 becomes n engine requests ("<id>", "<id>#1", ...); the output
+processor gathers them back into one RequestOutput with n CompletionOutputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mlxserve.request import (
+    CompletionOutput,
+    Logprobs,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+)
+from mlxserve.sampling_params import SamplingParams
+from mlxserve.tokenizer import TextStream
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """Engine id of sample ``index`` of a user request (the first keeps the user's id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+@dataclass
+class SampleState:
+    """One of the n samples: its text stream and what has been produced so far."""
+
+    index: int
+    stream: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Text already handed to a streaming consumer (delta outputs).
+    num_text_sent: int = 0
+    num_tokens_sent: int = 0
+
+
+@dataclass
+class RequestState:
+    """A user request as the output processor tracks it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[Logprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    """Detokenizes new tokens, applies stop strings, builds RequestOutputs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self._parent: dict[str, tuple[str, int]] = {}  # engine id -> (user id, index)
+
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> list[str]:
+        """Track a user request; returns the engine ids of its n samples."""
+        samples = []
+        for i in range(params.n):
+            stream = TextStream.for_request(self.tokenizer, params, prompt_token_ids)
+            samples.append(
+                SampleState(
+                    i,
+                    stream,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
+        self.states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time)
+        )
+        ids = [child_request_id(request_id, i) for i in range(params.n)]
+        for i, cid in enumerate(ids):
+            self._parent[cid] = (request_id, i)
+        return ids
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        if state is None:
+            return []
+        return [child_request_id(request_id, s.index) for s in state.samples]
+
+    def process(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        logprobs: Logprobs | None,
+        prompt_logprobs: list[Logprobs | None] | None,
+    ) -> tuple[RequestState, bool]:
+        """Fold one engine request's step into its user request.
+
+        Returns (state, hit_stop_string): on a stop string the caller must finish the
+        engine request (it is still running in the scheduler).
+        """
+        parent_id, index = self._parent[request.request_id]
+        state = self.states[parent_id]
+        sample = state.samples[index]
+        now = time.monotonic()
+        m = state.metrics
+        if request.num_cached_tokens > 0 and index == 0:
+            state.num_cached_tokens = request.num_cached_tokens
+        if prompt_logprobs is not None:
+            state.prompt_logprobs = prompt_logprobs
+        hit_stop = False
+        if new_token_ids:
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            sample.token_ids.extend(new_token_ids)
+            if logprobs is not None and sample.logprobs is not None:
+                sample.logprobs.append(logprobs)
+                sample.cumulative_logprob += logprobs[new_token_ids[-1]]
+            # The scheduler stops on eos / stop token ids: that token is not part of the text.
+            stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED
+            sample.stream.step(new_token_ids[:-1] if stopped_on_token else new_token_ids)
+            if sample.stream.stopped and not request.is_finished:
+                hit_stop = True
+                self.finish_sample(request.request_id, "stop", sample.stream.stop_str)
+        if request.is_finished and sample.finish_reason is None:
+            reason = request.status.finish_reason
+            sample.stream.finish()
+            self.finish_sample(request.request_id, reason, request.stop_reason)
+        return state, hit_stop
+
+    def finish_sample(self, engine_id: str, reason: str, stop_reason: int | str | None) -> None:
+        parent_id, index = self._parent[engine_id]
+        state = self.states[parent_id]
+        sample = state.samples[index]
+        if sample.finish_reason is None:
+            if reason != "stop" or not sample.stream.stopped:
+                sample.stream.finish()
+            sample.finish_reason = reason
+            sample.stop_reason = stop_reason
+        if state.finished:
+            state.metrics.finished_time = time.monotonic()
+
+    def abort(self, request_id: str) -> RequestState | None:
+        """Mark every unfinished sample of a user request aborted."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for s in state.samples:
+            if s.finish_reason is None:
+                self.finish_sample(child_request_id(request_id, s.index), "abort", None)
+        return state
+
+    def make_output(self, state: RequestState, delta: bool = False) -> RequestOutput:
+        """A RequestOutput: cumulative, or only what is new since the last delta."""
+        outputs = []
+        for s in state.samples:
+            text, tokens = s.stream.text, s.token_ids
+            logprobs = s.logprobs
+            if delta:
+                text, tokens = text[s.num_text_sent :], tokens[s.num_tokens_sent :]
+                if logprobs is not None:
+                    logprobs = logprobs[s.num_tokens_sent :]
+                s.num_text_sent += len(text)
+                s.num_tokens_sent += len(tokens)
+            outputs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=text,
+                    token_ids=list(tokens),
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )
+
+    def remove(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            for s in state.samples:
+                self._parent.pop(child_request_id(request_id, s.index), None)

@@ -1,0 +1,15 @@
+"""Tokenizer layer: HF / GGUF tokenizers, chat templates, streaming detokenization, stop strings."""
+
+from mlxserve.tokenizer.chat_template import ChatTemplate
+from mlxserve.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, TextStream
+from mlxserve.tokenizer.gguf_reader import read_gguf_metadata
+from mlxserve.tokenizer.tokenizer import Tokenizer
+
+__all__ = [
+    "ChatTemplate",
+    "IncrementalDetokenizer",
+    "StopChecker",
+    "TextStream",
+    "Tokenizer",
+    "read_gguf_metadata",
+]

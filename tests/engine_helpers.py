@@ -1,0 +1,74 @@
+"""A complete tiny model directory (weights, tokenizer, chat template) for engine tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.model_helpers import make_mlx_lm_checkpoint
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Once upon a time there was a little engine that could.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9, and more numbers.",
+] * 20
+VOCAB_SIZE = 384
+
+
+def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """A tiny GQA model (2 layers, 4 heads / 2 KV heads) with room for long prompts."""
+    config = {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB_SIZE,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    return config | overrides
+
+
+def write_tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    """A byte-level BPE trained on a small corpus, with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "chat_template": CHATML,
+            }
+        )
+    )
+
+
+def make_tiny_model_dir(path: Path, seed: int = 0, **overrides: Any):
+    """(mlx-lm oracle model, directory mlxserve can load by path)."""
+    oracle, model_dir = make_mlx_lm_checkpoint(path, tiny_config(**overrides), seed=seed)
+    write_tokenizer(model_dir)
+    return oracle, model_dir

@@ -1,0 +1,151 @@
+"""Test doubles for the scheduler: a fake model over a simulated paged KV cache, and a
+plain-loop reference generator (the oracle)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from mlxserve.block_pool import BlockPool
+from mlxserve.request import RequestStatus
+from mlxserve.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+
+VOCAB = 50
+
+
+def next_token(context: Sequence[int]) -> int:
+    """The fake model: a fixed pseudo-random function of the whole context."""
+    h = 17
+    for t in context:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+    return h % VOCAB
+
+
+def reference_generate(
+    prompt: Sequence[int],
+    max_tokens: int | None,
+    max_num_tokens: int,
+    eos_token_ids: frozenset[int] = frozenset(),
+    min_tokens: int = 0,
+) -> list[int]:
+    """Generate alone, with no KV cache at all: the oracle for any batched/paged run."""
+    seq = list(prompt)
+    out: list[int] = []
+    while True:
+        token = next_token(seq)
+        seq.append(token)
+        out.append(token)
+        if len(out) > min_tokens and token in eos_token_ids:
+            return out
+        if (max_tokens is not None and len(out) >= max_tokens) or len(seq) >= max_num_tokens:
+            return out
+
+
+class PagedFakeModel:
+    """Runs a SchedulerOutput the way a real runner does, against a simulated KV cache.
+
+    Every fed token is written to its slot (from the block table); then each sampling
+    request gets next_token() of its context READ BACK from the slots. A wrong block
+    table, a block shared by mistake or a stale prefix-cache hit changes the output.
+    ``script`` (request id -> tokens by output index) overrides the sampled token.
+    """
+
+    def __init__(
+        self, block_size: int, num_blocks: int, script: dict[str, list[int]] | None = None
+    ) -> None:
+        self.block_size = block_size
+        self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.script = script or {}
+        self.num_steps = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        bs = self.block_size
+        assert len(out.scheduled_requests) == len(out.num_scheduled_tokens)
+        # Decodes (one token past the prompt) first, then every other chunk.
+        is_decode = [
+            out.num_scheduled_tokens[r.request_id] == 1
+            and out.start_positions[r.request_id] >= r.num_prompt_tokens
+            for r in out.scheduled_requests
+        ]
+        assert is_decode == [True] * out.num_decodes + [False] * (len(is_decode) - out.num_decodes)
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        # Write the K/V of every fed token first (as each layer does), then attend.
+        for req in out.scheduled_requests:
+            rid = req.request_id
+            start, n = out.start_positions[rid], out.num_scheduled_tokens[rid]
+            table = out.block_ids[rid]
+            assert 0 not in table, "the null block is never part of a request's table"
+            assert len(table) * bs >= start + n and len(table) == -(-(start + n) // bs)
+            fed = out.token_ids(req)
+            assert fed == req.all_token_ids[start : start + n]
+            for offset, token in enumerate(fed):
+                pos = start + offset
+                self.slots[table[pos // bs] * bs + pos % bs] = token
+        sampled: dict[str, list[int]] = {}
+        for req in out.scheduled_requests:
+            rid = req.request_id
+            end = out.start_positions[rid] + out.num_scheduled_tokens[rid]
+            assert out.samples(rid) == (end == req.num_tokens)
+            if not out.samples(rid):
+                continue
+            table = out.block_ids[rid]
+            context = [self.slots[table[p // bs] * bs + p % bs] for p in range(end)]
+            assert None not in context
+            script = self.script.get(rid)
+            token = script[req.num_output_tokens] if script else next_token(context)
+            if not script:
+                assert context == req.all_token_ids, f"{rid}: KV cache holds wrong tokens"
+            sampled[rid] = [token]
+        self.num_steps += 1
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def check_pool(pool: BlockPool, tables: Sequence[Sequence[int]]) -> None:
+    """Pool invariants: free + used + null == total, ref counts equal table references."""
+    expected = [0] * pool.num_blocks
+    for table in tables:
+        for block_id in table:
+            expected[block_id] += 1
+    actual = [b.ref_cnt for b in pool.blocks]
+    assert pool.null_block.ref_cnt == 0
+    assert actual[1:] == expected[1:], "ref counts differ from block-table references"
+    free = pool.free_block_queue.get_all_free_blocks()
+    assert len(free) == pool.get_num_free_blocks()
+    assert {b.block_id for b in free} == {i for i in range(1, pool.num_blocks) if expected[i] == 0}
+    num_used = sum(1 for c in expected[1:] if c > 0)
+    assert pool.get_num_free_blocks() + num_used + 1 == pool.num_blocks
+    for block_hash, block in pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash and block.token_ids is not None
+
+
+def step(
+    scheduler: Scheduler,
+    model: PagedFakeModel,
+    on_output: Callable[[SchedulerOutput], None] | None = None,
+) -> SchedulerOutput:
+    """One engine step: schedule, run the fake model, update; checks the step's limits."""
+    out = scheduler.schedule()
+    cfg = scheduler.scheduler_config
+    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(out.scheduled_requests) <= cfg.max_num_seqs
+    assert len(scheduler.running) <= cfg.max_num_seqs
+    if on_output is not None:
+        on_output(out)
+    scheduler.update_from_output(out, model.execute(out))
+    kv = scheduler.kv_cache_manager
+    check_pool(kv.block_pool, [kv.get_block_ids(r) for r in scheduler.running])
+    assert set(kv.req_to_blocks) == {r.request_id for r in scheduler.running}
+    assert all(r.status == RequestStatus.RUNNING for r in scheduler.running)
+    assert all(
+        r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in scheduler.waiting
+    )
+    assert scheduler.get_num_unfinished_requests() == scheduler.num_running + scheduler.num_waiting
+    return out
+
+
+def run_to_completion(scheduler: Scheduler, model: PagedFakeModel, max_steps: int = 1000) -> None:
+    """Step until every request has finished; fail (instead of hanging) on a livelock."""
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return
+        step(scheduler, model)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")

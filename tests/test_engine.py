@@ -1,0 +1,184 @@
+"""The engine end to end on tiny random models: batch invariance, prefix caching,
+preemption, sampling, n > 1, logprobs, and argument errors."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxserve import LLM, SamplingParams
+from tests.engine_helpers import make_tiny_model_dir
+
+NUM_PROMPTS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+def prompts(n: int = NUM_PROMPTS) -> list[list[int]]:
+    """Token-id prompts of varied lengths (3..60), some sharing prefixes."""
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 300, size=40).tolist()
+    out = []
+    for i in range(n):
+        length = int(rng.integers(3, 60))
+        if i % 4 == 0:  # a quarter start with the same 40 tokens
+            out.append(shared[: min(length, 40)] + rng.integers(3, 300, size=8).tolist())
+        else:
+            out.append(rng.integers(3, 300, size=length).tolist())
+    return out
+
+
+def greedy_tokens(llm: LLM, ps: list[list[int]], one_by_one: bool = False) -> list[list[int]]:
+    if one_by_one:
+        return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+    return [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+
+
+def test_batch_invariance_across_batching_caching_chunking_and_preemption(tiny) -> None:
+    oracle, model_dir = tiny
+    ps = prompts()
+    base = LLM(str(model_dir), num_blocks=512, max_num_batched_tokens=2048)
+    reference = greedy_tokens(base, ps, one_by_one=True)
+    # The independent oracle: mlx-lm's own greedy loop for a few of them.
+    from tests.model_helpers import mlx_lm_greedy
+
+    for i in (0, 5, 17):
+        assert reference[i] == mlx_lm_greedy(oracle, ps[i], 12)[0]
+    assert greedy_tokens(base, ps) == reference
+    for kwargs in (
+        dict(enable_prefix_caching=False),
+        dict(max_num_batched_tokens=16),
+        dict(max_num_batched_tokens=64),
+        dict(max_num_batched_tokens=2048, max_num_seqs=5),
+    ):
+        llm = LLM(str(model_dir), num_blocks=512, **kwargs)
+        assert greedy_tokens(llm, ps) == reference, kwargs
+    # A pool of 24 blocks x 16 tokens cannot hold 32 running requests: preemption.
+    small = LLM(str(model_dir), num_blocks=24, max_model_len=128)
+    assert greedy_tokens(small, ps) == reference
+    assert small.engine.scheduler.make_stats().num_preemptions > 0
+
+
+def test_shared_prefix_computes_only_new_tokens(tiny) -> None:
+    _, model_dir = tiny
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(3, 300, size=1000).tolist()
+    a, b = prefix + [5, 6, 7], prefix + [9, 10]
+    cached = LLM(str(model_dir), num_blocks=400, block_size=16)
+    first = cached.generate([a], GREEDY, use_tqdm=False)[0]
+    before = cached.engine.scheduler.make_stats()
+    second = cached.generate([b], GREEDY, use_tqdm=False)[0]
+    after = cached.engine.scheduler.make_stats()
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 1000 // 16 * 16  # every full block of the prefix
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 992
+    uncached = LLM(str(model_dir), num_blocks=400, enable_prefix_caching=False)
+    assert (
+        uncached.generate([b], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        == second.outputs[0].token_ids
+    )
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny) -> None:
+    _, model_dir = tiny
+    llm = LLM(str(model_dir), num_blocks=256)
+    ps = prompts(6)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([ps[2]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)] * 6
+    mixed[2] = seeded
+    batch = llm.generate(ps, mixed, use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    other = SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)
+    assert llm.generate([ps[2]], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_share_the_prompt(tiny) -> None:
+    _, model_dir = tiny
+    llm = LLM(str(model_dir), num_blocks=256)
+    prompt = prompts(1)[0] * 3  # several full blocks
+    out = llm.generate(
+        [prompt],
+        SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True, seed=7),
+        use_tqdm=False,
+    )[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    samples = [tuple(o.token_ids) for o in out.outputs]
+    assert all(len(s) == 8 for s in samples) and len(set(samples)) > 1
+    stats = llm.engine.scheduler.make_stats()
+    # Samples 2..4 found the first sample's full prompt blocks in the cache.
+    assert stats.prefix_cache_hits >= 3 * (len(prompt) // 16 * 16)
+
+
+def test_logprobs_equal_log_softmax_of_reference_logits(tiny) -> None:
+    oracle, model_dir = tiny
+    llm = LLM(str(model_dir), num_blocks=256)
+    prompt = prompts(2)[1]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True
+    )
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    # Reference: mlx-lm's forward over prompt + generated tokens, then log_softmax.
+    logits = np.array(oracle(mx.array([prompt + tokens]))[0].astype(mx.float32))
+    shifted = logits - logits.max(-1, keepdims=True)
+    ref = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    for step, (tok, entry) in enumerate(zip(tokens, out.outputs[0].logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + step]
+        top3 = np.argsort(-row)[:3].tolist()
+        assert set(entry) == {tok, *top3}
+        for t, lp in entry.items():
+            assert lp == pytest.approx(row[t], abs=1e-4)
+    assert out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert entry[prompt[pos]] == pytest.approx(ref[pos - 1][prompt[pos]], abs=1e-4)
+        assert len(entry) >= 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+        (dict(block_size=0), r"block_size must be in \[1, 256\], got 0"),
+        (dict(gpu_memory_utilization=1.5), r"memory_fraction .* must be in \(0, 1\], got 1.5"),
+        (dict(dtype="int8"), "dtype must be one of auto, float16, bfloat16, float32"),
+        (dict(max_num_batched_tokens=-1), "max_num_batched_tokens must be >= 1, got -1"),
+        (dict(no_such_arg=1), "unknown engine argument"),
+        (dict(max_model_len=100000), "larger than the model's context length 4096"),
+    ],
+)
+def test_bad_engine_arguments_name_the_field(tiny, kwargs, match) -> None:
+    _, model_dir = tiny
+    with pytest.raises(ValueError, match=match):
+        LLM(str(model_dir), num_blocks=64, **kwargs)
+
+
+def test_prompt_too_long_is_rejected_with_numbers(tiny) -> None:
+    _, model_dir = tiny
+    llm = LLM(str(model_dir), num_blocks=64, max_model_len=100)
+    with pytest.raises(ValueError, match=r"prompt is 150 tokens, but max_model_len is 100"):
+        llm.generate([[5] * 150], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"max_tokens 90 \+ prompt 20 tokens = 110 exceeds"):
+        llm.generate([[5] * 20], SamplingParams(max_tokens=90), use_tqdm=False)
+    # The engine is still usable afterwards.
+    assert len(llm.generate([[5] * 20], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
+
+
+def test_kv_pool_grows_on_demand_without_changing_outputs(tiny, monkeypatch) -> None:
+    from mlxserve import engine
+
+    _, model_dir = tiny
+    ps = prompts(12)
+    reference = greedy_tokens(LLM(str(model_dir), num_blocks=256), ps)
+    monkeypatch.setattr(engine, "INITIAL_KV_BLOCKS", 4)
+    llm = LLM(str(model_dir), num_blocks=256)
+    assert llm.engine.kv_cache.num_blocks == 4
+    assert greedy_tokens(llm, ps) == reference
+    grown = llm.engine.kv_cache.num_blocks
+    assert 4 < grown <= 256 and grown == llm.engine.block_pool.num_allocated_blocks

@@ -1,0 +1,129 @@
+"""Property tests: random add / step / abort streams over random pools, block sizes and budgets.
+
+After every step: free + used + null == total blocks, ref counts equal the block-table
+references (so never negative), the token budget and max_num_seqs hold, and the fake model
+reads exactly the right tokens back from the paged cache. In the end every request has
+finished with the tokens of a cache-less reference loop, and no block leaks.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from mlxserve.config import CacheConfig, SchedulerConfig
+from mlxserve.request import Request, RequestStatus
+from mlxserve.sampling_params import SamplingParams
+from mlxserve.scheduler import Scheduler
+from tests.scheduler_harness import (
+    VOCAB,
+    PagedFakeModel,
+    reference_generate,
+    run_to_completion,
+    step,
+)
+
+EOS = frozenset({0})
+# Shared prefixes make prefix-cache hits (and hash-chain bugs) likely.
+BASES = [[(11 * k + 3 * i + 1) % VOCAB for i in range(48)] for k in range(3)]
+
+
+@st.composite
+def prompts(draw: st.DrawFn, limit: int) -> list[int]:
+    """A prompt often sharing a prefix with others, mostly within limit tokens, sometimes over."""
+    length = draw(st.one_of(st.just(limit), st.integers(1, limit + 2)))
+    base = BASES[draw(st.one_of(st.just(0), st.integers(0, len(BASES) - 1)))]
+    num_shared = draw(st.one_of(st.just(length), st.integers(0, length)))
+    suffix = st.lists(
+        st.integers(1, VOCAB - 1), min_size=length - num_shared, max_size=length - num_shared
+    )
+    return base[:num_shared] + draw(suffix)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, CacheConfig, list[tuple]]:
+    """A small engine (so preemption and eviction happen) and an add / step / abort stream."""
+    block_size = draw(st.integers(1, 5))
+    # one_of: tiny edge cases, but not only those (hypothesis favours small integers).
+    num_blocks = draw(st.one_of(st.integers(2, 4), st.integers(5, 16)))
+    cache_config = CacheConfig(num_blocks, block_size, draw(st.booleans()))
+    scheduler_config = SchedulerConfig(
+        max_model_len=draw(st.one_of(st.integers(2, 8), st.integers(9, 48))),
+        max_num_seqs=draw(st.integers(1, 4)),
+        max_num_batched_tokens=draw(st.integers(1, 16)),
+    )
+    pool_tokens = (cache_config.num_blocks - 1) * block_size
+    limit = min(scheduler_config.max_model_len - 1, pool_tokens, len(BASES[0]))
+    add = st.tuples(
+        st.just("add"),
+        prompts(limit),
+        st.one_of(st.none(), st.integers(1, 8)),  # max_tokens
+        st.integers(0, 3),  # min_tokens
+        st.booleans(),  # ignore_eos
+    )
+    step_op, abort_op = st.just(("step",)), st.tuples(st.just("abort"), st.integers(0, 30))
+    op = st.one_of(add, add, step_op, step_op, abort_op)
+    return scheduler_config, cache_config, draw(st.lists(op, min_size=4, max_size=40))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_random_streams_keep_invariants_and_finish(scenario):
+    scheduler_config, cache_config, ops = scenario
+    max_model_len = scheduler_config.max_model_len
+    block_size, num_blocks = cache_config.block_size, cache_config.num_blocks
+    sched = Scheduler(scheduler_config, cache_config)
+    model = PagedFakeModel(block_size, num_blocks)
+    pool_tokens = (num_blocks - 1) * block_size
+    cap = min(max_model_len, pool_tokens + 1)  # the longest a request may grow
+    added: list[Request] = []
+    aborted: set[str] = set()
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt, max_tokens, min_tokens, ignore_eos = op
+            if max_tokens is not None:
+                min_tokens = min(min_tokens, max_tokens)
+            params = SamplingParams(
+                max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos
+            )
+            r = Request(f"r{len(added)}", prompt, params, eos_token_ids=EOS)
+            fits = 1 <= len(prompt) <= max_model_len - 1 and len(prompt) <= pool_tokens
+            try:
+                sched.add_request(r)
+            except ValueError:
+                assert not fits
+                continue
+            assert fits
+            added.append(r)
+        elif op[0] == "step":
+            step(sched, model)
+        elif added:
+            r = added[op[1] % len(added)]
+            if not r.is_finished:
+                aborted.add(r.request_id)
+            sched.abort_requests(r.request_id)
+
+    run_to_completion(sched, model)
+
+    for r in added:
+        eos = frozenset() if r.sampling_params.ignore_eos else EOS
+        want = reference_generate(
+            r.prompt_token_ids, r.max_tokens, cap, eos, r.sampling_params.min_tokens
+        )
+        if r.request_id in aborted:
+            assert r.status == RequestStatus.FINISHED_ABORTED
+            assert r.output_token_ids == want[: r.num_output_tokens]
+        else:
+            assert r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            assert r.output_token_ids == want, r
+    kv = sched.kv_cache_manager
+    assert kv.get_num_free_blocks() == num_blocks - 1 and kv.usage == 0.0
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert kv.req_to_blocks == {} and kv.num_cached_blocks == {}
+    stats = sched.make_stats()
+    assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
+    event(f"requests: {min(len(added), 5)}+" if len(added) >= 5 else f"requests: {len(added)}")
+    event(f"preempted: {stats.num_preemptions > 0}")
+    event(f"prefix hit: {stats.prefix_cache_hits > 0}")
+    event(f"aborted: {bool(aborted)}")
