@@ -31,10 +31,10 @@ def save_checkpoint(path: Path, config: dict[str, Any], weights: dict[str, mx.ar
 
 
 def load_checkpoint(path: Path, dtype: mx.Dtype | None = None) -> nn.Module:
-    """Load a checkpoint directory the way mlxserve.loader does (its directory reader).
+    """Load a checkpoint directory with mlxserve.loader's directory reader.
 
-    ``mlxserve.loader.load_model(path)`` also loads a tokenizer, which these tiny
-    checkpoints do not have; once it can skip that, this can call it instead.
+    Unlike ``load_model(path, skip_tokenizer_init=True)`` this keeps the checkpoint's
+    dtypes (``dtype=None``), e.g. the float16 scales mlx-lm oracles compute with.
     """
     config, weights = read_model_dir(path)
     return build_model(config, weights, dtype)

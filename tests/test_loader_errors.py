@@ -195,6 +195,11 @@ def test_corrupt_gguf(tmp_path: Path, damage: str, problem: str) -> None:
         load_model(str(path), skip_tokenizer_init=True)
 
 
+def test_missing_tokenizer(model_dir: Path) -> None:
+    with raises_for(model_dir / "tokenizer.json", "not found"):
+        load_model(str(model_dir))
+
+
 def test_bad_dtype(model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"dtype 'int8' is not supported; choose one of auto,"):
         load_model(str(model_dir), dtype="int8", skip_tokenizer_init=True)

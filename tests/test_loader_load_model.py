@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -42,10 +43,27 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(safetensors model directory, a GGUF of the same weights with quantized layers)."""
     tmp = tmp_path_factory.mktemp("tiny")
     oracle, model_dir = make_mlx_lm_checkpoint(tmp / "dir", CONFIG, seed=2)
+    write_tiny_tokenizer(model_dir)
     weights = {k: np.array(v) for k, v in tree_flatten(oracle.parameters())}
     qtypes = {k: QT.Q8_0 if "mlp" in k else QT.Q4_0 for k in weights if k.endswith("proj.weight")}
     write_gguf(tmp / "tiny.gguf", CONFIG, weights, qtypes | {"lm_head.weight": QT.Q5_1})
     return model_dir, tmp / "tiny.gguf"
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}<assistant>"
+
+
+def write_tiny_tokenizer(model_dir: Path) -> None:
+    """A word-level tokenizer.json (built with the tokenizers library) + tokenizer_config."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<s>", "</s>", "<unk>", "hello", "world", "the", "capital", "of", "France", "?"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.save(str(model_dir / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def run(model: nn.Module, dtype: mx.Dtype = mx.float32) -> tuple[np.ndarray, mx.Dtype]:
@@ -108,17 +126,23 @@ import sys
 import numpy as np
 from mlxserve.loader import load_model
 from tests.model_helpers import BlockPoolRunner
-for i, model in enumerate(sys.argv[2:]):
-    loaded = load_model(model, skip_tokenizer_init=True)
+for i, arg in enumerate(sys.argv[2:]):
+    model, _, tokenizer = arg.partition("|")  # "model|tokenizer": another model's tokenizer
+    loaded = load_model(model, tokenizer=tokenizer or None)
     runner = BlockPoolRunner(loaded.model, num_blocks=8, block_size=4)
     logits = runner.step([("r", list(range(3, 20)))], all_logits=True)["r"]
     np.save(f"{sys.argv[1]}/{i}.npy", logits)
     print(loaded.source.kind, loaded.source.name, loaded.source.path)
+    print(loaded.tokenizer.encode("hello world ?", add_special_tokens=False))
+    print(repr(loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])))
 """
 
 
 def test_repo_ids_load_offline_from_the_hub_cache(tiny, tmp_path: Path) -> None:
-    """A repo id and a repo's .gguf file, from a huggingface_hub cache with HF_HUB_OFFLINE=1."""
+    """A repo id and a repo's .gguf file, from a huggingface_hub cache with HF_HUB_OFFLINE=1.
+
+    Same logits as the same files loaded by path; the tokenizer is the tokenizers library's.
+    """
     model_dir, gguf_path = tiny
     cache = tmp_path / "hub"
     snapshot = make_fake_hub(cache, "acme/tiny-llama", {})
@@ -128,7 +152,8 @@ def test_repo_ids_load_offline_from_the_hub_cache(tiny, tmp_path: Path) -> None:
     shutil.copy(gguf_path, gguf_snapshot / "tiny.Q4_0.gguf")
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(cache))
-    models = ["acme/tiny-llama", "acme/tiny-llama-GGUF/tiny.Q4_0.gguf"]
+    # The GGUF has no tokenizer of its own: it borrows the repo's (load_model's tokenizer=).
+    models = ["acme/tiny-llama", "acme/tiny-llama-GGUF/tiny.Q4_0.gguf|acme/tiny-llama"]
     out = subprocess.run(
         [sys.executable, "-c", HUB_SCRIPT, str(tmp_path), *models],
         env=env,
@@ -138,9 +163,14 @@ def test_repo_ids_load_offline_from_the_hub_cache(tiny, tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
+    from tokenizers import Tokenizer
+
+    oracle = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    expected_lines = [str(oracle.encode("hello world ?").ids), repr("<user>hi</s><assistant>")]
     lines = out.stdout.splitlines()
     assert lines[0] == f"dir acme/tiny-llama {snapshot}"
-    assert lines[1].startswith("gguf acme/tiny-llama-GGUF/tiny.Q4_0.gguf ")
+    assert lines[3].startswith("gguf acme/tiny-llama-GGUF/tiny.Q4_0.gguf ")
+    assert lines[1:3] == lines[4:6] == expected_lines
     from_dir, _ = run(load_model(str(model_dir), skip_tokenizer_init=True).model)
     from_gguf, _ = run(load_model(str(gguf_path), skip_tokenizer_init=True).model)
     np.testing.assert_array_equal(np.load(tmp_path / "0.npy"), from_dir)

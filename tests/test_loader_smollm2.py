@@ -45,3 +45,21 @@ def test_default_model_greedy_matches_mlx_lm(
     # llama.cpp (an independent engine and quantized kernels) starts the same way.
     steps = {c["prompt"]: [s["id"] for s in c["steps"]] for c in llamacpp_oracle["greedy"]}
     assert ours["The capital of France is"][:2] == steps["The capital of France is"][:2]
+
+
+def test_default_model_answers_a_chat_question(llamacpp_oracle: dict) -> None:
+    """load_model() + the GGUF's tokenizer and chat template: a real answer, greedily."""
+    loaded = load_model()
+    tok = loaded.tokenizer
+    # The tokenizer built from the loader's metadata reader is llama.cpp's tokenizer.
+    for case in llamacpp_oracle["tokenize"]:
+        assert tok.encode(case["text"], add_special_tokens=False) == case["ids"], case["text"]
+    chat = llamacpp_oracle["chat_template"][0]
+    assert tok.apply_chat_template(chat["messages"]) == chat["prompt"]
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.encode_chat(messages)
+    runner = BlockPoolRunner(loaded.model, num_blocks=8, block_size=16)
+    out, _ = greedy_generate(runner, {"r": prompt}, 8)
+    answer = tok.decode(out["r"])
+    assert "Paris" in answer, answer
