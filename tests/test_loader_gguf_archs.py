@@ -9,6 +9,7 @@ architectures to un-permute, and the config read from the metadata.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,11 @@ META = {
 }
 
 
-def test_rope_scaling_other_than_linear_is_named(tmp_path: Path) -> None:
+EMBD = {"token_embd.weight": (10, 64)}
+X = Path("x.gguf")
+
+
+def test_rope_scaling_other_than_linear_is_named() -> None:
     yarn = {
         "llama.rope.scaling.type": "yarn",
         "llama.rope.scaling.factor": 4.0,
@@ -173,34 +178,32 @@ def test_rope_scaling_other_than_linear_is_named(tmp_path: Path) -> None:
         match=r"x\.gguf: unsupported RoPE scaling llama\.rope\.scaling\.type = 'yarn'; "
         r"supported: none, linear",
     ):
-        make_config(META | yarn, {"token_embd.weight": (10, 64)}, Path("x.gguf"))
-    no_factor = {"llama.rope.scaling.type": "linear"}
+        make_config(META | yarn, EMBD, X)
     with pytest.raises(ValueError, match="'linear' but no factor"):
-        make_config(META | no_factor, {"token_embd.weight": (10, 64)}, Path("x.gguf"))
-    legacy = make_config(
-        META | {"llama.rope.scale_linear": 2.0}, {"token_embd.weight": (10, 64)}, Path("x.gguf")
-    )
+        make_config(META | {"llama.rope.scaling.type": "linear"}, EMBD, X)
+    legacy = make_config(META | {"llama.rope.scale_linear": 2.0}, EMBD, X)
     assert legacy["rope_scaling"] == {"type": "linear", "factor": 2.0}
 
 
 def test_vocab_size_fallbacks() -> None:
-    path = Path("x.gguf")
-    assert (
-        make_config(META | {"llama.vocab_size": 7}, {"token_embd.weight": (9, 64)}, path)[
-            "vocab_size"
-        ]
-        == 7
-    )
-    assert make_config(META, {"token_embd.weight": (9, 64)}, path)["vocab_size"] == 9
+    assert make_config(META | {"llama.vocab_size": 7}, EMBD, X)["vocab_size"] == 7
+    assert make_config(META, EMBD, X)["vocab_size"] == 10  # token_embd's rows
     tokens = {"tokenizer.ggml.tokens": ["a", "b", "c"]}
-    assert make_config(META | tokens, {}, path)["vocab_size"] == 3
+    assert make_config(META | tokens, {}, X)["vocab_size"] == 3
     with pytest.raises(ValueError, match=r"x\.gguf: no llama\.vocab_size, token_embd\.weight"):
-        make_config(META, {}, path)
+        make_config(META, {}, X)
 
 
-def test_partial_rotary_is_refused() -> None:
-    meta = META | {"llama.rope.dimension_count": 8}
-    with pytest.raises(
-        ValueError, match=r"rope\.dimension_count = 8 differs from the head size 16"
-    ):
-        make_config(meta, {"token_embd.weight": (9, 64)}, Path("x.gguf"))
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("llama.attention.head_count", 0, "= 0 is not a positive int"),
+        ("llama.embedding_length", "64", "= '64' is not a positive int"),
+        ("llama.attention.layer_norm_rms_epsilon", -1.0, "= -1.0 is not a positive float"),
+        ("llama.vocab_size", True, "= True is not a positive int"),
+        ("llama.rope.dimension_count", 8, "= 8 differs from the head size 16; partial rotary"),
+    ],
+)
+def test_bad_metadata_values_are_named(key: str, value: object, problem: str) -> None:
+    with pytest.raises(ValueError, match=rf"^x\.gguf: {re.escape(key)} {re.escape(problem)}"):
+        make_config(META | {key: value}, EMBD, X)

