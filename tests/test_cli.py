@@ -94,7 +94,8 @@ class Terminal:
 
 
 def test_repl_two_turns_clear_ctrl_c_and_exit() -> None:
-    term = Terminal(["--max-tokens", "12"])
+    # Room for a long answer to interrupt; short questions end on their own (EOS).
+    term = Terminal(["--max-tokens", "400"])
     term.expect(">>> ")
     term.send("What is the capital of France?\n")
     answer = term.expect(">>> ")
@@ -106,7 +107,7 @@ def test_repl_two_turns_clear_ctrl_c_and_exit() -> None:
     term.expect(">>> ")
     # A long answer, interrupted: the REPL survives and says so.
     term.send("Write a long story about a dragon.\n")
-    time.sleep(4)
+    time.sleep(2)
     term.send("\x03")
     term.expect("[stopped]")
     term.expect(">>> ")
