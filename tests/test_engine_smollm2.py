@@ -64,7 +64,7 @@ def test_reference_is_sensible(reference) -> None:
     from mlxserve.tokenizer import Tokenizer
     from tests.paths import SMOLLM2_GGUF
 
-    assert Tokenizer.from_gguf(SMOLLM2_GGUF).decode(reference[0]) == " Paris."
+    assert Tokenizer.from_gguf(SMOLLM2_GGUF).decode(reference[0]) == " Paris.\n"
 
 
 def test_all_at_once_with_prefix_caching(reference) -> None:

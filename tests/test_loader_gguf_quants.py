@@ -90,7 +90,7 @@ def effective_weight(module: nn.QuantizedLinear) -> np.ndarray:  # (out, in) flo
 
 @pytest.fixture(scope="module")
 def loaded(kquant_gguf) -> nn.Module:
-    return load_model(str(kquant_gguf[0]), skip_tokenizer_init=True).model
+    return load_model(str(kquant_gguf[0]), skip_tokenizer_init=True, cpu_dequantize=False).model
 
 
 def test_layers_are_quantized_with_the_expected_bits(loaded: nn.Module) -> None:

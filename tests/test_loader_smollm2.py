@@ -27,7 +27,7 @@ def test_default_model_greedy_matches_mlx_lm(
 ) -> None:
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    loaded = load_model(skip_tokenizer_init=True)
+    loaded = load_model(skip_tokenizer_init=True, cpu_dequantize=False)
     assert loaded.source.path == smollm2_gguf and loaded.dtype == mx.float32
     assert isinstance(loaded.model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
     cases = {c["prompt"]: c["prompt_ids"] for c in llamacpp_oracle["greedy"]}

@@ -169,6 +169,7 @@ def load_model(
     tokenizer: str | None = None,
     gguf_keep_float: bool = False,
     skip_tokenizer_init: bool = False,
+    cpu_dequantize: bool | None = None,
 ) -> LoadedModel:
     """Resolve and load a model and its tokenizer (see module docstring).
 
@@ -177,6 +178,8 @@ def load_model(
     so quantized layers there compute in float32. ``tokenizer`` loads the tokenizer from
     another model; ``skip_tokenizer_init`` loads none (``LoadedModel.tokenizer`` is None).
     ``gguf_keep_float`` dequantizes GGUF tensors instead of keeping them quantized.
+    ``cpu_dequantize``: run quantized layers in float on the CPU (None: when an optimized
+    BLAS is loaded and the float copy fits, see :func:`should_dequantize`).
     """
     from mlxserve.models import build_model
 
@@ -196,7 +199,7 @@ def load_model(
     except ValueError as e:
         raise ValueError(f"{source.path}: {e}") from None
     mx.eval(net.parameters())
-    if should_dequantize(net, act_dtype):
+    if cpu_dequantize if cpu_dequantize is not None else should_dequantize(net, act_dtype):
         count = dequantize_model(net, act_dtype)
         logger.info(
             "dequantized %d quantized layers to %s: float matmuls use %s",
