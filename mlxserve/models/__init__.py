@@ -166,34 +166,24 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
     """
 
     def as_float(module: nn.Module) -> nn.Module | None:
-        if isinstance(module, nn.QuantizedLinear):
-            w = mx.dequantize(
-                module.weight,
-                module.scales,
-                module.biases,
-                module.group_size,
-                module.bits,
-                mode=module.mode,
-            ).astype(dtype)
-            bias = "bias" in module
-            out = nn.Linear(w.shape[1], w.shape[0], bias=bias)
-            out.weight = w
-            if bias:
-                out.bias = module.bias.astype(dtype)
-            return out
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            return None
+        w = mx.dequantize(
+            module.weight,
+            module.scales,
+            module.biases,
+            module.group_size,
+            module.bits,
+            mode=module.mode,
+        ).astype(dtype)  # (out, in)
         if isinstance(module, nn.QuantizedEmbedding):
-            w = mx.dequantize(
-                module.weight,
-                module.scales,
-                module.biases,
-                module.group_size,
-                module.bits,
-                mode=module.mode,
-            ).astype(dtype)
-            out = nn.Embedding(w.shape[0], w.shape[1])
-            out.weight = w
-            return out
-        return None
+            out = nn.Embedding(*w.shape)
+        else:
+            out = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+            if "bias" in module:
+                out.bias = module.bias.astype(dtype)
+        out.weight = w
+        return out
 
     replaced = [
         (path, new) for path, m in model.named_modules() if (new := as_float(m)) is not None
