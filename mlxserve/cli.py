@@ -111,7 +111,10 @@ def split_model_and_prompt(
     model = model_flag
     if model is None and words:
         first = words[0]
-        if os.path.exists(first) or is_repo_id(first) or split_gguf_ref(first):
+        looks_like_path = " " not in first and (
+            first.endswith(".gguf") or first.startswith(("/", "./", "../", "~"))
+        )
+        if os.path.exists(first) or is_repo_id(first) or split_gguf_ref(first) or looks_like_path:
             model = words.pop(0)
     return model, (" ".join(words) if words else None)
 
@@ -185,7 +188,7 @@ def run_command(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     piped = not sys.stdin.isatty()
     if piped:
-        stdin_text = sys.stdin.read()
+        stdin_text = sys.stdin.read().strip()  # a file's trailing newline is not part of it
         prompt = f"{prompt}\n\n{stdin_text}" if prompt else stdin_text
     session = ChatSession.load(
         engine_config(args, model),

@@ -20,9 +20,9 @@ from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
 from mlxserve.output_processor import OutputProcessor
 from mlxserve.request import Request, RequestOutput, RequestStatus
-from mlxserve.runner import ModelRunner
+from mlxserve.runner import InFlightStep, ModelRunner
 from mlxserve.sampling_params import SamplingParams
-from mlxserve.scheduler import Scheduler
+from mlxserve.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("mlxserve")
 
@@ -90,6 +90,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # n > 1: samples after the first wait until it has prefilled, then hit its blocks.
         self._pending_siblings: dict[str, list[Request]] = {}
+        self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None
         self.last_step = StepStats()
 
     # ----------------------------------------------------------------- set-up
@@ -230,36 +231,64 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_siblings)
+        return (
+            self._in_flight is not None
+            or self.scheduler.has_unfinished_requests()
+            or bool(self._pending_siblings)
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.outputs.states)
 
     # ------------------------------------------------------------------- step
     def step(self, delta: bool = False) -> list[RequestOutput]:
-        """One forward pass over the scheduled batch; outputs of requests that changed."""
+        """Advance by one forward pass; outputs of the requests that changed.
+
+        Pipelined: the step launched by the previous call is collected first, the next
+        one is scheduled and launched, and the collected step's outputs are detokenized
+        while the new one computes. So outputs trail the launch by one call, and a
+        request stopped by a stop string may have computed one extra token, discarded.
+        """
+        collected = None
+        if self._in_flight is not None:
+            so, handle = self._in_flight
+            self._in_flight = None
+            ro = self.runner.collect(handle)
+            collected = (so, ro, self.scheduler.update_from_output(so, ro))
         so = self.scheduler.schedule()
-        self.kv_cache.ensure_num_blocks(self.block_pool.num_allocated_blocks)
+        if so.scheduled_requests or so.finished_request_ids:
+            self.kv_cache.ensure_num_blocks(self.block_pool.num_allocated_blocks)
+            try:
+                self._in_flight = (so, self.runner.launch(so))
+            except Exception:
+                self.abort_request(
+                    [self.outputs.parent_id(r.request_id) for r in so.scheduled_requests]
+                )
+                raise
+            self._note_scheduled(so)
+        if collected is None:
+            return []
+        return self._process(*collected, delta=delta)
+
+    def _note_scheduled(self, so: SchedulerOutput) -> None:
+        now = time.monotonic()
         stats = StepStats()
         for req in so.scheduled_requests:
             n = so.num_scheduled_tokens[req.request_id]
-            prefill = max(
-                0,
-                min(req.num_computed_tokens, req.num_prompt_tokens) - (req.num_computed_tokens - n),
-            )
-            stats.num_prompt_tokens += prefill
-        ro = self.runner.execute(so)
-        changed = self.scheduler.update_from_output(so, ro)
-        now = time.monotonic()
+            start = so.start_positions[req.request_id]
+            stats.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            m = self.outputs.metrics_of(req.request_id)
+            if m is not None and m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        self.last_step = stats
+
+    def _process(
+        self, so: SchedulerOutput, ro: ModelRunnerOutput, changed: list[Request], delta: bool
+    ) -> list[RequestOutput]:
         touched = {}
-        for req in so.scheduled_requests:
-            parent = self.outputs._parent.get(req.request_id)
-            if parent is not None:
-                m = self.outputs.states[parent[0]].metrics
-                m.first_scheduled_time = m.first_scheduled_time or now
         for req in changed:
-            new = (ro.sampled_token_ids or {}).get(req.request_id, [])
-            stats.num_generation_tokens += len(new)
+            new = ro.sampled_token_ids.get(req.request_id, [])
+            self.last_step.num_generation_tokens += len(new)
             logprobs = (ro.logprobs or {}).get(req.request_id)
             plp = (ro.prompt_logprobs or {}).get(req.request_id)
             state, hit_stop = self.outputs.process(req, new, logprobs, plp)
@@ -270,7 +299,6 @@ class LLMEngine:
             if siblings:  # the first sample has prefilled: its prompt blocks are cached now
                 for sib in siblings:
                     self.scheduler.add_request(sib)
-        self.last_step = stats
         results = []
         for rid, state in touched.items():
             results.append(self.outputs.make_output(state, delta=delta))

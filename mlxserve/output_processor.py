@@ -96,6 +96,14 @@ class OutputProcessor:
             self._parent[cid] = (request_id, i)
         return ids
 
+    def parent_id(self, engine_id: str) -> str:
+        """The user request an engine request belongs to."""
+        return self._parent.get(engine_id, (engine_id, 0))[0]
+
+    def metrics_of(self, engine_id: str) -> RequestMetrics | None:
+        parent = self._parent.get(engine_id)
+        return None if parent is None else self.states[parent[0]].metrics
+
     def child_ids(self, request_id: str) -> list[str]:
         state = self.states.get(request_id)
         if state is None:

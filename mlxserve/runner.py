@@ -17,7 +17,13 @@ import numpy as np
 
 from mlxserve.ops import AttentionMetadata
 from mlxserve.request import Logprobs, Request
-from mlxserve.sampler import SamplingState, make_sampling_batch, sample, top_logprobs
+from mlxserve.sampler import (
+    SamplerOutput,
+    SamplingState,
+    make_sampling_batch,
+    sample,
+    top_logprobs,
+)
 from mlxserve.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -30,6 +36,16 @@ class _RequestState:
     # Set once the whole prompt is scored: a preempted request recomputes its prompt,
     # but its prompt logprobs are not computed (or reported) twice.
     prompt_logprobs_done: bool = False
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: what to read back once its evaluation finishes."""
+
+    samplers: list[Request]
+    result: SamplerOutput | None
+    plp_targets: list[tuple[Request, int]]
+    prompt_logprobs: tuple[mx.array, ...] | None
 
 
 class ModelRunner:
@@ -57,11 +73,19 @@ class ModelRunner:
         return state
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step for every scheduled request."""
+        """Run one step for every scheduled request (launch, then wait for it)."""
+        return self.collect(self.launch(so))
+
+    def launch(self, so: SchedulerOutput) -> InFlightStep:
+        """Build the step's graph and start evaluating it; returns at once.
+
+        The caller may do host work that does not need this step's results (the engine
+        processes the previous step's outputs) before :meth:`collect`.
+        """
         for rid in so.finished_request_ids:
             self._states.pop(rid, None)
         if not so.scheduled_requests:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return InFlightStep([], None, [], None)
         # The scheduler orders decodes (one token each) first, as the attention op wants.
         input_ids: list[int] = []
         positions: list[int] = []
@@ -114,12 +138,16 @@ class ModelRunner:
         if plp_rows:
             plp = self._prompt_logprobs(logits[len(samplers) :], plp_targets)
             outs += list(plp)
-        mx.eval(*outs)
+        mx.async_eval(*outs)  # the one evaluation of this step
+        return InFlightStep(samplers, result, plp_targets, plp)
+
+    def collect(self, step: InFlightStep) -> ModelRunnerOutput:
+        """Wait for a launched step; its sampled tokens (and logprobs) as host lists."""
         output = ModelRunnerOutput(sampled_token_ids={}, logprobs={}, prompt_logprobs={})
-        if result is not None:
-            self._collect_samples(samplers, result, output)
-        if plp is not None:
-            self._collect_prompt_logprobs(plp_targets, plp, output)
+        if step.result is not None:
+            self._collect_samples(step.samplers, step.result, output)
+        if step.prompt_logprobs is not None:
+            self._collect_prompt_logprobs(step.plp_targets, step.prompt_logprobs, output)
         return output
 
     def _collect_samples(self, samplers: list[Request], result, output: ModelRunnerOutput) -> None:

@@ -31,10 +31,10 @@ def save_checkpoint(path: Path, config: dict[str, Any], weights: dict[str, mx.ar
 
 
 def load_checkpoint(path: Path, dtype: mx.Dtype | None = None) -> nn.Module:
-    """Load a checkpoint directory the way mlxserve.loader does (its directory reader).
+    """Load a checkpoint directory with mlxserve.loader's directory reader.
 
-    ``mlxserve.loader.load_model(path)`` also loads a tokenizer, which these tiny
-    checkpoints do not have; once it can skip that, this can call it instead.
+    Unlike ``load_model(path, skip_tokenizer_init=True)`` this keeps the checkpoint's
+    dtypes (``dtype=None``), e.g. the float16 scales mlx-lm oracles compute with.
     """
     config, weights = read_model_dir(path)
     return build_model(config, weights, dtype)
@@ -144,6 +144,7 @@ class BlockPoolRunner:
         self.free_blocks = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
         self.block_tables: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
+        self.logits_dtype: mx.Dtype | None = None
 
     def step(
         self,
@@ -183,6 +184,7 @@ class BlockPoolRunner:
             logits_indices,
         )
         mx.eval(logits, self.cache.keys, self.cache.values)
+        self.logits_dtype = logits.dtype  # the model's own output dtype, before the cast
         logits = np.array(logits.astype(mx.float32))
         out = {}
         for i, (request_id, tokens) in enumerate(work):

@@ -3,6 +3,9 @@ preemption, sampling, n > 1, logprobs, and argument errors."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -182,3 +185,28 @@ def test_kv_pool_grows_on_demand_without_changing_outputs(tiny, monkeypatch) -> 
     assert greedy_tokens(llm, ps) == reference
     grown = llm.engine.kv_cache.num_blocks
     assert 4 < grown <= 256 and grown == llm.engine.block_pool.num_allocated_blocks
+
+
+def test_plain_script_without_main_guard(tiny, tmp_path) -> None:
+    """No worker process is spawned, so a script (or notebook cell) needs no main guard."""
+    import subprocess
+    import sys
+
+    _, model_dir = tiny
+    script = tmp_path / "job.py"
+    script.write_text(
+        "from mlxserve import LLM, SamplingParams\n"
+        f"llm = LLM({str(model_dir)!r}, num_blocks=64)\n"
+        "outs = llm.generate(['a b c', 'd e'], SamplingParams(max_tokens=3, ignore_eos=True))\n"
+        "print([len(o.outputs[0].token_ids) for o in outs])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[1]),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[3, 3]"

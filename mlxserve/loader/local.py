@@ -7,6 +7,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxserve.models import supported_model_types
+
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -66,6 +68,11 @@ def read_model_dir(model_dir: Path) -> tuple[dict, dict[str, mx.array]]:
     config = read_json(config_path)
     if "model_type" not in config:
         raise ValueError(f"{config_path}: no model_type")
+    if config["model_type"] not in supported_model_types():  # before reading the weights
+        raise ValueError(
+            f"{config_path}: unsupported model_type {config['model_type']!r}; "
+            f"supported: {', '.join(supported_model_types())}"
+        )
     # mlx-community checkpoints say "quantization"; some tools say "quantization_config".
     qconf = config.get("quantization") or config.get("quantization_config")
     if qconf is not None and "bits" in qconf:

@@ -156,3 +156,49 @@ def load_weights_strict(
 
 def _is_float(dtype: mx.Dtype) -> bool:
     return mx.issubdtype(dtype, mx.floating)
+
+
+def dequantize_model(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
+    """Replace quantized layers by float ones holding the same values; returns how many.
+
+    On the CPU with an optimized BLAS, a float32 matmul is ~20x faster than MLX's CPU
+    quantized matmul, so small quantized models run faster dequantized.
+    """
+
+    def as_float(module: nn.Module) -> nn.Module | None:
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            return None
+        w = mx.dequantize(
+            module.weight,
+            module.scales,
+            module.biases,
+            module.group_size,
+            module.bits,
+            mode=module.mode,
+        ).astype(dtype)  # (out, in)
+        if isinstance(module, nn.QuantizedEmbedding):
+            out = nn.Embedding(*w.shape)
+        else:
+            out = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+            if "bias" in module:
+                out.bias = module.bias.astype(dtype)
+        out.weight = w
+        return out
+
+    replaced = [
+        (path, new) for path, m in model.named_modules() if (new := as_float(m)) is not None
+    ]
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+        mx.eval(model.parameters())
+    return len(replaced)
+
+
+def quantized_bytes_as_float(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
+    """Bytes the model's quantized layers would take dequantized to dtype."""
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            rows, packed = m.weight.shape
+            total += rows * packed * 32 // m.bits * dtype.size
+    return total

@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlxserve import ops
 from mlxserve.ops import AttentionMetadata
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
 
 
 @dataclass
@@ -93,7 +93,8 @@ def llama3_inv_freq(
 class RotaryEmbedding(nn.Module):
     """RoPE applied at an explicit position per token (flat token axis, any mix of requests).
 
-    Scaling types: ``linear`` (positions / factor), ``llama3`` (per-frequency scaling) and
+    Scaling types: ``linear`` (positions / factor), ``llama3`` (per-frequency scaling),
+    ``freq_factors`` (explicit per-frequency divisors, as GGUF's rope_freqs tensor) and
     ``dynamic`` (NTK; identical to plain RoPE within ``max_position_embeddings``, which is the
     context the model reports, so it is applied as plain RoPE).
     """
@@ -122,6 +123,16 @@ class RotaryEmbedding(nn.Module):
             # mx.fast.rope takes periods (1 / inv_freq) when given explicit frequencies.
             inv_freq = llama3_inv_freq(dims, base, scaling)
             self._freqs = mx.array([1.0 / f for f in inv_freq], dtype=mx.float32)
+            self._base = None
+        elif rope_type == "freq_factors":
+            # llama.cpp's rope_freqs (GGUF): frequency i is divided by freq_factors[i].
+            factors = _require_key(scaling, "freq_factors")
+            if len(factors) != dims // 2:
+                raise ValueError(
+                    f"rope_scaling freq_factors has {len(factors)} entries, expected {dims // 2}"
+                )
+            periods = [base ** (2 * i / dims) * float(f) for i, f in enumerate(factors)]
+            self._freqs = mx.array(periods, dtype=mx.float32)
             self._base = None
 
     def __call__(
@@ -207,13 +218,15 @@ def cached_attention(
     md: AttentionMetadata,
     scale: float,
 ) -> mx.array:  # (num_tokens, num_heads, head_dim)
-    """Write this step's K/V into layer ``layer_idx``'s pool, then attend over the context."""
-    k_pool, v_pool = ops.write_kv(
-        cache.keys[layer_idx], cache.values[layer_idx], k, v, md.slot_mapping
+    """Write this step's K/V into layer ``layer_idx``'s pool, then attend over the context.
+
+    One fused op, so the Metal path can write the pool in place and order the attention
+    kernel after the write (see mlxserve/ops).
+    """
+    out, cache.keys[layer_idx], cache.values[layer_idx] = ops.write_kv_and_attend(
+        q, k, v, cache.keys[layer_idx], cache.values[layer_idx], md, scale
     )
-    cache.keys[layer_idx] = k_pool
-    cache.values[layer_idx] = v_pool
-    return ops.paged_attention(q, k_pool, v_pool, md, scale)
+    return out
 
 
 def select_rows(

@@ -1,50 +1,120 @@
 """The single dispatch point for attention kernels.
 
-``write_kv`` and ``paged_attention`` pick an implementation once per process:
-Metal kernels when they can run, else the pure-MLX fallback. Set
-``MLXSERVE_KERNELS=auto|metal|fallback`` to override; ``kernel_backend()`` says
-which one is in use and why.
+``write_kv``, ``paged_attention`` and ``write_kv_and_attend`` run mlxserve's Metal kernels
+(``mlxserve.ops.metal``) when Metal is available and the default stream is on the GPU, and
+the pure-MLX fallback otherwise. ``MLXSERVE_KERNELS=auto|metal|fallback`` overrides;
+forcing metal where it cannot run raises and says why. ``kernel_backend()`` says which
+implementation is in use and why. Models should call ``write_kv_and_attend``: it is the
+only entry that can write the pool in place with a Metal kernel (see ops/metal.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
 
 from mlxserve.ops import fallback
 from mlxserve.ops.metadata import AttentionMetadata
+from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels
 
-__all__ = ["AttentionMetadata", "kernel_backend", "paged_attention", "write_kv"]
+__all__ = [
+    "AttentionMetadata",
+    "force_backend",
+    "kernel_backend",
+    "paged_attention",
+    "write_kv",
+    "write_kv_and_attend",
+]
 
 KERNEL_CHOICES = ("auto", "metal", "fallback")
 
 
+@dataclass
+class _Override:
+    backend: str
+    kernels: MetalKernels | None
+
+
+_override: list[_Override] = []  # innermost force_backend() last
+
+
 @lru_cache(maxsize=1)
-def kernel_backend() -> tuple[str, str]:
-    """(backend, reason): which implementation the ops use, and why."""
+def _env_choice() -> str:
     choice = os.environ.get("MLXSERVE_KERNELS", "auto").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
         raise ValueError(
             f"MLXSERVE_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}"
         )
+    return choice
+
+
+def _metal_unavailable_reason() -> str | None:
+    if not mx.metal.is_available():
+        return "mx.metal.is_available() is False (no Metal device; MLX runs on its CPU backend)"
+    if mx.default_device() != mx.Device(mx.gpu):
+        return f"the default device is {mx.default_device()}, not the GPU"
+    return None
+
+
+def kernel_backend() -> tuple[str, str]:
+    """(backend, reason): which implementation the ops use right now, and why."""
+    if _override:
+        return _override[-1].backend, "forced by mlxserve.ops.force_backend()"
+    choice = _env_choice()
     if choice == "fallback":
         return "fallback", "MLXSERVE_KERNELS=fallback"
-    metal_ok = mx.metal.is_available()
+    reason = _metal_unavailable_reason()
     if choice == "metal":
-        raise RuntimeError(
-            "MLXSERVE_KERNELS=metal, but mlxserve's Metal kernels are not available: "
-            + (
-                "this build has none yet"
-                if metal_ok
-                else "mx.metal.is_available() is False "
-                "(no Metal device; MLX runs on its CPU backend here)"
-            )
-        )
-    if not metal_ok:
-        return "fallback", "Metal is not available (mx.metal.is_available() is False)"
-    return "fallback", "no Metal kernels are built into this version"
+        if reason:
+            raise RuntimeError(f"MLXSERVE_KERNELS=metal, but Metal kernels cannot run: {reason}")
+        return "metal", "MLXSERVE_KERNELS=metal"
+    if reason:
+        return "fallback", reason
+    return "metal", "Metal is available and the default stream is on the GPU"
+
+
+@lru_cache(maxsize=1)
+def _default_kernels() -> MetalKernels:
+    return MetalKernels()  # kernel objects are built on first use and kept
+
+
+def _metal() -> MetalKernels | None:
+    """The kernels to use, or None for the fallback."""
+    backend, _ = kernel_backend()
+    if backend != "metal":
+        return None
+    if _override and _override[-1].kernels is not None:
+        return _override[-1].kernels
+    return _default_kernels()
+
+
+@contextmanager
+def force_backend(
+    backend: str,
+    factory: KernelFactory | None = None,
+    config: MetalConfig | None = None,
+) -> Iterator[MetalKernels | None]:
+    """Use `backend` ("metal" or "fallback") inside the block, whatever the machine has.
+
+    For tests and for exporting graphs: `factory` replaces mx.fast.metal_kernel (e.g. the
+    emulator in metal/checker). Forcing "metal" where Metal cannot run still builds the
+    graph (mx.export_function records it), but evaluating it raises.
+    """
+    if backend not in ("metal", "fallback"):
+        raise ValueError(f"backend must be 'metal' or 'fallback', got {backend!r}")
+    kernels = None
+    if backend == "metal" and (factory is not None or config is not None):
+        kernels = MetalKernels(factory, config)
+    _override.append(_Override(backend, kernels))
+    try:
+        yield kernels or (_default_kernels() if backend == "metal" else None)
+    finally:
+        _override.pop()
 
 
 def write_kv(
@@ -54,7 +124,12 @@ def write_kv(
     values: mx.array,
     slot_mapping: mx.array,  # (num_tokens,) int32
 ) -> tuple[mx.array, mx.array]:
-    """Scatter new K/V rows into the pool; returns the updated (k_cache, v_cache)."""
+    """Scatter new K/V rows into the pool; returns the updated (k_cache, v_cache).
+
+    Always MLX's scatter (in place when the old pools can be donated): a Metal kernel that
+    writes the pool in place needs its reader to wait on it, which only
+    write_kv_and_attend arranges.
+    """
     return fallback.write_kv(k_cache, v_cache, keys, values, slot_mapping)
 
 
@@ -66,4 +141,30 @@ def paged_attention(
     scale: float,
 ) -> mx.array:  # (num_tokens, num_heads, head_dim)
     """Attention of each new token over its request's context in the block pool."""
-    return fallback.paged_attention(q, k_cache, v_cache, md, scale)
+    kernels = _metal()
+    if kernels is None:
+        return fallback.paged_attention(q, k_cache, v_cache, md, scale)
+    return kernels.paged_attention(q, k_cache, v_cache, md, scale)
+
+
+def write_kv_and_attend(
+    q: mx.array,  # (num_tokens, num_heads, head_dim)
+    keys: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+    values: mx.array,
+    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: mx.array,
+    md: AttentionMetadata,
+    scale: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One attention layer's cache work: write this step's K/V, then attend.
+
+    Returns (out, k_cache, v_cache). The pools passed in are consumed: keep only the
+    returned ones.
+    """
+    kernels = _metal()
+    if kernels is None:
+        k_cache, v_cache = fallback.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
+        return fallback.paged_attention(q, k_cache, v_cache, md, scale), k_cache, v_cache
+    k_cache, v_cache, token = kernels.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
+    out = kernels.paged_attention(q, k_cache, v_cache, md, scale, token=token)
+    return out, k_cache, v_cache

@@ -1,0 +1,1 @@
+"""The Linux checker for mlxserve's Metal kernels: shim, static compile checks, emulator."""

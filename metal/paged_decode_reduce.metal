@@ -1,0 +1,36 @@
+// paged_decode_reduce.metal -- second pass of split-K decode attention: combines the
+// partitions written by paged_decode_split.metal into the final output.
+//
+// Template: T (out dtype), HEAD_DIM, PARTITION_SIZE.
+// Inputs: partial_out (num_tokens, num_heads, num_partitions, HEAD_DIM), partial_max and
+//   partial_sum (num_tokens, num_heads, num_partitions) float32; context_lens (num_reqs,).
+// Output: out (num_tokens, num_heads, HEAD_DIM); rows >= num_reqs (padding) are zeros.
+// Grid: (threads >= HEAD_DIM, num_heads, num_tokens); one thread per output element.
+const int d = int(thread_position_in_grid.x);
+const int head = int(thread_position_in_grid.y);
+const int row = int(thread_position_in_grid.z);
+const int num_heads = partial_max_shape[1];
+const int num_parts = partial_max_shape[2];
+const int num_reqs = context_lens_shape[0];
+if (d >= HEAD_DIM) {
+  return;
+}
+const int64_t out_off = (int64_t(row) * num_heads + head) * HEAD_DIM + d;
+if (row >= num_reqs) {
+  out[out_off] = T(0.0f);
+  return;
+}
+const int used = metal::min(num_parts, (context_lens[row] + PARTITION_SIZE - 1) / PARTITION_SIZE);
+const int64_t base = (int64_t(row) * num_heads + head) * num_parts;
+float mx = MLXS_NEG_BIG;
+for (int p = 0; p < used; ++p) {
+  mx = metal::max(mx, partial_max[base + p]);
+}
+float sum = 0.0f;
+float o = 0.0f;
+for (int p = 0; p < used; ++p) {
+  const float w = metal::exp(partial_max[base + p] - mx);
+  sum += partial_sum[base + p] * w;
+  o += partial_out[(base + p) * HEAD_DIM + d] * w;
+}
+out[out_off] = static_cast<T>(o / sum);

@@ -1,0 +1,72 @@
+// paged_decode_split.metal -- first pass of split-K decode attention, for long contexts and
+// small batches: threadgroup (request, KV head, partition) attends over tokens
+// [p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE) of the context and writes an unnormalized
+// partial output with its softmax max and sum; paged_decode_reduce.metal combines them.
+//
+// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD (as paged_decode.metal), PARTITION_SIZE.
+// Inputs: q, k_cache, v_cache, block_tables, context_lens, scale (as paged_decode.metal).
+// Outputs (float32): partial_out (num_tokens, num_heads, num_partitions, HEAD_DIM),
+//   partial_max and partial_sum (num_tokens, num_heads, num_partitions). Only partitions that
+//   start inside the context of a real request are written; the reduce reads only those.
+// Grid: (NUM_SIMD * 32 * num_kv_heads, num_tokens, num_partitions), threadgroup
+//   (NUM_SIMD * 32, 1, 1).
+static_assert(NUM_SIMD * 32 >= HEAD_DIM, "one thread per head dim when merging");
+constexpr int DPL = MLXS_DIMS_PER_LANE(HEAD_DIM);
+threadgroup float tg_stats[2 * NUM_SIMD * GQA];
+threadgroup float tg_acc[NUM_SIMD * HEAD_DIM];
+
+const int kv_head = int(threadgroup_position_in_grid.x);
+const int req = int(threadgroup_position_in_grid.y);
+const int part = int(threadgroup_position_in_grid.z);
+const int num_parts = int(threadgroups_per_grid.z);
+const uint simd = simdgroup_index_in_threadgroup;
+const uint lane = thread_index_in_simdgroup;
+const uint tid = thread_index_in_threadgroup;
+const int num_kv_heads = k_cache_shape[2];
+const int num_heads = num_kv_heads * GQA;
+const int num_reqs = context_lens_shape[0];
+const int max_blocks = block_tables_shape[1];
+
+if (req >= num_reqs) {
+  return;
+}
+const int ctx = context_lens[req];
+const int t_first = part * PARTITION_SIZE;
+if (t_first >= ctx) {
+  return;
+}
+const int t_end = metal::min(ctx, t_first + PARTITION_SIZE);
+
+float qr[GQA][DPL];
+int limit[GQA];
+for (int r = 0; r < GQA; ++r) {
+  const int64_t q_off = (int64_t(req) * num_heads + kv_head * GQA + r) * HEAD_DIM;
+  for (int i = 0; i < DPL; ++i) {
+    const int d = int(lane) + 32 * i;
+    qr[r][i] = d < HEAD_DIM ? static_cast<float>(q[q_off + d]) * scale : 0.0f;
+  }
+  limit[r] = t_end;
+}
+
+float m[GQA];
+float l[GQA];
+float acc[GQA][DPL];
+paged_attend<T, HEAD_DIM, BLOCK_SIZE, GQA>(
+    qr, limit, k_cache, v_cache, block_tables + int64_t(req) * max_blocks, kv_head,
+    num_kv_heads, t_first + int(simd), t_end, NUM_SIMD, lane, m, l, acc);
+
+publish_stats<GQA, NUM_SIMD>(m, l, tg_stats, simd, lane);
+for (int r = 0; r < GQA; ++r) {
+  float row_max;
+  float row_sum;
+  const float o = merge_row<HEAD_DIM, GQA, NUM_SIMD>(
+      r, m, acc, tg_stats, tg_acc, simd, lane, tid, row_max, row_sum);
+  const int64_t slot = (int64_t(req) * num_heads + kv_head * GQA + r) * num_parts + part;
+  if (tid < uint(HEAD_DIM)) {
+    partial_out[slot * HEAD_DIM + tid] = o;
+  }
+  if (tid == 0) {
+    partial_max[slot] = row_max;
+    partial_sum[slot] = row_sum;
+  }
+}

@@ -1,0 +1,276 @@
+"""Metal kernels for write_kv and paged attention, launched through mx.fast.metal_kernel.
+
+Kernel bodies live in ``metal/*.metal`` (shipped as ``mlxserve._metal``). ``MetalKernels``
+builds each kernel object once, from a factory with mx.fast.metal_kernel's signature: the real
+one on a Mac, the CPU emulator of ``metal/checker`` in Linux tests.
+
+Writing the pool without copying it
+-----------------------------------
+A custom kernel's outputs are always fresh buffers in MLX 0.32 (no donation, no aliasing), so
+a write_kv kernel that *outputs* the pool would copy it for every layer and step. Our write
+kernel instead takes the pools as inputs and writes their buffers in place; its one output is
+a 1-element token. The pools are returned as ``mx.depends(pools, [token])``: the same buffers,
+ordered after the write in the graph. MLX's Metal encoder orders dispatches by the buffers a
+kernel *outputs*, and the pool is never an output, so the GPU would not know the attention
+kernel must wait for the write. Every attention kernel therefore binds the token as an extra
+(unread) input, which makes MLX put a barrier (same encoder) or a fence (across encoders)
+between the two. That is why the in-place write is only offered fused with the attention
+that reads it (``write_kv_and_attend``); a bare ``write_kv`` uses MLX's scatter, which is in
+place whenever the old pool can be donated.
+
+Contract: the pools passed in are consumed (their buffers are rewritten); use only the
+returned arrays. Pools must be row-contiguous (mx.zeros is) with at least 8 elements.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxserve.ops.metadata import AttentionMetadata
+
+KernelFactory = Callable[..., Callable[..., list[mx.array]]]
+
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+MAX_HEAD_DIM = 256
+
+# name -> (source file, input names, output names)
+KERNELS = {
+    "write_kv": (
+        "write_kv.metal",
+        ["keys", "values", "slot_mapping", "k_cache", "v_cache"],
+        ["written"],
+    ),
+    "paged_decode": (
+        "paged_decode.metal",
+        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "kv_written"],
+        ["out"],
+    ),
+    "paged_decode_split": (
+        "paged_decode_split.metal",
+        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "kv_written"],
+        ["partial_out", "partial_max", "partial_sum"],
+    ),
+    "paged_decode_reduce": (
+        "paged_decode_reduce.metal",
+        ["partial_out", "partial_max", "partial_sum", "context_lens"],
+        ["out"],
+    ),
+    "paged_prefill": (
+        "paged_prefill.metal",
+        [
+            "q",
+            "k_cache",
+            "v_cache",
+            "block_tables",
+            "context_lens",
+            "query_start_loc",
+            "scale",
+            "kv_written",
+        ],
+        ["out"],
+    ),
+}
+HEADER_FILE = "attention_common.metal"
+
+
+def kernel_dir() -> Path:
+    """Where the .metal files are: the installed package data, else the source tree."""
+    try:
+        return Path(str(importlib.resources.files("mlxserve._metal")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "metal"
+
+
+def read_source(file: str) -> str:
+    """Text of one kernel file."""
+    return (kernel_dir() / file).read_text()
+
+
+@dataclass(frozen=True)
+class MetalConfig:
+    """Launch choices; the defaults are for Apple GPUs."""
+
+    num_simd: int = 4  # simdgroups per threadgroup (raised to cover head_dim)
+    partition_size: int = 512  # tokens per split-K partition
+    split_max_groups: int = 64  # split decode when (requests x kv heads) is below this ...
+    split_min_context: int = 1024  # ... and the longest context is at least this
+    rows_per_tile: int = 8  # prefill: query rows (tokens x GQA heads) per threadgroup
+
+
+class MetalKernels:
+    """mlxserve's Metal kernels, each built once from `factory` (mx.fast.metal_kernel)."""
+
+    def __init__(self, factory: KernelFactory | None = None, config: MetalConfig | None = None):
+        self.factory = factory or mx.fast.metal_kernel
+        self.config = config or MetalConfig()
+        self._kernels: dict[str, Callable[..., list[mx.array]]] = {}
+        self._constants: dict[tuple, mx.array] = {}
+
+    def kernel(self, name: str) -> Callable[..., list[mx.array]]:
+        """The kernel object for `name`, built on first use."""
+        if name not in self._kernels:
+            file, inputs, outputs = KERNELS[name]
+            self._kernels[name] = self.factory(
+                name=name,
+                input_names=inputs,
+                output_names=outputs,
+                source=read_source(file),
+                header=read_source(HEADER_FILE),
+            )
+        return self._kernels[name]
+
+    def _constant(self, value, dtype: mx.Dtype, vector: bool = False) -> mx.array:
+        # Built from Python data, so already materialized: safe to reuse across graphs,
+        # mx.compile and export traces (a lazy mx.full made inside a trace would not be).
+        key = (value, str(dtype), vector)
+        if key not in self._constants:
+            self._constants[key] = mx.array([value] if vector else value, dtype=dtype)
+        return self._constants[key]
+
+    # ---- write_kv ---------------------------------------------------------------------
+    def write_kv(
+        self,
+        k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        v_cache: mx.array,
+        keys: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+        values: mx.array,
+        slot_mapping: mx.array,  # (num_tokens,) int32
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Write rows into the pools in place; returns (k_cache, v_cache, token).
+
+        The returned pools share the input buffers. Any kernel that reads them in the same
+        evaluation must take `token` as an input (see the module docstring).
+        """
+        _check_pool(k_cache, v_cache)
+        num_tokens, num_kv_heads, head_dim = keys.shape
+        row = num_kv_heads * head_dim
+        (token,) = self.kernel("write_kv")(
+            inputs=[keys, values, slot_mapping, k_cache, v_cache],
+            output_shapes=[(1,)],
+            output_dtypes=[mx.int32],
+            grid=(row, num_tokens, 1),
+            threadgroup=(min(row, 256), 1, 1),
+            template=[("T", k_cache.dtype)],
+        )
+        k_cache, v_cache = mx.depends([k_cache, v_cache], [token])
+        return k_cache, v_cache, token
+
+    # ---- attention --------------------------------------------------------------------
+    def paged_attention(
+        self,
+        q: mx.array,  # (num_tokens, num_heads, head_dim)
+        k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        v_cache: mx.array,
+        md: AttentionMetadata,
+        scale: float,
+        token: mx.array | None = None,
+    ) -> mx.array:  # (num_tokens, num_heads, head_dim)
+        """Decode-only batches use the decode kernel (split-K for long contexts), mixed ones
+        the varlen prefill kernel; `token` is write_kv's ordering token, if the pools were
+        just written."""
+        _check_pool(k_cache, v_cache)
+        num_tokens, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if head_dim > MAX_HEAD_DIM or num_heads % num_kv_heads:
+            raise ValueError(
+                f"Metal paged attention: head_dim={head_dim} (max {MAX_HEAD_DIM}), "
+                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
+            )
+        out_dtype = q.dtype
+        if q.dtype != k_cache.dtype:
+            q = q.astype(k_cache.dtype)
+        gqa = num_heads // num_kv_heads
+        num_simd = max(self.config.num_simd, -(-head_dim // 32))
+        token = token if token is not None else self._constant(0, mx.int32, vector=True)
+        scale_arr = self._constant(float(scale), mx.float32)
+        common = [q, k_cache, v_cache, md.block_tables, md.context_lens]
+        base = [
+            ("T", k_cache.dtype),
+            ("HEAD_DIM", head_dim),
+            ("BLOCK_SIZE", block_size),
+            ("GQA", gqa),
+            ("NUM_SIMD", num_simd),
+        ]
+        threads = num_simd * 32
+        if md.num_decodes < md.num_reqs:
+            tq = max(1, self.config.rows_per_tile // gqa)
+            num_tiles = md.num_reqs + -(-num_tokens // tq) + 1
+            (out,) = self.kernel("paged_prefill")(
+                inputs=[*common, md.query_start_loc, scale_arr, token],
+                output_shapes=[q.shape],
+                output_dtypes=[k_cache.dtype],
+                grid=(threads * num_kv_heads, num_tiles, 1),
+                threadgroup=(threads, 1, 1),
+                template=[*base, ("TQ", tq)],
+            )
+        elif self._use_split(md, num_kv_heads):
+            out = self._split_decode(common, scale_arr, token, base, md, q.shape, threads)
+        else:
+            (out,) = self.kernel("paged_decode")(
+                inputs=[*common, scale_arr, token],
+                output_shapes=[q.shape],
+                output_dtypes=[k_cache.dtype],
+                grid=(threads * num_kv_heads, num_tokens, 1),
+                threadgroup=(threads, 1, 1),
+                template=base,
+            )
+        return out if out.dtype == out_dtype else out.astype(out_dtype)
+
+    def _use_split(self, md: AttentionMetadata, num_kv_heads: int) -> bool:
+        cfg = self.config
+        return (
+            md.num_reqs * num_kv_heads < cfg.split_max_groups
+            and md.max_decode_context_len >= cfg.split_min_context
+        )
+
+    def _split_decode(self, common, scale_arr, token, base, md, q_shape, threads) -> mx.array:
+        num_tokens, num_heads, head_dim = q_shape
+        num_kv_heads = common[1].shape[2]
+        part = self.config.partition_size
+        # Partitions: enough for the longest context, rounded up to a power of two so the
+        # partial buffers keep their shape while contexts grow.
+        num_parts = 1 << max(0, (-(-md.max_decode_context_len // part) - 1).bit_length())
+        partial_out, partial_max, partial_sum = self.kernel("paged_decode_split")(
+            inputs=[*common, scale_arr, token],
+            output_shapes=[
+                (num_tokens, num_heads, num_parts, head_dim),
+                (num_tokens, num_heads, num_parts),
+                (num_tokens, num_heads, num_parts),
+            ],
+            output_dtypes=[mx.float32, mx.float32, mx.float32],
+            grid=(threads * num_kv_heads, num_tokens, num_parts),
+            threadgroup=(threads, 1, 1),
+            template=[*base, ("PARTITION_SIZE", part)],
+        )
+        width = -(-head_dim // 32) * 32
+        (out,) = self.kernel("paged_decode_reduce")(
+            inputs=[partial_out, partial_max, partial_sum, md.context_lens],
+            output_shapes=[q_shape],
+            output_dtypes=[base[0][1]],
+            grid=(width, num_heads, num_tokens),
+            threadgroup=(width, 1, 1),
+            template=[base[0], base[1], ("PARTITION_SIZE", part)],
+        )
+        return out
+
+
+def _check_pool(k_cache: mx.array, v_cache: mx.array) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} "
+            f"{v_cache.dtype} must match"
+        )
+    if k_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"Metal kernels: pool dtype {k_cache.dtype} is not one of float16, bfloat16, float32"
+        )
+    if k_cache.size < 8:
+        raise ValueError(
+            f"Metal kernels: a pool of {k_cache.size} elements is below the 8 "
+            "that MLX binds as device memory"
+        )

@@ -1,0 +1,156 @@
+"""`mlxserve run` as a user runs it: one-shot, piped stdin, and a REPL on a pseudo-terminal."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxserve.chat import ChatSession
+from mlxserve.cli import split_model_and_prompt
+from mlxserve.config import EngineConfig
+from mlxserve.sampling_params import SamplingParams
+from tests.engine_helpers import make_tiny_model_dir
+
+ROOT = Path(__file__).parents[1]
+RUN = [sys.executable, "-m", "mlxserve.cli", "run"]
+
+
+def run_cli(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        RUN + args, input=stdin, capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
+def test_one_shot_answers_with_the_default_model() -> None:
+    out = run_cli(["What is the capital of France?", "--max-tokens", "12"], stdin="")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "The capital of France is Paris."
+
+
+def test_piped_stdin_is_the_prompt() -> None:
+    out = run_cli(["--max-tokens", "12"], stdin="What is the capital of France?\n")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_bad_input_is_one_clear_error_line(tmp_path: Path) -> None:
+    out = run_cli([str(tmp_path / "missing.gguf"), "hi", "--max-tokens", "4"], stdin="")
+    assert out.returncode == 2
+    assert "missing.gguf" in out.stderr and "Traceback" not in out.stderr
+    out = run_cli(["hi", "--temperature", "-1", "--max-tokens", "4"], stdin="")
+    assert out.returncode == 2 and "temperature must be >= 0" in out.stderr
+
+
+class Terminal:
+    """A child process on a pseudo-terminal, read until expected text appears."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # child
+            os.chdir(ROOT)
+            os.execv(sys.executable, RUN[:1] + RUN[1:] + args)
+        self.buffer = ""
+
+    def expect(self, text: str, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while text not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{text!r} not seen; got:\n{self.buffer}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 4096).decode(errors="replace")
+                except OSError:
+                    raise AssertionError(f"process ended before {text!r}:\n{self.buffer}") from None
+                self.buffer += chunk
+        before, _, after = self.buffer.partition(text)
+        self.buffer = after
+        return before
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def wait(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            try:  # keep draining so the child never blocks on a full pty
+                if select.select([self.fd], [], [], 0.1)[0]:
+                    self.buffer += os.read(self.fd, 4096).decode(errors="replace")
+            except OSError:
+                pass
+        os.kill(self.pid, 9)
+        raise AssertionError("process did not exit")
+
+
+def test_repl_two_turns_clear_ctrl_c_and_exit() -> None:
+    # Room for a long answer to interrupt; short questions end on their own (EOS).
+    term = Terminal(["--max-tokens", "400"])
+    term.expect(">>> ")
+    term.send("What is the capital of France?\n")
+    answer = term.expect(">>> ")
+    assert "Paris" in answer
+    term.send("And of Germany?\n")
+    term.expect(">>> ")
+    term.send("/clear\n")
+    term.expect("(conversation cleared)")
+    term.expect(">>> ")
+    # A long answer, interrupted: the REPL survives and says so.
+    term.send("Write a long story about a dragon.\n")
+    time.sleep(2)
+    term.send("\x03")
+    term.expect("[stopped]")
+    term.expect(">>> ")
+    term.send("/exit\n")
+    assert term.wait() == 0
+
+
+def test_chat_session_keeps_history_and_clears_it(tmp_path: Path) -> None:
+    _, model_dir = make_tiny_model_dir(tmp_path / "m", seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    session = ChatSession.load(
+        EngineConfig(model=str(model_dir), num_blocks=64), params, system="Be brief."
+    )
+    import io
+
+    first = session.answer("hello", io.StringIO())
+    session.answer("again", io.StringIO())
+    assert [m["role"] for m in session.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert session.messages[2]["content"] == first
+    # The second prompt is the template over the whole conversation so far.
+    tok = session.engine.tokenizer
+    expected = tok.encode_chat(session.messages[:4], add_generation_prompt=True)
+    assert session._prompt_ids()[: len(expected) - 3] == expected[: len(expected) - 3]
+    session.clear()
+    assert session.messages == [{"role": "system", "content": "Be brief."}]
+
+
+@pytest.mark.parametrize(
+    "words,flag,expected",
+    [
+        (["hello there"], None, (None, "hello there")),
+        (["org/model", "hi"], None, ("org/model", "hi")),
+        (["what is 1 + 1?"], None, (None, "what is 1 + 1?")),
+        (["hi"], "x.gguf", ("x.gguf", "hi")),
+        (["./nowhere/model.gguf", "hi"], None, ("./nowhere/model.gguf", "hi")),
+        ([], None, (None, None)),
+    ],
+)
+def test_model_or_prompt_first_word(words, flag, expected) -> None:
+    assert split_model_and_prompt(words, flag) == expected

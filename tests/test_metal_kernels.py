@@ -1,0 +1,187 @@
+"""mlxserve's Metal kernels against the pure-MLX fallback, over every supported shape.
+
+On Linux the kernels run on the CPU emulator of metal/checker; on a Mac the same tests also
+run them for real on the GPU (the "metal" backend, skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal.checker import build
+from metal.checker.cases import (
+    Case,
+    check,
+    decode_requests,
+    make_inputs,
+    metal_backend,
+    mixed_requests,
+    run,
+    split_config,
+)
+from metal.checker.emulator import Emulator
+from metal.checker.record import Recorder
+
+DTYPES = ["float16", "bfloat16", "float32"]
+HEAD_DIMS = [64, 80, 96, 128]
+BLOCK_SIZES = [8, 16, 32]
+GQA = [1, 3, 4, 8]
+SWEEP = list(itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES, GQA))
+
+
+def paths(dtype: str, head_dim: int, block_size: int, gqa: int, seed: int):
+    """(name, case, config, kernels that must run) for the three kernel paths."""
+    dec = decode_requests(block_size)
+    return [
+        (
+            "decode",
+            Case(dec, block_size, gqa, head_dim, dtype, pad_tokens=1, seed=seed),
+            None,
+            {"write_kv", "paged_decode"},
+        ),
+        (
+            "split",
+            Case(dec, block_size, gqa, head_dim, dtype, pad_tokens=1, seed=seed + 1),
+            split_config(block_size),
+            {"write_kv", "paged_decode_split", "paged_decode_reduce"},
+        ),
+        (
+            "prefill",
+            Case(
+                mixed_requests(block_size),
+                block_size,
+                gqa,
+                head_dim,
+                dtype,
+                pad_tokens=2,
+                seed=seed + 2,
+            ),
+            None,
+            {"write_kv", "paged_prefill"},
+        ),
+    ]
+
+
+@pytest.fixture(scope="session")
+def emulator() -> Emulator:
+    """The emulator, with every kernel variant of the sweep compiled up front in parallel."""
+    if sys.platform != "linux":
+        pytest.skip("the Metal emulator runs on Linux")
+    rec = Recorder()
+    for params in SWEEP:
+        for _, case, config, _ in paths(*params, seed=0):
+            run(make_inputs(case), case.dtype, metal_backend(rec.metal_kernel, config))
+    build.compile_variants(rec.variants)
+    return Emulator()
+
+
+@pytest.fixture(params=["emulator", "metal"])
+def kernels(request):
+    """(factory, emulator or None): where the Metal kernels run."""
+    if request.param == "metal":
+        if not mx.metal.is_available():
+            pytest.skip("real Metal path: needs a Mac with Metal")
+        return None, None
+    emu = request.getfixturevalue("emulator")
+    return emu.metal_kernel, emu
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size,gqa", SWEEP)
+def test_kernels_match_fallback(kernels, dtype, head_dim, block_size, gqa) -> None:
+    factory, emu = kernels
+    seed = head_dim * 100 + block_size * 10 + gqa
+    for name, case, config, expected in paths(dtype, head_dim, block_size, gqa, seed):
+        before = len(emu.launches) if emu else 0
+        check(case, metal_backend(factory, config))
+        if emu:
+            ran = {launch["name"] for launch in emu.launches[before:]}
+            assert ran == expected, (name, ran)
+
+
+def test_write_kv_updates_the_pool_in_place(kernels) -> None:
+    """The write kernel changes exactly the new tokens' slots, in the pool's own buffer."""
+    factory, emu = kernels
+    case = Case(mixed_requests(8), 8, 2, 64, "float16", pad_tokens=0, seed=7)
+    inp = make_inputs(case)
+    k_cache = mx.array(inp.k_pool).astype(mx.float16)
+    v_cache = mx.array(inp.v_pool).astype(mx.float16)
+    mx.eval(k_cache, v_cache)
+    k_before, v_before = np.array(k_cache), np.array(v_cache)
+    address = np.asarray(k_cache).__array_interface__["data"][0]
+    from mlxserve import ops
+
+    with ops.force_backend("metal", factory):
+        out, k_new, v_new = ops.write_kv_and_attend(
+            mx.array(inp.q).astype(mx.float16),
+            mx.array(inp.keys).astype(mx.float16),
+            mx.array(inp.values).astype(mx.float16),
+            k_cache,
+            v_cache,
+            inp.md,
+            inp.scale,
+        )
+        mx.eval(out, k_new, v_new)
+    if emu:
+        launches = emu.launches[-2:]
+        assert [x["name"] for x in launches] == ["write_kv", "paged_prefill"]
+        assert launches[0]["written_inputs"] == ["k_cache", "v_cache"]
+        assert launches[1]["written_inputs"] == []
+    # Same buffer: no copy of the pool was made.
+    assert np.asarray(k_new).__array_interface__["data"][0] == address
+    # Expected pool: the old one with the new rows at their slots, nothing else touched.
+    slots = np.array(inp.md.slot_mapping)
+    rows = k_before.reshape(-1, *k_before.shape[2:]).copy()
+    rows[slots] = np.array(mx.array(inp.keys).astype(mx.float16))
+    np.testing.assert_array_equal(np.array(k_new).reshape(rows.shape), rows)
+    written = np.zeros(rows.shape[0], bool)
+    written[slots] = True
+    v_rows_new = np.array(v_new).reshape(rows.shape)
+    v_rows_old = v_before.reshape(rows.shape)
+    np.testing.assert_array_equal(v_rows_new[~written], v_rows_old[~written])
+    np.testing.assert_array_equal(
+        v_rows_new[slots], np.array(mx.array(inp.values).astype(mx.float16))
+    )
+
+
+def test_attention_waits_for_the_write() -> None:
+    """The attention kernel takes write_kv's token as an input: MLX's GPU ordering."""
+    from mlxserve import ops
+
+    seen: dict[str, list] = {}
+
+    def spy(**kwargs):
+        name = kwargs["name"]
+
+        def call(**call_kwargs):
+            seen[name] = call_kwargs["inputs"]
+            outs = [
+                mx.zeros(s, d)
+                for s, d in zip(
+                    call_kwargs["output_shapes"], call_kwargs["output_dtypes"], strict=True
+                )
+            ]
+            seen[name + ":out"] = outs
+            return outs
+
+        return call
+
+    for requests in (decode_requests(8), mixed_requests(8)):
+        inp = make_inputs(Case(requests, 8, 2, 64))
+        with ops.force_backend("metal", spy):
+            ops.write_kv_and_attend(
+                mx.array(inp.q),
+                mx.array(inp.keys),
+                mx.array(inp.values),
+                mx.array(inp.k_pool),
+                mx.array(inp.v_pool),
+                inp.md,
+                inp.scale,
+            )
+        (token,) = seen["write_kv:out"]
+        reader = "paged_prefill" if requests == mixed_requests(8) else "paged_decode"
+        assert seen[reader][-1] is token

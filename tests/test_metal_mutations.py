@@ -1,0 +1,323 @@
+"""Mutation tests: known bugs injected into copies of the kernels must all be caught.
+
+Each mutation edits one kernel source as mlxserve loads it (the original must contain the
+edited text exactly once), runs the ops on the emulator under two thread schedules, and
+compares with the fallback exactly as the sweep in test_metal_kernels.py does. The test
+asserts how the checker catches it: a numerical mismatch, NaN from a poisoned buffer, a race
+(schedule-dependent result), a divergence/deadlock report, or an invalid memory access.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from metal.checker.build import CompileError
+from metal.checker.cases import (
+    Case,
+    check,
+    decode_requests,
+    metal_backend,
+    mixed_requests,
+    split_config,
+)
+from metal.checker.emulator import Emulator, KernelError
+from mlxserve.ops.metal import read_source
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the emulator runs on Linux")
+
+BS = 8
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    old: str
+    new: str
+    paths: tuple[str, ...]  # decode | split | prefill
+    caught_by: str  # mismatch | nan | race | divergence | fault
+
+
+HEADER = "attention_common.metal"
+ALL = ("decode", "split", "prefill")
+LANE_EXIT = "if (lane == 31) { return; }\n"
+MUTATIONS = [
+    # write_kv
+    Mutation(
+        "write_kv: off-by-one slot",
+        "write_kv.metal",
+        "k_pool[slot * row + e]",
+        "k_pool[(slot + 1) * row + e]",
+        ALL,
+        "mismatch",
+    ),
+    Mutation(
+        "write_kv: early exit drops each row's last element",
+        "write_kv.metal",
+        "if (int64_t(e) >= row) {",
+        "if (int64_t(e) >= row - 1) {",
+        ALL,
+        "mismatch",
+    ),
+    Mutation(
+        "write_kv: values never written",
+        "write_kv.metal",
+        "v_pool[slot * row + e] =",
+        "(void)v_pool; float unused_v =",
+        ALL,
+        "mismatch",
+    ),
+    # shared attention helpers
+    Mutation(
+        "attention: barrier removed before the merge reads",
+        HEADER,
+        "threadgroup_barrier(mem_flags::mem_threadgroup);\n  float out = 0.0f;",
+        "float out = 0.0f;",
+        ALL,
+        "race",
+    ),
+    Mutation(
+        "attention: barrier removed before the merge buffer is reused",
+        HEADER,
+        "threadgroup_barrier(mem_flags::mem_threadgroup);  // tg_acc is reused",
+        "//",
+        ALL,
+        "race",
+    ),
+    Mutation(
+        "attention: barrier removed after publishing stats",
+        HEADER,
+        "  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n}",
+        "  }\n}",
+        ALL,
+        "race",
+    ),
+    Mutation(
+        "attention: wrong block at a block edge",
+        HEADER,
+        "table[t / BLOCK_SIZE]",
+        "table[(t + 1) / BLOCK_SIZE]",
+        ALL,
+        "mismatch",
+    ),
+    Mutation(
+        "attention: off-by-one offset inside the block",
+        HEADER,
+        "+ t % BLOCK_SIZE)",
+        "+ (t + 1) % BLOCK_SIZE)",
+        ALL,
+        "mismatch",
+    ),
+    Mutation(
+        "attention: lanes skip the last head dims",
+        HEADER,
+        "v[i] = d < HEAD_DIM ?",
+        "v[i] = d < HEAD_DIM - 8 ?",
+        ALL,
+        "mismatch",
+    ),
+    # decode
+    Mutation(
+        "decode: wrong GQA head mapping",
+        "paged_decode.metal",
+        "(int64_t(req) * num_heads + kv_head * GQA + r) * HEAD_DIM",
+        "(int64_t(req) * num_heads + r * num_kv_heads + kv_head) * HEAD_DIM",
+        ("decode",),
+        "mismatch",
+    ),
+    Mutation(
+        "decode: early lane exit",
+        "paged_decode.metal",
+        "publish_stats<GQA",
+        LANE_EXIT + "publish_stats<GQA",
+        ("decode",),
+        "divergence",
+    ),
+    Mutation(
+        "decode: last context token dropped",
+        "paged_decode.metal",
+        "limit[r] = ctx;",
+        "limit[r] = ctx - 1;",
+        ("decode",),
+        "nan",  # context 1: nothing left to attend, 0/0
+    ),
+    Mutation(
+        "decode: padding rows left unwritten",
+        "paged_decode.metal",
+        "out_rows[i] = T(0.0f);",
+        "(void)i;",
+        ("decode",),
+        "nan",
+    ),
+    # split-K decode
+    Mutation(
+        "split: partition ends one token early",
+        "paged_decode_split.metal",
+        "t_first + PARTITION_SIZE);",
+        "t_first + PARTITION_SIZE - 1);",
+        ("split",),
+        "mismatch",
+    ),
+    Mutation(
+        "split: wrong GQA head mapping",
+        "paged_decode_split.metal",
+        "(int64_t(req) * num_heads + kv_head * GQA + r) * num_parts",
+        "(int64_t(req) * num_heads + r * num_kv_heads + kv_head) * num_parts",
+        ("split",),
+        "mismatch",
+    ),
+    Mutation(
+        "split: early lane exit",
+        "paged_decode_split.metal",
+        "publish_stats<GQA",
+        LANE_EXIT + "publish_stats<GQA",
+        ("split",),
+        "divergence",
+    ),
+    Mutation(
+        "reduce: last partial partition dropped",
+        "paged_decode_reduce.metal",
+        "(context_lens[row] + PARTITION_SIZE - 1) / PARTITION_SIZE",
+        "context_lens[row] / PARTITION_SIZE",
+        ("split",),
+        "nan",  # a context shorter than one partition keeps no partition: 0/0
+    ),
+    Mutation(
+        "reduce: reads partitions nobody wrote",
+        "paged_decode_reduce.metal",
+        "metal::min(num_parts, (context_lens[row] + PARTITION_SIZE - 1) / PARTITION_SIZE)",
+        "num_parts",
+        ("split",),
+        "nan",
+    ),
+    Mutation(
+        "reduce: early exit skips the last dim",
+        "paged_decode_reduce.metal",
+        "if (d >= HEAD_DIM) {",
+        "if (d >= HEAD_DIM - 1) {",
+        ("split",),
+        "nan",
+    ),
+    # varlen prefill
+    Mutation(
+        "prefill: causal mask off by one",
+        "paged_prefill.metal",
+        "first_pos + j + 1 : 0",
+        "first_pos + j + 2 : 0",
+        ("prefill",),
+        "mismatch",
+    ),
+    Mutation(
+        "prefill: tile covers one query too few",
+        "paged_prefill.metal",
+        "count = metal::min(TQ, q_begin",
+        "count = metal::min(TQ - 1, q_begin",
+        ("prefill",),
+        "nan",
+    ),
+    Mutation(
+        "prefill: wrong GQA head mapping",
+        "paged_prefill.metal",
+        "(int64_t(first + j) * num_heads + kv_head * GQA + g) * HEAD_DIM + tid",
+        "(int64_t(first + j) * num_heads + g * num_kv_heads + kv_head) * HEAD_DIM + tid",
+        ("prefill",),
+        "mismatch",
+    ),
+    Mutation(
+        "prefill: early lane exit",
+        "paged_prefill.metal",
+        "publish_stats<ROWS",
+        LANE_EXIT + "publish_stats<ROWS",
+        ("prefill",),
+        "divergence",
+    ),
+    Mutation(
+        "prefill: another request's block table",
+        "paged_prefill.metal",
+        "block_tables + int64_t(req) * max_blocks",
+        "block_tables + int64_t(req + 1) * max_blocks",
+        ("prefill",),
+        "fault",
+    ),
+    Mutation(
+        "prefill: padding rows left unwritten",
+        "paged_prefill.metal",
+        "o[i] = T(0.0f);",
+        "(void)o;",
+        ("prefill",),
+        "nan",
+    ),
+]
+
+
+def _case(path: str) -> tuple[Case, object]:
+    requests = mixed_requests(BS) if path == "prefill" else decode_requests(BS)
+    case = Case(requests, BS, gqa=2, head_dim=80, dtype="float32", pad_tokens=2, seed=3)
+    return case, split_config(BS) if path == "split" else None
+
+
+def _factory(emu: Emulator, mutation: Mutation | None):
+    if mutation is None:
+        return emu.metal_kernel
+    original = read_source(mutation.file)
+    assert original.count(mutation.old) == 1, f"{mutation.name}: edit site not found once"
+    mutated = original.replace(mutation.old, mutation.new)
+
+    def factory(**kw):
+        for key in ("source", "header"):
+            if kw.get(key) == original:
+                kw[key] = mutated
+        return emu.metal_kernel(**kw)
+
+    return factory
+
+
+def _outcome(path: str, mutation: Mutation | None) -> str:
+    """How the checker judges the kernels: 'ok' or the kind of failure."""
+    emu = Emulator(schedules=("forward", "reverse"), timeout_s=20.0)
+    case, config = _case(path)
+    try:
+        check(case, metal_backend(_factory(emu, mutation), config))
+    except KernelError as e:
+        msg = str(e)
+        if "schedules" in msg:
+            return "race"
+        if "invalid memory access" in msg:
+            return "fault"
+        return "divergence"
+    except CompileError:
+        return "compile"
+    except AssertionError as e:
+        return "nan" if "nan" in str(e).lower() else "mismatch"
+    return "ok"
+
+
+@pytest.mark.parametrize("path", ["decode", "split", "prefill"])
+def test_unmutated_kernels_pass(path) -> None:
+    assert _outcome(path, None) == "ok"
+
+
+@pytest.mark.parametrize(
+    "mutation,path",
+    [(m, p) for m in MUTATIONS for p in m.paths],
+    ids=[f"{m.name} [{p}]" for m in MUTATIONS for p in m.paths],
+)
+def test_mutation_is_caught(mutation: Mutation, path: str) -> None:
+    assert _outcome(path, mutation) == mutation.caught_by
+
+
+def test_every_kernel_has_mutations() -> None:
+    files = {m.file for m in MUTATIONS}
+    assert files == {
+        "write_kv.metal",
+        HEADER,
+        "paged_decode.metal",
+        "paged_decode_split.metal",
+        "paged_decode_reduce.metal",
+        "paged_prefill.metal",
+    }
+    assert np.unique([m.name for m in MUTATIONS]).size == len(MUTATIONS)
