@@ -20,22 +20,25 @@ from tests.server_harness import free_port, metric, read_metrics, wait_until
 
 
 class Faults:
-    """Makes the runner's execute() raise on chosen calls."""
+    """Makes the runner's launch() (start a step) or collect() (wait for it) raise."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.real = engine.runner.execute
+        self.real = {"launch": engine.runner.launch, "collect": engine.runner.collect}
         self.fail_at: set[int] = set()
-        self.calls = 0
-        engine.runner.execute = self.execute
+        self.where = "launch"
+        self.calls = {"launch": 0, "collect": 0}
+        engine.runner.launch = lambda so: self._call("launch", so)
+        engine.runner.collect = lambda step: self._call("collect", step)
 
-    def execute(self, scheduler_output):
-        self.calls += 1
-        if self.calls in self.fail_at:
+    def _call(self, name: str, arg):
+        self.calls[name] += 1
+        if name == self.where and self.calls[name] in self.fail_at:
             raise RuntimeError("injected fault")
-        return self.real(scheduler_output)
+        return self.real[name](arg)
 
-    def fail_in(self, *steps: int) -> None:
-        self.fail_at = {self.calls + s for s in steps}
+    def fail_in(self, *steps: int, where: str = "launch") -> None:
+        self.where = where
+        self.fail_at = {self.calls[where] + s for s in steps}
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +69,11 @@ def ok(url: str) -> None:
     assert r.json()["usage"]["completion_tokens"] == 6
 
 
-def test_failed_step_is_500_then_the_server_keeps_serving(app_server) -> None:
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_failed_step_is_500_then_the_server_keeps_serving(app_server, where) -> None:
     url, faults, engine = app_server
     ok(url)
-    faults.fail_in(2)  # the second step of the next request
+    faults.fail_in(2, where=where)  # the second step of the next request
     r = httpx.post(url + "/v1/completions", json=BODY, timeout=30)
     assert r.status_code == 500
     err = r.json()["error"]

@@ -13,12 +13,14 @@ from tests.server_harness import metric, read_metrics, start_server, wait_until
 
 MODEL = "tiny-metrics"
 ORIGIN = "http://app.example"
-LONG = 4000  # max_tokens of requests that are meant to be cut short
+LONG = 30000  # max_tokens of requests that are meant to be cut short
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    _, model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), seed=9)
+    _, model_dir = make_tiny_model_dir(
+        tmp_path_factory.mktemp("tiny"), seed=9, max_position_embeddings=32768
+    )
     log = tmp_path_factory.mktemp("log") / "server.log"
     args = [str(model_dir), "--served-model-name", MODEL, "--log-stats-interval", "0.3"]
     s = start_server(args + ["--allowed-origins", json.dumps([ORIGIN])], log)

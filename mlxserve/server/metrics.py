@@ -146,9 +146,8 @@ class ServerMetrics:
             w = self._window
             w.prefix_queries += queries - last_q
             w.prefix_hits += hits - last_h
-            if new_step:
+            if new_step:  # a step was launched: the prompt tokens it computes
                 w.num_prompt_tokens += step.num_prompt_tokens
-                w.num_generation_tokens += step.num_generation_tokens
             self._cumulative = (queries, hits)
             self._gauges = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
         self._last_stats = stats
@@ -169,6 +168,8 @@ class ServerMetrics:
                 self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
         if num_new:
             self.generation_tokens.inc(num_new)
+            with self._lock:
+                self._window.num_generation_tokens += num_new
             self._num_generated[rid] = self._num_generated.get(rid, 0) + num_new
             if live.last_token_time is None:
                 if m is not None and m.first_token_time is not None:
