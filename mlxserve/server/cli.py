@@ -96,6 +96,7 @@ def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) ->
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    """Load the engine, start its thread, serve the app until interrupted."""
     import uvicorn
 
     from mlxserve.async_engine import AsyncLLM

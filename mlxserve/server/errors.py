@@ -43,6 +43,7 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
+        """The JSON body of this error."""
         return error_body(self.message, self.type, self.param, self.code)
 
 
@@ -54,27 +55,33 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def error_body(
     message: str, type: str, param: str | None = None, code: str | int | None = None
 ) -> dict:
+    """{"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def error_response(error: APIError) -> JSONResponse:
+    """The error as a JSON response with its status."""
     return JSONResponse(error.body(), status_code=error.status)
 
 
 def validation_error(e: ValidationError | RequestValidationError) -> APIError:
     """A pydantic error as a 400 naming every bad field; unknown fields are 'unsupported'."""
-    parts, params = [], []
+    unsupported: list[str] = []
+    invalid: dict[str, list[str]] = {}  # field -> messages (one per member of a union)
     for err in e.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         # Unions add the tried type to the location ("prompt.str"); keep the field path.
         loc = [x for x in loc if x not in _UNION_TAGS and not x.startswith(("list[", "dict["))]
         name = ".".join(loc) or "body"
-        params.append(name)
         if err.get("type") == "extra_forbidden":
-            parts.append(f"unsupported field {name!r}: mlxserve does not implement it")
+            unsupported.append(name)
         else:
-            parts.append(f"invalid value for {name!r}: {err.get('msg')}")
-    return bad_request("; ".join(dict.fromkeys(parts)), param=params[0] if params else None)
+            invalid.setdefault(name, []).append(str(err.get("msg")))
+    parts = [f"unsupported field {n!r}: mlxserve does not implement it" for n in unsupported]
+    for name, messages in invalid.items():
+        parts.append(f"invalid value for {name!r}: {' or '.join(dict.fromkeys(messages))}")
+    params = unsupported + list(invalid)
+    return bad_request("; ".join(parts), param=params[0] if params else None)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "function-after", "literal['text']"}

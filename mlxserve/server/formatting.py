@@ -71,6 +71,7 @@ class CompletionLogprobs:
     offset: int = 0
 
     def make(self, token_ids: list[int], logprobs: list[Logprobs | None]) -> dict:
+        """The logprobs object of these tokens (a None entry: the first prompt token)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for tok, entry in zip(token_ids, logprobs, strict=True):
             s = self.text(tok)
@@ -94,6 +95,7 @@ class CompletionLogprobs:
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+    """OpenAI's usage object."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
@@ -124,6 +126,7 @@ class PromptResult:
     samples: dict[int, SampleResult] = field(default_factory=dict)
 
     def add(self, out: RequestOutput) -> None:
+        """Fold in one delta output."""
         self.prompt = out.prompt
         self.prompt_token_ids = out.prompt_token_ids
         self.num_cached_tokens = out.num_cached_tokens
@@ -140,4 +143,5 @@ class PromptResult:
 
     @property
     def num_completion_tokens(self) -> int:
+        """Tokens generated over all samples."""
         return sum(len(s.token_ids) for s in self.samples.values())

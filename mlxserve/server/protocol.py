@@ -19,10 +19,14 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """stream_options: only include_usage."""
+
     include_usage: bool = False
 
 
 class ResponseFormat(_Strict):
+    """response_format: plain text only."""
+
     # Only plain text (the default) is implemented; json_object / json_schema are a 400.
     type: Literal["text"]
 
@@ -53,6 +57,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
 
     def check_stream_options(self) -> None:
+        """OpenAI refuses stream_options without stream; so do we."""
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
@@ -60,6 +65,7 @@ class _SamplingFields(_Strict):
 
     @property
     def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _params(
@@ -157,6 +163,7 @@ class ChatMessage(BaseModel):
         return content
 
     def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined by newlines)."""
         msg = self.model_dump(exclude_none=True)
         if msg["role"] == "developer":  # OpenAI's newer name for the system role
             msg["role"] = "system"
@@ -191,6 +198,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self._params(max_tokens, logprobs, rename=rename)
 
     def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them."""
         return [m.to_template() for m in self.messages]
 
 

@@ -77,6 +77,7 @@ class OpenAIServing:
         return name
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
+        """400 unless every id is in the model's vocabulary."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(
@@ -127,6 +128,7 @@ class OpenAIServing:
         return out
 
     async def create_completion(self, raw: Request, req: CompletionRequest) -> Response:
+        """POST /v1/completions: JSON, or an event stream when req.stream."""
         model = self.check_model(req.model)
         params = req.sampling_params()
         self._check_params(params)
@@ -250,6 +252,7 @@ class OpenAIServing:
         return text, self.tokenizer.encode_rendered_chat(text)
 
     async def create_chat_completion(self, raw: Request, req: ChatCompletionRequest) -> Response:
+        """POST /v1/chat/completions: JSON, or an event stream when req.stream."""
         model = self.check_model(req.model)
         params = req.sampling_params()
         self._check_params(params)
