@@ -63,6 +63,7 @@ def test_metrics_parse_with_vllm_names(server, http) -> None:
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
         "vllm:prompt_tokens_total",
@@ -75,6 +76,10 @@ def test_metrics_parse_with_vllm_names(server, http) -> None:
         "vllm:inter_token_latency_seconds",
         "vllm:e2e_request_latency_seconds",
         "vllm:request_queue_time_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
     ):
         assert m(values, name + "_count") >= 1, name
         assert m(values, name + "_bucket", le="+Inf") == m(values, name + "_count")
@@ -110,8 +115,13 @@ def test_counters_match_the_requests_made(server, http) -> None:
     assert delta(before, after, "vllm:request_success_total", finished_reason="stop") == 0
     for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
         assert delta(before, after, f"vllm:{name}_seconds_count") == 4
+    for name in ("prefill", "decode", "inference"):
+        assert delta(before, after, f"vllm:request_{name}_time_seconds_count") == 4
     # One inter-token gap per token after the first.
-    assert delta(before, after, "vllm:inter_token_latency_seconds_count") == num_generated - 4
+    for name in ("inter_token_latency", "time_per_output_token"):
+        assert delta(before, after, f"vllm:{name}_seconds_count") == num_generated - 4
+    assert delta(before, after, "vllm:request_prompt_tokens_sum") == num_prompt
+    assert delta(before, after, "vllm:request_generation_tokens_sum") == num_generated
     assert delta(before, after, "vllm:prefix_cache_queries_total") == num_prompt
     assert m(after, "vllm:num_requests_running") == 0
     assert m(after, "vllm:kv_cache_usage_perc") == 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mlxserve.request import RequestOutput
+from mlxserve.request import RequestMetrics, RequestOutput
 
 logger = logging.getLogger("mlxserve")
 
@@ -32,6 +32,7 @@ class _Live:
 
     last_token_time: float | None = None
     has_tokens: bool = False
+    num_generated: int = 0
 
 
 @dataclass
@@ -71,6 +72,10 @@ class ServerMetrics:
         self.kv_cache_usage = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
+        # vLLM's older name, still read by its example Grafana dashboard.
+        self.gpu_cache_usage = gauge(
+            "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
         self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of tokens."
         )
@@ -94,12 +99,33 @@ class ServerMetrics:
         self.inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency.", ITL_BUCKETS
         )
+        # The same gaps under vLLM's older name (its example dashboard plots this one).
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token (inter-token latency).",
+            ITL_BUCKETS,
+        )
         self.e2e_request_latency = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency.", E2E_BUCKETS
         )
         self.request_queue_time = histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
+            E2E_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            E2E_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            E2E_BUCKETS,
+        )
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
             E2E_BUCKETS,
         )
         self.request_prompt_tokens = histogram(
@@ -111,7 +137,6 @@ class ServerMetrics:
             TOKEN_BUCKETS,
         )
         self._live: dict[str, _Live] = {}
-        self._num_generated: dict[str, int] = {}
         self._last_step = None
         self._last_stats = None
         self._lock = threading.Lock()
@@ -133,6 +158,7 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         last_q, last_h = self._cumulative
         last_p = self._last_stats.num_preemptions if self._last_stats else 0
@@ -170,20 +196,29 @@ class ServerMetrics:
             self.generation_tokens.inc(num_new)
             with self._lock:
                 self._window.num_generation_tokens += num_new
-            self._num_generated[rid] = self._num_generated.get(rid, 0) + num_new
+            live.num_generated += num_new
             if live.last_token_time is None:
                 if m is not None and m.first_token_time is not None:
                     self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
             else:
                 self.inter_token_latency.observe(now - live.last_token_time)
+                self.time_per_output_token.observe(now - live.last_token_time)
             live.last_token_time = now
         if out.finished:
             for c in out.outputs:
                 self._request_success.labels(self.model_name, c.finish_reason).inc()
             if m is not None:
-                self.e2e_request_latency.observe((m.finished_time or now) - m.arrival_time)
-            self.request_generation_tokens.observe(self._num_generated.pop(rid, 0))
+                self._observe_phases(m, now)
+            self.request_generation_tokens.observe(live.num_generated)
             self._live.pop(rid, None)
+
+    def _observe_phases(self, m: RequestMetrics, now: float) -> None:
+        finished = m.finished_time or now
+        self.e2e_request_latency.observe(finished - m.arrival_time)
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.request_prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+            self.request_decode_time.observe(finished - m.first_token_time)
+            self.request_inference_time.observe(finished - m.first_scheduled_time)
 
     # ---------------------------------------------------------------- event loop
     def render(self) -> bytes:
