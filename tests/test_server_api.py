@@ -109,7 +109,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "tools": []},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
         "tools",
     ),
     (
@@ -153,10 +153,21 @@ def test_invalid_parameters_are_400_naming_the_field(http, path, body, param) ->
 
 
 def test_unsupported_fields_are_named(http) -> None:
-    body = {"model": "tiny", "prompt": "hi", "suffix": "!", "tools": []}
+    body = {"model": "tiny", "prompt": "hi", "suffix": "!", "tools": [{}]}
     err = assert_openai_error(http.post("/v1/completions", json=body), 400)
     assert "'suffix'" in err["message"] and "'tools'" in err["message"]
     assert "unsupported" in err["message"]
+
+
+def test_null_and_empty_unsupported_fields_count_as_absent(http) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    for extra in ({"tools": []}, {"tools": None, "functions": []}, {"temperature": None}):
+        r = http.post("/v1/chat/completions", json=body | extra)
+        assert r.status_code == 200, (extra, r.text)
+    err = assert_openai_error(
+        http.post("/v1/chat/completions", json=body | {"tools": [{"type": "function"}]}), 400
+    )
+    assert err["param"] == "tools"
 
 
 def test_malformed_json_and_non_object_bodies_are_400(http) -> None:

@@ -196,7 +196,14 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
-    data = {k: v for k, v in data.items() if v is not None}  # null = not given
+    # null means "not given"; so does an empty list or object for a field we do not
+    # implement ("tools": []): there is nothing in it to ignore.
+    known = model.model_fields
+    data = {
+        k: v
+        for k, v in data.items()
+        if v is not None and (k in known or not (isinstance(v, (list, dict)) and not v))
+    }
     try:
         return model.model_validate(data)
     except ValidationError as e:
