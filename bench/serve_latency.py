@@ -181,6 +181,23 @@ def bench_server(name: str, cmd: list[str], health: str, args, logs: Path) -> di
     return summary
 
 
+def run_both(args: argparse.Namespace, source, work: Path, convert) -> dict[str, dict]:
+    """Bench mlxserve, then mlx-lm (on ``source`` exported into ``work`` if needed)."""
+    results: dict[str, dict] = {}
+    if args.only != "mlx-lm":
+        cmd = [sys.executable, "-m", "mlxserve.cli", "serve", str(source.path)]
+        cmd += ["--disable-log-stats", "--uvicorn-log-level", "warning"]
+        results["mlxserve"] = bench_server("mlxserve", cmd, "/health", args, work)
+    if args.only != "mlxserve":
+        mlx_dir = args.mlx_lm_model
+        if mlx_dir is None:
+            mlx_dir = source.path if source.kind == "dir" else convert(args.model, work / "mlx")
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir)]
+        cmd += ["--log-level", "WARNING"]
+        results["mlx-lm"] = bench_server("mlx-lm", cmd, "/health", args, work)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="default: the embedded SmolLM2 GGUF")
@@ -196,19 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     from mlxserve.loader import resolve_model
 
     source = resolve_model(args.model)
-    work = Path(tempfile.mkdtemp(prefix="serve-latency-"))
-    results: dict[str, dict] = {}
-    if args.only != "mlx-lm":
-        cmd = [sys.executable, "-m", "mlxserve.cli", "serve", str(source.path)]
-        cmd += ["--disable-log-stats", "--uvicorn-log-level", "warning"]
-        results["mlxserve"] = bench_server("mlxserve", cmd, "/health", args, work)
-    if args.only != "mlxserve":
-        mlx_dir = args.mlx_lm_model
-        if mlx_dir is None:
-            mlx_dir = source.path if source.kind == "dir" else convert(args.model, work / "mlx")
-        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir)]
-        cmd += ["--log-level", "WARNING"]
-        results["mlx-lm"] = bench_server("mlx-lm", cmd, "/health", args, work)
+    with tempfile.TemporaryDirectory(prefix="serve-latency-") as tmp:
+        results = run_both(args, source, Path(tmp), convert)
 
     print(
         f"\nmodel {source.name}; {args.num_clients} clients x {args.requests_per_client} "
@@ -222,12 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         row = f"{k:<16}" + "".join(f"{r[k]:>12.1f}" for r in results.values())
         if both:
             ours, theirs = results["mlxserve"][k], results["mlx-lm"][k]
-            if k == "output_tokens":
-                ratio = ours / theirs
-            elif k == "output_tok_s":
-                ratio = ours / theirs
-            else:
-                ratio = theirs / ours
+            ratio = ours / theirs if k.startswith("output") else theirs / ours
             row += f"{ratio:>10.2f}"
         print(row)
     if both:
