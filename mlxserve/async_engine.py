@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from mlxserve.engine import LLMEngine
 from mlxserve.request import RequestOutput
 from mlxserve.sampling_params import SamplingParams
@@ -42,8 +44,13 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, on_step=None) -> None:
         self.engine = engine
+        # MLX arrays still lazy here belong to this thread's stream and cannot be
+        # evaluated on the engine thread ("There is no Stream(cpu, 0) in current thread").
+        mx.eval(engine.kv_cache.keys, engine.kv_cache.values)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        # Requests the engine accepted and that have not finished (engine thread only).
+        self._accepted: set[str] = set()
         self._on_step = on_step  # called in the engine thread after each step (metrics)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlxserve-engine", daemon=True)
@@ -107,6 +114,8 @@ class AsyncLLM:
                 self._fail_all(e)
                 continue
             for out in outputs:
+                if out.finished:
+                    self._accepted.discard(out.request_id)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
@@ -137,15 +146,23 @@ class AsyncLLM:
                 stream = self._streams.get(rid)
                 if stream is not None:
                     stream.put(e)
+            else:
+                self._accepted.add(rid)
         elif kind == "abort":
+            self._accepted.discard(item[1])
             for out in self.engine.abort_request(item[1]):
                 if self._on_step is not None:
                     self._on_step(self.engine, [out])
 
     def _fail_all(self, error: Exception) -> None:
-        ids = list(self.engine.outputs.states)
-        self.engine.abort_request(ids)
-        for rid in ids:
+        # Every accepted request fails, including those the failing step already
+        # aborted itself (they are gone from engine.outputs but their callers still wait).
+        finals = self.engine.abort_request(list(self.engine.outputs.states))
+        failure = RuntimeError(f"internal error while running the model: {error}")
+        for rid in self._accepted:
             stream = self._streams.get(rid)
             if stream is not None:
-                stream.put(RuntimeError(f"internal error while running the model: {error}"))
+                stream.put(failure)
+        self._accepted.clear()
+        if self._on_step is not None and finals:
+            self._on_step(self.engine, finals)

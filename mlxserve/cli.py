@@ -157,6 +157,12 @@ def _extra_commands() -> list:
         pass
     else:
         out.append(add_serve_command)
+    try:
+        from mlxserve.convert import add_convert_command
+    except ImportError:
+        pass
+    else:
+        out.append(add_convert_command)
     return out
 
 

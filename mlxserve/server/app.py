@@ -1,0 +1,250 @@
+"""The FastAPI app: routes, API-key check, CORS, metrics and the periodic stats log.
+
+GET  /health /version /metrics /v1/models /v1/models/{id}
+POST /v1/completions /v1/chat/completions /tokenize /detokenize
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlxserve import __version__
+from mlxserve.async_engine import AsyncLLM
+from mlxserve.server.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    install_error_handlers,
+    validation_error,
+)
+from mlxserve.server.metrics import ServerMetrics
+from mlxserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from mlxserve.server.serving import OpenAIServing
+
+logger = logging.getLogger("mlxserve")
+
+M = TypeVar("M", bound=BaseModel)
+
+# Paths that need the API key when one is set (health, version and metrics stay open
+# for load balancers and Prometheus, as in vLLM).
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings of `mlxserve serve`."""
+
+    model_names: tuple[str, ...]
+    api_keys: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+    log_stats_interval: float | None = 10.0  # seconds; None: no periodic stats line
+    model_root: str | None = None  # the model path or repo id, shown by /v1/models
+
+    def __post_init__(self) -> None:
+        if not self.model_names:
+            raise ValueError("model_names must name at least one model")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api_key must not be empty")
+
+
+def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
+    """The OpenAI-compatible app over a running AsyncLLM (whose on_step feeds ``metrics``)."""
+    engine = llm.engine
+    serving = OpenAIServing(
+        llm,
+        list(config.model_names),
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.model.vocab_size,
+    )
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if config.log_stats_interval:
+            task = asyncio.create_task(_log_stats(metrics, config.log_stats_interval))
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="mlxserve", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "mlxserve",
+            "root": config.model_root or name,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.is_running:
+            return JSONResponse(
+                error_body("the engine thread has stopped", "service_unavailable"), 503
+            )
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card(n) for n in config.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        serving.check_model(model_id)
+        return model_card(model_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        return await serving.create_completion(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        return await serving.create_chat_completion(request, body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await parse_body(request, TokenizeRequest)
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+
+        def encode() -> list[int]:
+            if body.prompt is not None:
+                add = True if body.add_special_tokens is None else body.add_special_tokens
+                return tokenizer.encode(body.prompt, add_special_tokens=add)
+            try:
+                text = tokenizer.apply_chat_template(
+                    [m.to_template() for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
+            if body.add_special_tokens:
+                return tokenizer.encode(text, add_special_tokens=True)
+            return tokenizer.encode_rendered_chat(text)
+
+        tokens = await run_in_threadpool(encode)
+        out = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.id_to_token(t) for t in tokens]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await parse_body(request, DetokenizeRequest)
+        serving.check_model(body.model)
+        serving.check_token_ids(body.tokens, "tokens")
+        text = await run_in_threadpool(tokenizer.decode, body.tokens, False)
+        return {"prompt": text}
+
+    return app
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as ``model``: 400 for malformed JSON, unknown fields or bad values."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    # null means "not given"; so does an empty list or object for a field we do not
+    # implement ("tools": []): there is nothing in it to ignore.
+    known = model.model_fields
+    data = {
+        k: v
+        for k, v in data.items()
+        if v is not None and (k in known or not (isinstance(v, (list, dict)) and not v))
+    }
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` holds one of the keys (constant-time)."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") == "OPTIONS"
+            or not scope["path"].startswith(PROTECTED_PREFIXES)
+        ):
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        ok = False
+        for key in self.keys:  # no early exit: the time does not depend on which key matched
+            ok |= hmac.compare_digest(token.strip(), key)
+        if not ok or scheme.lower() != b"bearer":
+            error = APIError(
+                401,
+                "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+            response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _log_stats(metrics: ServerMetrics, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        line = metrics.log_line()
+        if line is not None:
+            logger.info(line)

@@ -1,0 +1,140 @@
+"""`mlxserve serve [MODEL]`: vLLM's flag names, then uvicorn over the app."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+
+from mlxserve.cli import add_engine_args, engine_config
+
+logger = logging.getLogger("mlxserve")
+
+# The API key can come from the environment (vLLM's variable is honoured too).
+API_KEY_ENV_VARS = ("MLXSERVE_API_KEY", "VLLM_API_KEY")
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register `serve` on the mlxserve command line."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (hub id, directory, .gguf; default: the embedded SmolLM2) "
+        "over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics.",
+    )
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
+        f"(repeatable; default: ${API_KEY_ENV_VARS[0]} or ${API_KEY_ENV_VARS[1]})",
+    )
+    g.add_argument(
+        "--served-model-name",
+        dest="served_model_names",
+        nargs="+",
+        default=None,
+        help="the model name(s) clients use (default: the model's name); the first one "
+        "labels the metrics",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        help="CORS origins allowed, as a JSON list or comma-separated (default: CORS off)",
+    )
+    g.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between stats log lines (default: 10)",
+    )
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    add_engine_args(p)
+    p.set_defaults(handler=serve_command)
+
+
+def parse_origins(values: list[str] | None) -> tuple[str, ...]:
+    """--allowed-origins values: JSON lists (vLLM's form) or comma-separated origins."""
+    out: list[str] = []
+    for value in values or ():
+        value = value.strip()
+        if value.startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--allowed-origins: not a JSON list: {value!r} ({e})") from None
+            if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+                raise ValueError(f"--allowed-origins: expected a list of strings, got {value!r}")
+            out += items
+        else:
+            out += [x.strip() for x in value.split(",") if x.strip()]
+    return tuple(out)
+
+
+def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """Keys from --api-key, else from the first of API_KEY_ENV_VARS that is set."""
+    if args.api_key:
+        return tuple(args.api_key)
+    environ = os.environ if environ is None else environ
+    for var in API_KEY_ENV_VARS:
+        if environ.get(var):
+            return (environ[var],)
+    return ()
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Load the engine, start its thread, serve the app until interrupted."""
+    import uvicorn
+
+    from mlxserve.async_engine import AsyncLLM
+    from mlxserve.engine import LLMEngine
+    from mlxserve.server.app import ServerConfig, build_app
+    from mlxserve.server.metrics import ServerMetrics
+
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+    model = args.model or args.model_flag
+    names = tuple(args.served_model_names or ())
+    keys = api_keys(args)
+    origins = parse_origins(args.allowed_origins)
+    config = engine_config(args, model)
+    if names:
+        config = dataclasses.replace(config, served_model_name=names[0])
+    logger.info("loading %s ...", model or "the default model")
+    engine = LLMEngine(config)
+    names = names or (engine.model_name,)
+    metrics = ServerMetrics(names[0])
+    llm = AsyncLLM(engine, on_step=metrics.on_step)
+    server_config = ServerConfig(
+        model_names=names,
+        api_keys=keys,
+        allowed_origins=origins,
+        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+        model_root=str(engine.loaded.source.path),
+    )
+    app = build_app(llm, metrics, server_config)
+    logger.info(
+        "serving %s on http://%s:%d/v1 (API key %s)",
+        ", ".join(names),
+        args.host,
+        args.port,
+        "required" if keys else "not required",
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        llm.shutdown()
+    return 0

@@ -1,0 +1,120 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("mlxserve.server")
+
+# OpenAI's error "type" per status.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error a handler returns to the client (status, message, the offending param)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        """The JSON body of this error."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """400 for an invalid parameter (the message names it)."""
+    return APIError(400, message, param=param)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | int | None = None
+) -> dict:
+    """{"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """The error as a JSON response with its status."""
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    """A pydantic error as a 400 naming every bad field; unknown fields are 'unsupported'."""
+    unsupported: list[str] = []
+    invalid: dict[str, list[str]] = {}  # field -> messages (one per member of a union)
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # Unions add the tried type to the location ("prompt.str"); keep the field path.
+        loc = [x for x in loc if x not in _UNION_TAGS and not x.startswith(("list[", "dict["))]
+        name = ".".join(loc) or "body"
+        if err.get("type") == "extra_forbidden":
+            unsupported.append(name)
+        else:
+            invalid.setdefault(name, []).append(str(err.get("msg")))
+    parts = [f"unsupported field {n!r}: mlxserve does not implement it" for n in unsupported]
+    for name, messages in invalid.items():
+        parts.append(f"invalid value for {name!r}: {' or '.join(dict.fromkeys(messages))}")
+    params = unsupported + list(invalid)
+    return bad_request("; ".join(parts), param=params[0] if params else None)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "function-after", "literal['text']"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the server as an OpenAI-shaped body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        try:
+            phrase = HTTPStatus(e.status_code).phrase
+        except ValueError:
+            phrase = "error"
+        message = e.detail if isinstance(e.detail, str) else phrase
+        return JSONResponse(
+            error_body(message, _TYPES.get(e.status_code, "invalid_request_error")),
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error while handling a request")
+        return JSONResponse(
+            error_body(f"internal server error: {type(e).__name__}: {e}", "internal_error"),
+            status_code=500,
+        )

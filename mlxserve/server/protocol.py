@@ -1,0 +1,237 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their SamplingParams.
+
+Every model forbids unknown fields: a parameter mlxserve does not implement is a 400
+that names it, never silently ignored. Fields set to JSON null count as absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mlxserve.sampling_params import SamplingParams
+from mlxserve.server.errors import bad_request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    """stream_options: only include_usage."""
+
+    include_usage: bool = False
+
+
+class ResponseFormat(_Strict):
+    """response_format: plain text only."""
+
+    # Only plain text (the default) is implemented; json_object / json_schema are a 400.
+    type: Literal["text"]
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own bookkeeping; not used
+    # vLLM's extra sampling parameters.
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def check_stream_options(self) -> None:
+        """OpenAI refuses stream_options without stream; so do we."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        rename: dict[str, str] | None = None,
+    ) -> SamplingParams:
+        """SamplingParams; a bad value is a 400 naming the request field (``rename``d)."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=self.logit_bias,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            message, param = str(e), _param_of(str(e))
+            if param is not None and rename and param in rename:
+                message = rename[param] + message[len(param) :]
+                param = rename[param]
+            raise bad_request(message, param) from None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        self.check_stream_options()
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(
+                f"best_of={self.best_of} is not supported: only best_of equal to n ({self.n})",
+                "best_of",
+            )
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (texts or token id lists)."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list[str | list[int]] = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            items = [list(p)]  # type: ignore[arg-type]
+        else:
+            items = list(p)  # type: ignore[arg-type]
+        if not items:
+            raise bad_request("prompt must not be empty", "prompt")
+        for i, item in enumerate(items):
+            if len(item) == 0:
+                raise bad_request(f"prompt[{i}] is empty", "prompt")
+        return items
+
+
+class ChatMessage(BaseModel):
+    """One message; keys beyond role/content (name, tool_calls, ...) go to the template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (only 'text')")
+            if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                raise ValueError("a text part is {'type': 'text', 'text': <string>}")
+        return content
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined by newlines)."""
+        msg = self.model_dump(exclude_none=True)
+        if msg["role"] == "developer":  # OpenAI's newer name for the system role
+            msg["role"] = "system"
+        if isinstance(self.content, list):
+            msg["content"] = "\n".join(part["text"] for part in self.content)
+        return msg
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        self.check_stream_options()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens, rename = self.max_tokens, {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            max_tokens = self.max_completion_tokens
+            rename["max_tokens"] = "max_completion_tokens"
+        return self._params(max_tokens, logprobs, rename=rename)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them."""
+        return [m.to_template() for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# SamplingParams field -> the request field a client sets.
+_PARAM_NAMES = {
+    "logprobs": "logprobs",
+    "prompt_logprobs": "logprobs",
+    "logit_bias": "logit_bias",
+    "stop": "stop",
+}
+
+
+def _param_of(message: str) -> str | None:
+    """The field a SamplingParams ValueError names (its message starts with it)."""
+    first = message.split(" ", 1)[0].split("[", 1)[0]
+    if first in SamplingParams.__dataclass_fields__:
+        return _PARAM_NAMES.get(first, first)
+    return None

@@ -1,0 +1,376 @@
+"""/v1/completions and /v1/chat/completions: request -> engine requests -> OpenAI response.
+
+Handlers tokenize (in a worker thread), then only enqueue and await: AsyncLLM's thread
+runs the engine. Each call first waits until every engine request has its first output,
+so a prompt the engine rejects (too long, ...) is still a 400 even when streaming.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlxserve.async_engine import AsyncLLM
+from mlxserve.request import RequestOutput
+from mlxserve.sampling_params import SamplingParams
+from mlxserve.server.errors import APIError, bad_request, error_body
+from mlxserve.server.formatting import (
+    CompletionLogprobs,
+    PromptResult,
+    TokenText,
+    chat_logprobs,
+    usage,
+)
+from mlxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from mlxserve.server.streams import (
+    ClientDisconnected,
+    RequestGroup,
+    SSEResponse,
+    run_unless_disconnected,
+    sse,
+)
+
+logger = logging.getLogger("mlxserve.server")
+
+# Keys of chat_template_kwargs that would clash with the template's own arguments.
+RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "continue_final_message"}
+
+
+class OpenAIServing:
+    """The generation endpoints, over one AsyncLLM."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        model_names: list[str],
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.llm = llm
+        self.model_names = model_names
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.token_text = TokenText(tokenizer)
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, name: str | None) -> str:
+        """The served name to report; 404 for a model this server does not serve."""
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(
+                404,
+                f"The model {name!r} does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.model_names)}",
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """400 unless every id is in the model's vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"{param} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                param,
+            )
+
+    def _check_params(self, params: SamplingParams) -> None:
+        self.check_token_ids(list(params.logit_bias or ()), "logit_bias")
+        self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
+
+    # ------------------------------------------------------------- running
+    async def _run(self, raw: Request, group: RequestGroup, prompt_param: str) -> None:
+        """Start the group; engine rejections become 400s."""
+        try:
+            await run_unless_disconnected(raw, group.start())
+        except ValueError as e:
+            raise bad_request(str(e), _param_of_engine_error(str(e), prompt_param)) from None
+
+    async def _collect(
+        self, raw: Request, group: RequestGroup, num_prompts: int, prompt_param: str
+    ) -> list[PromptResult]:
+        async def work() -> list[PromptResult]:
+            await group.start()
+            results = [PromptResult() for _ in range(num_prompts)]
+            async for i, out in group.outputs():
+                results[i].add(out)
+            return results
+
+        try:
+            return await run_unless_disconnected(raw, work())
+        except ValueError as e:
+            raise bad_request(str(e), _param_of_engine_error(str(e), prompt_param)) from None
+        finally:
+            await group.close()
+
+    # ------------------------------------------------------------ completions
+    def _encode_prompts(
+        self, prompts: list[str | list[int]], add_special_tokens: bool
+    ) -> list[tuple[str | None, list[int]]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens)))
+            else:
+                self.check_token_ids(p, "prompt")
+                out.append((None, list(p)))
+        return out
+
+    async def create_completion(self, raw: Request, req: CompletionRequest) -> Response:
+        """POST /v1/completions: JSON, or an event stream when req.stream."""
+        model = self.check_model(req.model)
+        params = req.sampling_params()
+        self._check_params(params)
+        prompts = await run_in_threadpool(
+            self._encode_prompts, req.prompts(), req.add_special_tokens
+        )
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        group = RequestGroup(
+            self.llm, [(f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
+        )
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+        if req.stream:
+            try:
+                await self._run(raw, group, "prompt")
+            except ClientDisconnected:
+                return Response(status_code=499)
+            return SSEResponse(
+                self._completion_stream(group, req, params, head, prompts), group.close
+            )
+        try:
+            results = await self._collect(raw, group, len(prompts), "prompt")
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = []
+        for i, res in enumerate(results):
+            prompt_text = self._prompt_text(prompts[i])
+            for j in sorted(res.samples):
+                s = res.samples[j]
+                text = "".join(s.text)
+                logprobs = None
+                if req.logprobs is not None:
+                    fmt = CompletionLogprobs(self.token_text)
+                    ids, lps = s.token_ids, s.logprobs
+                    if req.echo:
+                        plp = res.prompt_logprobs or [None] * len(res.prompt_token_ids)
+                        ids, lps = res.prompt_token_ids + ids, list(plp) + lps
+                    logprobs = fmt.make(ids, lps)
+                choices.append(
+                    {
+                        "index": i * params.n + j,
+                        "text": prompt_text + text if req.echo else text,
+                        "logprobs": logprobs,
+                        "finish_reason": s.finish_reason,
+                        "stop_reason": s.stop_reason,
+                    }
+                )
+        return JSONResponse(head | {"choices": choices, "usage": _total_usage(results)})
+
+    def _prompt_text(self, prompt: tuple[str | None, list[int]]) -> str:
+        text, ids = prompt
+        return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def _completion_stream(
+        self,
+        group: RequestGroup,
+        req: CompletionRequest,
+        params: SamplingParams,
+        head: dict[str, Any],
+        prompts: list[tuple[str | None, list[int]]],
+    ) -> AsyncIterator[str]:
+        n = params.n
+        fmts: dict[int, CompletionLogprobs] = {}
+        finished: set[int] = set()
+        totals = _StreamTotals(len(prompts))
+        extra = {"usage": None} if req.include_usage else {}
+        try:
+            async for i, out in group.outputs():
+                totals.add(i, out)
+                for c in out.outputs:
+                    index = i * n + c.index
+                    if index in finished:
+                        continue
+                    first = index not in fmts
+                    if first:
+                        fmts[index] = CompletionLogprobs(self.token_text)
+                    text, ids, lps = c.text, c.token_ids, c.logprobs or []
+                    if req.echo and first:
+                        text = self._prompt_text(prompts[i]) + text
+                        plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                        ids, lps = out.prompt_token_ids + ids, list(plp) + lps
+                    show_logprobs = bool(ids) and req.logprobs is not None
+                    if not text and c.finish_reason is None and not show_logprobs:
+                        continue  # tokens whose text is held back (partial UTF-8, stop prefix)
+                    if c.finish_reason is not None:
+                        finished.add(index)
+                    logprobs = fmts[index].make(ids, lps) if req.logprobs is not None else None
+                    choice = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    yield sse(head | {"choices": [choice]} | extra)
+            if req.include_usage:
+                yield sse(head | {"choices": [], "usage": totals.usage()})
+        except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-stream
+            logger.exception("completion stream failed")
+            yield sse(error_body(f"internal error: {e}", "internal_error"))
+        finally:
+            await group.close()
+        yield sse("[DONE]")
+
+    # ------------------------------------------------------------------- chat
+    def _render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        kwargs = dict(req.chat_template_kwargs or {})
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if clash:
+            raise bad_request(
+                f"chat_template_kwargs must not set {', '.join(clash)}", "chat_template_kwargs"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                req.template_messages(),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **kwargs,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        return text, self.tokenizer.encode_rendered_chat(text)
+
+    async def create_chat_completion(self, raw: Request, req: ChatCompletionRequest) -> Response:
+        """POST /v1/chat/completions: JSON, or an event stream when req.stream."""
+        model = self.check_model(req.model)
+        params = req.sampling_params()
+        self._check_params(params)
+        text, ids = await run_in_threadpool(self._render_chat, req)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        group = RequestGroup(self.llm, [(rid, text, ids, params)])
+        created = int(time.time())
+        if req.stream:
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created}
+            try:
+                await self._run(raw, group, "messages")
+            except ClientDisconnected:
+                return Response(status_code=499)
+            return SSEResponse(
+                self._chat_stream(group, req, params, head | {"model": model}), group.close
+            )
+        try:
+            (res,) = await self._collect(raw, group, 1, "messages")
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = []
+        for j in sorted(res.samples):
+            s = res.samples[j]
+            logprobs = None
+            if req.logprobs:
+                logprobs = {
+                    "content": chat_logprobs(
+                        s.token_ids, s.logprobs, params.num_logprobs, self.token_text
+                    ),
+                    "refusal": None,
+                }
+            choices.append(
+                {
+                    "index": j,
+                    "message": {"role": "assistant", "content": "".join(s.text)},
+                    "logprobs": logprobs,
+                    "finish_reason": s.finish_reason,
+                    "stop_reason": s.stop_reason,
+                }
+            )
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model}
+        return JSONResponse(body | {"choices": choices, "usage": _total_usage([res])})
+
+    async def _chat_stream(
+        self,
+        group: RequestGroup,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        head: dict[str, Any],
+    ) -> AsyncIterator[str]:
+        extra = {"usage": None} if req.include_usage else {}
+        totals = _StreamTotals(1)
+        finished: set[int] = set()
+        try:
+            for j in range(params.n):
+                role = {"role": "assistant", "content": ""}
+                choice = {"index": j, "delta": role, "logprobs": None, "finish_reason": None}
+                yield sse(head | {"choices": [choice]} | extra)
+            async for _, out in group.outputs():
+                totals.add(0, out)
+                for c in out.outputs:
+                    has_logprobs = req.logprobs and c.token_ids
+                    if c.index in finished or not (c.text or c.finish_reason or has_logprobs):
+                        continue
+                    if c.finish_reason is not None:
+                        finished.add(c.index)
+                    logprobs = None
+                    if req.logprobs:
+                        content = chat_logprobs(
+                            c.token_ids, c.logprobs or [], params.num_logprobs, self.token_text
+                        )
+                        logprobs = {"content": content, "refusal": None}
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": c.text} if c.text else {},
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    yield sse(head | {"choices": [choice]} | extra)
+            if req.include_usage:
+                yield sse(head | {"choices": [], "usage": totals.usage()})
+        except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-stream
+            logger.exception("chat stream failed")
+            yield sse(error_body(f"internal error: {e}", "internal_error"))
+        finally:
+            await group.close()
+        yield sse("[DONE]")
+
+
+class _StreamTotals:
+    """Token counts of a stream, for its usage chunk."""
+
+    def __init__(self, num_prompts: int) -> None:
+        self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
+        self.completion_tokens = 0
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[index] = len(out.prompt_token_ids)
+        self.cached_tokens[index] = out.num_cached_tokens
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def usage(self) -> dict:
+        return usage(sum(self.prompt_tokens), self.completion_tokens, sum(self.cached_tokens))
+
+
+def _total_usage(results: list[PromptResult]) -> dict:
+    return usage(
+        sum(len(r.prompt_token_ids) for r in results),
+        sum(r.num_completion_tokens for r in results),
+        sum(r.num_cached_tokens for r in results),
+    )
+
+
+def _param_of_engine_error(message: str, prompt_param: str) -> str | None:
+    if message.startswith("max_tokens"):
+        return "max_tokens"
+    if message.startswith("prompt"):
+        return prompt_param
+    return None

@@ -1,0 +1,166 @@
+"""The engine requests of one API call, and cancelling them when the client goes away.
+
+An API call with several prompts (or one) becomes one engine request per prompt; a
+RequestGroup runs them together and merges their delta outputs. Whatever ends a call
+early -- a client disconnect, an error, a closed stream -- closes the group, which
+aborts every unfinished request in the engine (AsyncLLM.generate aborts on close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from mlxserve.async_engine import AsyncLLM
+from mlxserve.request import RequestOutput
+from mlxserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+class RequestGroup:
+    """Engine requests started together; outputs merged as (prompt index, delta output)."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        requests: list[tuple[str, str | None, list[int], SamplingParams]],
+    ) -> None:
+        self._gens = [
+            llm.generate(rid, prompt, params, prompt_token_ids=ids)
+            for rid, prompt, ids, params in requests
+        ]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._buffer: list[tuple[int, RequestOutput]] = []
+
+    async def _pump(self, index: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                self._queue.put_nowait((index, out, None))
+        except Exception as e:  # noqa: BLE001 -- handed to the consumer
+            self._queue.put_nowait((index, None, e))
+
+    async def start(self) -> None:
+        """Submit every request; return once each has produced its first output.
+
+        Raises the engine's error (e.g. ValueError: prompt too long) if one is rejected;
+        the others are aborted then.
+        """
+        self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self._gens)]
+        started: set[int] = set()
+        try:
+            while len(started) < len(self._gens):
+                index, out, error = await self._queue.get()
+                if error is not None:
+                    raise error
+                started.add(index)
+                self._buffer.append((index, out))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Delta outputs of all requests, in arrival order, until every one has finished."""
+        num_left = len(self._gens)
+        for index, out in self._buffer:
+            num_left -= out.finished
+            yield index, out
+        self._buffer.clear()
+        while num_left:
+            index, out, error = await self._queue.get()
+            if error is not None:
+                raise error
+            num_left -= out.finished
+            yield index, out
+
+    async def close(self) -> None:
+        """Abort whatever has not finished (no-op once all have)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for gen in self._gens:
+            with contextlib.suppress(RuntimeError):
+                await gen.aclose()
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects (ClientDisconnected)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientDisconnected()
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watcher
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream that stops, and closes its iterator, the moment the client leaves.
+
+    Starlette only watches for the disconnect on older ASGI specs and never closes the
+    iterator; closing it is what aborts the engine requests behind the stream.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(RuntimeError):
+                    await aclose()
+            if self.on_close is not None:  # also when the iterator never started
+                await self.on_close()

@@ -1,0 +1,203 @@
+"""/metrics (parsed with prometheus_client), counters vs the requests made, client
+disconnects aborting their requests, the stats log line, and CORS when enabled."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.engine_helpers import make_tiny_model_dir
+from tests.server_harness import metric, read_metrics, start_server, wait_until
+
+MODEL = "tiny-metrics"
+ORIGIN = "http://app.example"
+LONG = 30000  # max_tokens of requests that are meant to be cut short
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    _, model_dir = make_tiny_model_dir(
+        tmp_path_factory.mktemp("tiny"), seed=9, max_position_embeddings=32768
+    )
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    args = [str(model_dir), "--served-model-name", MODEL, "--log-stats-interval", "0.3"]
+    s = start_server(args + ["--allowed-origins", json.dumps([ORIGIN])], log)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def m(values: dict, name: str, **labels: str) -> float:
+    return metric(values, name, model_name=MODEL, **labels)
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    return m(after, name, **labels) - m(before, name, **labels)
+
+
+def idle(server) -> bool:
+    v = read_metrics(server.url)
+    return m(v, "vllm:num_requests_running") == 0 and m(v, "vllm:kv_cache_usage_perc") == 0
+
+
+def completion(http: httpx.Client, prompt: list[int], max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_metrics_parse_with_vllm_names(server, http) -> None:
+    completion(http, [3, 4, 5], 2)
+    r = http.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    values = read_metrics(server.url)  # prometheus_client's own parser
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_preemptions_total",
+    ):
+        assert (name, (("model_name", MODEL),)) in values, name
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+    ):
+        assert m(values, name + "_count") >= 1, name
+        assert m(values, name + "_bucket", le="+Inf") == m(values, name + "_count")
+    assert m(values, "vllm:request_success_total", finished_reason="length") >= 1
+
+
+def test_counters_match_the_requests_made(server, http) -> None:
+    before = read_metrics(server.url)
+    prompts = [[7] * 5, list(range(20, 29)), list(range(40, 53))]
+    max_tokens = [3, 4, 5]
+    for p, k in zip(prompts, max_tokens, strict=True):
+        usage = completion(http, p, k)["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(p), k)
+    # A streamed chat counts the same way; its usage chunk gives its sizes.
+    body = {
+        "messages": [{"role": "user", "content": "Count"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    chat_usage = json.loads(lines[-1][len("data: ") :])["usage"]
+    assert chat_usage["completion_tokens"] == 4
+    after = read_metrics(server.url)
+    num_prompt = sum(map(len, prompts)) + chat_usage["prompt_tokens"]
+    num_generated = sum(max_tokens) + 4
+    assert delta(before, after, "vllm:prompt_tokens_total") == num_prompt
+    assert delta(before, after, "vllm:generation_tokens_total") == num_generated
+    assert delta(before, after, "vllm:request_success_total", finished_reason="length") == 4
+    assert delta(before, after, "vllm:request_success_total", finished_reason="stop") == 0
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert delta(before, after, f"vllm:{name}_seconds_count") == 4
+    for name in ("prefill", "decode", "inference"):
+        assert delta(before, after, f"vllm:request_{name}_time_seconds_count") == 4
+    # One inter-token gap per token after the first.
+    for name in ("inter_token_latency", "time_per_output_token"):
+        assert delta(before, after, f"vllm:{name}_seconds_count") == num_generated - 4
+    assert delta(before, after, "vllm:request_prompt_tokens_sum") == num_prompt
+    assert delta(before, after, "vllm:request_generation_tokens_sum") == num_generated
+    assert delta(before, after, "vllm:prefix_cache_queries_total") == num_prompt
+    assert m(after, "vllm:num_requests_running") == 0
+    assert m(after, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_prefix_cache_hits_are_counted_and_reported_in_usage(server, http) -> None:
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 + 8
+    before = read_metrics(server.url)
+    first = completion(http, prompt, 2)["usage"]
+    second = completion(http, prompt, 2)["usage"]
+    after = read_metrics(server.url)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["prompt_tokens_details"]["cached_tokens"] == 32
+    assert delta(before, after, "vllm:prefix_cache_hits_total") == 32
+    assert delta(before, after, "vllm:prefix_cache_queries_total") == 80
+
+
+def test_streaming_client_disconnect_aborts_and_frees_blocks(server, http) -> None:
+    before = read_metrics(server.url)
+    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()  # kept alive: dropping it would close the connection
+            chunks = 0
+            for line in lines:
+                chunks += line.startswith("data: {")
+                if chunks == 3:
+                    break
+            during = read_metrics(server.url)
+            assert m(during, "vllm:num_requests_running") == 1
+            assert m(during, "vllm:kv_cache_usage_perc") > 0
+    # The connection is closed: the request must be aborted, its blocks freed.
+    assert wait_until(lambda: idle(server), timeout=30)
+    after = read_metrics(server.url)
+    assert delta(before, after, "vllm:request_success_total", finished_reason="abort") == 1
+    assert delta(before, after, "vllm:request_success_total", finished_reason="length") == 0
+    assert delta(before, after, "vllm:generation_tokens_total") < LONG
+
+
+def test_non_streaming_client_disconnect_aborts_and_frees_blocks(server) -> None:
+    before = read_metrics(server.url)
+    body = {"prompt": [9, 8, 7, 6], "max_tokens": LONG, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    assert wait_until(lambda: idle(server), timeout=30)
+    after = read_metrics(server.url)
+    assert delta(before, after, "vllm:request_success_total", finished_reason="abort") == 1
+    assert delta(before, after, "vllm:generation_tokens_total") < LONG
+    # And the server goes on serving.
+    assert completion(httpx.Client(base_url=server.url), [1, 2, 3], 2)["usage"]["total_tokens"] == 5
+
+
+def test_periodic_stats_log_line(server, http) -> None:
+    completion(http, [11, 12, 13], 3)
+
+    def logged() -> bool:
+        return any(
+            "Running:" in line
+            and "Waiting:" in line
+            and "KV cache usage:" in line
+            and "Prompt throughput:" in line
+            and "Generation throughput:" in line
+            and "Prefix cache hit rate:" in line
+            for line in server.log().splitlines()
+        )
+
+    assert wait_until(logged, timeout=10)
+
+
+def test_cors_headers_only_for_allowed_origins(http) -> None:
+    r = http.get("/v1/models", headers={"Origin": ORIGIN})
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    r = http.options(
+        "/v1/chat/completions",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"},
+    )
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = http.get("/v1/models", headers={"Origin": "http://other.example"})
+    assert "access-control-allow-origin" not in r.headers
