@@ -2,7 +2,7 @@
 SmolLM2 (one real uvicorn subprocess for the module, API key from the environment).
 
 Oracles: llama.cpp's greedy steps for the same GGUF (tests/fixtures), and the same
-requests made one at a time. The examples in docs/server.md run verbatim (only the port
+requests made one at a time. The examples in README's serving section run verbatim (only the port
 differs).
 """
 
@@ -23,7 +23,7 @@ from tests.server_harness import ROOT, metric, read_metrics, start_server
 
 KEY = "sk-embedded-test-key"
 MODEL = "SmolLM2-135M-Instruct"
-DOCS = ROOT / "docs" / "server.md"
+README = ROOT / "README.md"
 # llama.cpp rounds activations to 8 bits inside quantized matmuls: logprobs differ a little.
 LOGPROB_TOL = 0.25
 
@@ -166,7 +166,11 @@ def test_16_concurrent_streaming_clients_match_one_at_a_time(server, client) -> 
 
 
 def doc_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), flags=re.S)
+    """Code blocks of the README's serving section (up to the next top-level heading)."""
+    text = README.read_text()
+    section = text[text.index("## Serving: `mlxserve serve`") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
 def test_docs_examples_run_verbatim(server) -> None:
