@@ -181,15 +181,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _piped_input(wait: bool) -> str | None:
+    """Text piped into stdin (None for a terminal). With a PROMPT given, stdin is read
+    only if data is already there, so an idle open pipe never blocks the answer."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    if not wait:
+        import select
+
+        if not select.select([sys.stdin], [], [], 0.05)[0]:
+            return None
+    return sys.stdin.read().strip()  # a file's trailing newline is not part of it
+
+
 def run_command(args: argparse.Namespace) -> int:
     from mlxserve.chat import ChatSession
 
     model, prompt = split_model_and_prompt(args.words, args.model_flag)
     params = sampling_params(args)
-    piped = not sys.stdin.isatty()
-    if piped:
-        stdin_text = sys.stdin.read().strip()  # a file's trailing newline is not part of it
-        prompt = f"{prompt}\n\n{stdin_text}" if prompt else stdin_text
+    stdin_text = _piped_input(wait=prompt is None)
+    if stdin_text is not None:
+        prompt = f"{prompt}\n\n{stdin_text}" if prompt and stdin_text else prompt or stdin_text
     session = ChatSession.load(
         engine_config(args, model),
         params,
