@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -22,7 +21,7 @@ from mlxserve.output_processor import OutputProcessor
 from mlxserve.request import Request, RequestOutput, RequestStatus
 from mlxserve.runner import InFlightStep, ModelRunner
 from mlxserve.sampling_params import SamplingParams
-from mlxserve.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from mlxserve.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger("mlxserve")
 
@@ -32,14 +31,6 @@ PROBE_TOKENS = 8
 # KV blocks that exist at start; the pool grows (doubling) up to the planned size as
 # requests need more, so a small job never commits the whole memory budget.
 INITIAL_KV_BLOCKS = 256
-
-
-@dataclass
-class StepStats:
-    """Counters of one step, for metrics and the periodic log line."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
 
 
 class LLMEngine:
@@ -91,7 +82,8 @@ class LLMEngine:
         # n > 1: samples after the first wait until it has prefilled, then hit its blocks.
         self._pending_siblings: dict[str, list[Request]] = {}
         self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None
-        self.last_step = StepStats()
+        # Prompt tokens computed so far (prefix-cache hits excluded), for throughput logs.
+        self.num_prompt_tokens_computed = 0
 
     # ----------------------------------------------------------------- set-up
     def _plan_memory(self) -> KVPlan:
@@ -272,15 +264,13 @@ class LLMEngine:
 
     def _note_scheduled(self, so: SchedulerOutput) -> None:
         now = time.monotonic()
-        stats = StepStats()
         for req in so.scheduled_requests:
             n = so.num_scheduled_tokens[req.request_id]
             start = so.start_positions[req.request_id]
-            stats.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            self.num_prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
             m = self.outputs.metrics_of(req.request_id)
             if m is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        self.last_step = stats
 
     def _process(
         self, so: SchedulerOutput, ro: ModelRunnerOutput, changed: list[Request], delta: bool
@@ -288,7 +278,6 @@ class LLMEngine:
         touched = {}
         for req in changed:
             new = ro.sampled_token_ids.get(req.request_id, [])
-            self.last_step.num_generation_tokens += len(new)
             logprobs = (ro.logprobs or {}).get(req.request_id)
             plp = (ro.prompt_logprobs or {}).get(req.request_id)
             state, hit_stop = self.outputs.process(req, new, logprobs, plp)
@@ -306,7 +295,7 @@ class LLMEngine:
                 self.outputs.remove(rid)
         return results
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> SchedulerStats:
         """Scheduler and cache gauges (running, waiting, KV usage, prefix counters)."""
         return self.scheduler.make_stats()
 

@@ -137,7 +137,7 @@ class ServerMetrics:
             TOKEN_BUCKETS,
         )
         self._live: dict[str, _Live] = {}
-        self._last_step = None
+        self._prompt_tokens_computed = 0
         self._last_stats = None
         self._lock = threading.Lock()
         self._window = _Window()
@@ -165,15 +165,13 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(max(0, queries - last_q))
         self.prefix_cache_hits.inc(max(0, hits - last_h))
         self.num_preemptions.inc(max(0, stats.num_preemptions - last_p))
-        step = engine.last_step
-        new_step = step is not self._last_step  # on_step also runs after aborts
-        self._last_step = step
+        computed = engine.num_prompt_tokens_computed
         with self._lock:
             w = self._window
             w.prefix_queries += queries - last_q
             w.prefix_hits += hits - last_h
-            if new_step:  # a step was launched: the prompt tokens it computes
-                w.num_prompt_tokens += step.num_prompt_tokens
+            w.num_prompt_tokens += computed - self._prompt_tokens_computed
+            self._prompt_tokens_computed = computed
             self._cumulative = (queries, hits)
             self._gauges = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
         self._last_stats = stats
