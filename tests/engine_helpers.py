@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.model_helpers import make_mlx_lm_checkpoint
+from tests.model_helpers import tiny_config as model_tiny_config
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -23,21 +24,10 @@ VOCAB_SIZE = 384
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
-    """A tiny GQA model (2 layers, 4 heads / 2 KV heads) with room for long prompts."""
-    config = {
-        "model_type": model_type,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": VOCAB_SIZE,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
-    return config | overrides
+    """The tiny test model, with the tokenizer's vocabulary and room for long prompts."""
+    return model_tiny_config(model_type, vocab_size=VOCAB_SIZE, max_position_embeddings=4096) | (
+        overrides
+    )
 
 
 def write_tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:

@@ -22,6 +22,24 @@ from mlxserve.models import KVCache, build_model
 from mlxserve.ops import AttentionMetadata
 
 
+def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """A tiny GQA config (4 heads / 2 KV heads, head_dim 16) in HF config.json form."""
+    config = {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 320,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    return config | overrides
+
+
 def save_checkpoint(path: Path, config: dict[str, Any], weights: dict[str, mx.array]) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (the mlx-community layout) into ``path``."""
     path.mkdir(parents=True, exist_ok=True)

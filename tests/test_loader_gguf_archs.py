@@ -22,27 +22,14 @@ from mlxserve.loader import load_model
 from mlxserve.loader.gguf import make_config
 from mlxserve.models.base import llama3_inv_freq
 from tests.gguf_helpers import write_gguf
-from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, mlx_lm_chunk_logits
+from tests.model_helpers import (
+    BlockPoolRunner,
+    make_mlx_lm_checkpoint,
+    mlx_lm_chunk_logits,
+    tiny_config,
+)
 
 TOKENS = list(range(3, 43))  # 40 positions: long enough for every RoPE band to matter
-
-
-def tiny(model_type: str, **overrides: Any) -> dict[str, Any]:
-    """A tiny GQA config (4 heads / 2 KV heads, head_dim 16)."""
-    config = {
-        "model_type": model_type,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 320,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 512,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
-    return config | overrides
 
 
 def logits_of(model, tokens: list[int] = TOKENS) -> np.ndarray:  # (len(tokens), vocab)
@@ -60,9 +47,9 @@ def f16_rounded(model) -> dict[str, np.ndarray]:
 
 
 ARCH_CASES = {
-    "llama": tiny("llama", rope_theta=5e5),
-    "qwen2-tied": tiny("qwen2", tie_word_embeddings=True, rope_theta=1e6),
-    "qwen3": tiny("qwen3", head_dim=32, rope_theta=1e6),
+    "llama": tiny_config("llama", rope_theta=5e5),
+    "qwen2-tied": tiny_config("qwen2", tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3": tiny_config("qwen3", head_dim=32, rope_theta=1e6),
 }
 
 
@@ -116,7 +103,7 @@ LLAMA3 = {
 
 
 def test_rope_freqs_tensor_equals_hf_llama3_scaling(tmp_path: Path) -> None:
-    config = tiny("llama", rope_theta=5e5, rope_scaling=LLAMA3)
+    config = tiny_config("llama", rope_theta=5e5, rope_scaling=LLAMA3)
     oracle, _ = make_mlx_lm_checkpoint(tmp_path / "ref", config, seed=4)
     factors = llamacpp_rope_factors(16, 5e5, LLAMA3)
     bands = sorted(set(factors.tolist()))  # kept (1), blended (between), scaled (8)
@@ -141,7 +128,7 @@ def test_rope_freqs_tensor_equals_hf_llama3_scaling(tmp_path: Path) -> None:
 
 
 def test_linear_rope_scaling_metadata(tmp_path: Path) -> None:
-    config = tiny("llama", rope_scaling={"type": "linear", "factor": 4.0})
+    config = tiny_config("llama", rope_scaling={"type": "linear", "factor": 4.0})
     oracle, _ = make_mlx_lm_checkpoint(tmp_path / "ref", config, seed=6)
     weights = f16_rounded(oracle)
     oracle.load_weights([(k, mx.array(v)) for k, v in weights.items()])

@@ -18,23 +18,10 @@ from mlx.utils import tree_flatten
 
 from mlxserve.loader import load_model
 from tests.gguf_helpers import write_gguf
-from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint
+from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, tiny_config
 from tests.test_loader_resolve import make_fake_hub
 
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 320,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 256,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
+CONFIG = tiny_config(max_position_embeddings=256)
 TOKENS = list(range(3, 20))
 
 

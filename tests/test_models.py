@@ -24,28 +24,10 @@ from tests.model_helpers import (
     make_mlx_lm_checkpoint,
     mlx_lm_chunk_logits,
     mlx_lm_greedy,
+    tiny_config,
 )
 
 TOL = 1e-4  # fp32 atol and rtol
-
-
-def tiny(model_type: str, **overrides: Any) -> dict[str, Any]:
-    """A tiny GQA config (4 heads / 2 KV heads) in HF config.json form."""
-    config = {
-        "model_type": model_type,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 320,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 512,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
-    config.update(overrides)
-    return config
 
 
 LLAMA3_SCALING = {
@@ -59,10 +41,10 @@ LLAMA3_SCALING = {
 }
 
 CASES: dict[str, dict[str, Any]] = {
-    "llama-llama3rope-untied": tiny(
+    "llama-llama3rope-untied": tiny_config(
         "llama", num_hidden_layers=3, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING
     ),
-    "llama-tied-bias-headdim-traditional-linear": tiny(
+    "llama-tied-bias-headdim-traditional-linear": tiny_config(
         "llama",
         head_dim=32,
         attention_bias=True,
@@ -71,11 +53,11 @@ CASES: dict[str, dict[str, Any]] = {
         rope_traditional=True,
         rope_scaling={"type": "linear", "factor": 2.0},
     ),
-    "mistral": tiny("mistral", num_key_value_heads=1, rope_theta=1e6, sliding_window=None),
-    "qwen2-tied": tiny("qwen2", tie_word_embeddings=True, rope_theta=1e6),
-    "qwen2-untied": tiny("qwen2", num_hidden_layers=3, rope_theta=1e6),
-    "qwen3-untied": tiny("qwen3", head_dim=32, rope_theta=1e6),
-    "qwen3-tied": tiny("qwen3", head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
+    "mistral": tiny_config("mistral", num_key_value_heads=1, rope_theta=1e6, sliding_window=None),
+    "qwen2-tied": tiny_config("qwen2", tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2-untied": tiny_config("qwen2", num_hidden_layers=3, rope_theta=1e6),
+    "qwen3-untied": tiny_config("qwen3", head_dim=32, rope_theta=1e6),
+    "qwen3-tied": tiny_config("qwen3", head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
 }
 
 
