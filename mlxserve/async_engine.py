@@ -36,7 +36,10 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
 
 
 class AsyncLLM:
