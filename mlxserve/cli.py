@@ -163,6 +163,12 @@ def _extra_commands() -> list:
         pass
     else:
         out.append(add_convert_command)
+    try:
+        from mlxserve.bench import add_bench_command
+    except ImportError:
+        pass
+    else:
+        out.append(add_bench_command)
     return out
 
 
