@@ -129,7 +129,8 @@ def body(prompt: str, max_tokens: int) -> dict:
 
 
 def client(url: str, n: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    # A fresh connection per request: mlx-lm's http.server closes kept-alive ones.
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
     return httpx.AsyncClient(base_url=url, timeout=3600, limits=limits)
 
 
