@@ -46,7 +46,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step, prefill chunks + decodes (default: 2048 on Metal, "
+        "less on the CPU, where a big chunk would stall the decoding streams)",
     )
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
@@ -163,6 +167,12 @@ def _extra_commands() -> list:
         pass
     else:
         out.append(add_convert_command)
+    try:
+        from mlxserve.bench import add_bench_command
+    except ImportError:
+        pass
+    else:
+        out.append(add_bench_command)
     return out
 
 

@@ -56,7 +56,8 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # None: per device (engine.default_max_num_batched_tokens): 2048 on Metal, less on CPU.
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_blocks: int | None = None
     memory_fraction: float = 0.5
@@ -71,12 +72,13 @@ class EngineConfig:
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
-        _require(
-            self.max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            self.max_num_batched_tokens,
-            ">= 1",
-        )
+        if self.max_num_batched_tokens is not None:
+            _require(
+                self.max_num_batched_tokens >= 1,
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                ">= 1",
+            )
         _require(1 <= self.block_size <= 256, "block_size", self.block_size, "in [1, 256]")
         if self.num_blocks is not None:
             _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, ">= 2")

@@ -31,6 +31,19 @@ PROBE_TOKENS = 8
 # KV blocks that exist at start; the pool grows (doubling) up to the planned size as
 # requests need more, so a small job never commits the whole memory budget.
 INITIAL_KV_BLOCKS = 256
+# Default token budget per step. On Metal a big prefill chunk costs little next to the
+# decodes sharing its step. On the CPU a step's time grows with its tokens (~5 ms per
+# prompt token for a 135M model), so a large chunk stalls every decoding stream; this
+# budget keeps a chunk step within ~2-3x a decode step (bench/README.md, "mixed").
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_MAX_NUM_BATCHED_TOKENS = 64
+
+
+def default_max_num_batched_tokens() -> int:
+    """The step token budget when the config leaves it unset (None), per device."""
+    from mlxserve.loader import uses_gpu
+
+    return GPU_MAX_NUM_BATCHED_TOKENS if uses_gpu() else CPU_MAX_NUM_BATCHED_TOKENS
 
 
 class LLMEngine:
@@ -51,6 +64,9 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_templates = config.chat_template
         self.model_name = config.served_model_name or loaded.source.name
+        self.max_num_batched_tokens = (
+            config.max_num_batched_tokens or default_max_num_batched_tokens()
+        )
         mx.random.seed(config.seed)
         self.plan = self._plan_memory()
         logger.info(self.plan.describe(config.max_num_seqs))
@@ -65,7 +81,7 @@ class LLMEngine:
             dtype=loaded.dtype,
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens),
+            SchedulerConfig(self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens),
             CacheConfig(
                 self.plan.num_blocks,
                 config.block_size,
@@ -114,7 +130,7 @@ class LLMEngine:
     def _probe_activation_bytes(self) -> int:
         """Peak memory of a forward pass per token, measured, times the token budget."""
         bs = self.config.block_size
-        n = min(PROBE_TOKENS, self.config.max_num_batched_tokens)
+        n = min(PROBE_TOKENS, self.max_num_batched_tokens)
         num_blocks = -(-n // bs) + 1
         cache = KVCache.allocate(
             self.model.num_layers,
@@ -140,7 +156,7 @@ class LLMEngine:
         per_token = max(mx.get_peak_memory() - base, 0) / n
         del cache, logits
         mx.clear_cache()
-        return int(per_token * self.config.max_num_batched_tokens)
+        return int(per_token * self.max_num_batched_tokens)
 
     # --------------------------------------------------------------- requests
     def add_request(

@@ -1,0 +1,110 @@
+"""Shared by the bench scripts: paths, model preparation for the peers, prompts, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# MLX's own BLAS for mlx-lm's "stock" runs: mlxserve must not leak its OpenBLAS choice.
+STOCK_ENV = {"MLXSERVE_BLAS": "off", "LD_PRELOAD": ""}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlxserve-bench"
+
+
+def find_openblas() -> str | None:
+    """The system OpenBLAS mlxserve would load (to LD_PRELOAD it under mlx-lm too)."""
+    from mlxserve.blas import _find
+
+    return _find()
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra or {})
+    if env.get("LD_PRELOAD") == "":
+        env.pop("LD_PRELOAD")
+    return env
+
+
+def mlx_lm_model(model: str | None, variant: str, log=print) -> Path:
+    """MODEL as an mlx-lm directory, converted once and cached.
+
+    variant "q": the same quantized weights, scales and biases in float32 (exact; MLX's
+    CPU quantized matmul is ~10x slower with the float16 scales a GGUF has), which is
+    mlx-lm's fastest quantized setting on the CPU; on Metal it keeps float16.
+    variant "f32": the same values dequantized to float32 (for runs with OpenBLAS).
+    """
+    import mlx.core as mx
+
+    from mlxserve.convert import convert
+    from mlxserve.loader import resolve_model
+
+    source = resolve_model(model)
+    on_gpu = mx.metal.is_available()
+    tag = f"{source.path.stem}-{source.path.stat().st_size}-{variant}{'-gpu' if on_gpu else ''}"
+    out = cache_dir() / "models" / tag
+    if (out / "config.json").exists():
+        return out
+    log(f"[bench] converting {source.path.name} for mlx-lm ({variant}) -> {out}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    convert(model, tmp)
+    path = tmp / "model.safetensors"
+    weights = mx.load(str(path))
+    config = json.loads((tmp / "config.json").read_text())
+    if variant == "f32":
+        weights = _dequantize(weights, config)
+        config.pop("quantization", None)
+    elif not on_gpu:
+        weights = {
+            k: v.astype(mx.float32) if k.endswith((".scales", ".biases")) else v
+            for k, v in weights.items()
+        }
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    os.replace(tmp, out)
+    return out
+
+
+def _dequantize(weights: dict, config: dict) -> dict:
+    import mlx.core as mx
+
+    quant = config.get("quantization") or {}
+    out = {}
+    for name, w in weights.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        base = name[: -len(".weight")]
+        if name.endswith(".weight") and f"{base}.scales" in weights:
+            q = quant.get(base) if isinstance(quant.get(base), dict) else quant
+            w = mx.dequantize(
+                w,
+                weights[f"{base}.scales"],
+                weights[f"{base}.biases"],
+                q.get("group_size", 64),
+                q.get("bits", 4),
+            )
+        out[name] = w.astype(mx.float32) if mx.issubdtype(w.dtype, mx.floating) else w
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else float("nan")
+
+
+def run_json(cmd: list[str], env: dict[str, str], out_path: Path, log=print) -> dict:
+    """Run a worker that writes JSON to out_path; its output goes to our stdout."""
+    log(f"[bench] {' '.join(str(c) for c in cmd)}")
+    subprocess.run(cmd, env=env, cwd=ROOT, check=True)
+    return json.loads(out_path.read_text())

@@ -1,0 +1,77 @@
+"""The bench harness runs end to end (tiny model), and its memory arithmetic is right."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from bench import memory
+from mlxserve import blas
+from mlxserve.cli import main
+from tests.engine_helpers import make_tiny_model_dir
+
+
+def test_mlxserve_bench_runs_on_the_tiny_model(tmp_path: Path, capsys) -> None:
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", str(model_dir), "--decode-tokens", "4", "--prefill-tokens", "16",
+         "--prompt-tokens", "8", "--batch-sizes", "2", "3", "--batch-tokens", "3",
+         "--profile-batch", "3", "--profile-steps", "2", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert set(data["offline"]) == {"decode_tok_s", "prefill_tok_s", "batch2_tok_s", "batch3_tok_s"}
+    assert all(v > 0 for v in data["offline"].values())
+    prof = data["profile"]
+    assert prof["batch"] == 3 and 0 < prof["host_share"] < 1
+    assert prof["host_ms"] + prof["wait_ms"] == pytest.approx(prof["step_ms"])
+    assert "device: Device(" in capsys.readouterr().out
+
+
+def test_bench_rejects_a_zero_token_count(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "--decode-tokens", "0"]) == 2
+    assert "--decode-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_mlxserve_fit_counts_blocks_and_shares_the_prefix() -> None:
+    # Budget 10 blocks of 4 tokens. Requests of 5, 8, 9 tokens need 2, 2, 3 blocks.
+    assert memory.fit_mlxserve([5, 8, 9, 4], budget_tokens=40, block_size=4) == 4
+    assert memory.fit_mlxserve([5, 8, 9, 13], budget_tokens=40, block_size=4) == 3
+    # An 8-token shared prefix is 2 blocks held once: 2 + (5+8 -> 4 - 2) * n.
+    assert memory.fit_mlxserve([5] * 10, budget_tokens=40, block_size=4, shared_prefix=8) == 4
+
+
+def test_mlx_lm_fit_pads_every_row_to_the_longest_in_256_steps() -> None:
+    # 300 tokens -> 512 per row; 3 rows = 1536 <= 1600, a 4th would need 2048.
+    assert memory.fit_mlx_lm([300, 10, 10, 10], budget_tokens=1600) == 3
+    assert memory.fit_mlx_lm([10, 10, 10, 10, 10, 10], budget_tokens=1600) == 6
+    assert memory.fit_mlx_lm([10, 600], budget_tokens=1000) == 1  # 2 x 768 > 1000
+
+
+@pytest.mark.skipif(blas.gemv_shim() is None, reason="the sgemm -> sgemv shim is not loaded")
+def test_one_row_matmuls_through_the_gemv_shim_match_numpy() -> None:
+    shim = ctypes.CDLL(blas.gemv_shim())
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 40)).astype(np.float32)  # (out, in)
+    x = rng.standard_normal((1, 40)).astype(np.float32)
+    before = shim.mlxserve_num_gemv_calls()
+    cases = {
+        "x @ w.T (weights stored (out, in))": mx.array(x) @ mx.array(w).T,
+        "x @ w2 (weights stored (in, out))": mx.array(x) @ mx.array(np.ascontiguousarray(w.T)),
+        "a transposed row": mx.array(np.ascontiguousarray(x.T)).T @ mx.array(w).T,
+    }
+    mx.eval(list(cases.values()))
+    assert shim.mlxserve_num_gemv_calls() - before >= len(cases)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    for name, got in cases.items():
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    # More than one row goes to sgemm, with the same values.
+    xs = rng.standard_normal((3, 40)).astype(np.float32)
+    got = mx.array(xs) @ mx.array(w).T
+    np.testing.assert_allclose(np.array(got), xs @ w.T, rtol=1e-5, atol=1e-5)
