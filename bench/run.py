@@ -101,6 +101,8 @@ def server_specs(
         "--max-num-seqs",
         "64",
     ]
+    if args.max_num_batched_tokens:
+        mlxserve_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if "mlxserve" in args.peers:
         specs["mlxserve"] = serving.ServerSpec("mlxserve", mlxserve_cmd)
     if "mlx-lm" in args.peers:
@@ -205,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-prompt-tokens", type=int, default=1024)
     p.add_argument("--kv-budget-mb", type=int, default=1024)
     p.add_argument("--no-mlx-lm-openblas", action="store_true", help="skip mlx-lm + OpenBLAS")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="mlxserve serve's step token budget (default: the server's)",
+    )
     args = p.parse_args(argv)
     args.peers = [x for x in args.peers.split(",") if x]
     skip = {x for x in args.skip.split(",") if x}

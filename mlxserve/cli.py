@@ -49,8 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="tokens per engine step, prefill chunks + decodes (default: 2048 on Metal, "
-        "less on the CPU, where a big chunk would stall the decoding streams)",
+        help="tokens per engine step, prefill chunks + decodes (default 2048; `serve` on "
+        "the CPU: 32, so a long prompt does not stall the decoding streams)",
     )
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")

@@ -56,7 +56,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    # None: per device (engine.default_max_num_batched_tokens): 2048 on Metal, less on CPU.
+    # None: engine.default_max_num_batched_tokens (2048; a server on the CPU: 32).
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_blocks: int | None = None

@@ -100,7 +100,7 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mlxserve.async_engine import AsyncLLM
-    from mlxserve.engine import LLMEngine
+    from mlxserve.engine import LLMEngine, default_max_num_batched_tokens
     from mlxserve.server.app import ServerConfig, build_app
     from mlxserve.server.metrics import ServerMetrics
 
@@ -111,6 +111,10 @@ def serve_command(args: argparse.Namespace) -> int:
     keys = api_keys(args)
     origins = parse_origins(args.allowed_origins)
     config = engine_config(args, model)
+    if config.max_num_batched_tokens is None:  # a server favours smooth streams
+        config = dataclasses.replace(
+            config, max_num_batched_tokens=default_max_num_batched_tokens(serving=True)
+        )
     if names:
         config = dataclasses.replace(config, served_model_name=names[0])
     logger.info("loading %s ...", model or "the default model")
