@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from dataclasses import fields
 
@@ -223,6 +224,10 @@ def run_command(args: argparse.Namespace) -> int:
             raise ValueError("the prompt is empty")
         session.answer(prompt, sys.stdout)
         return 0
+    if sys.stdin.isatty():
+        # Ctrl-C must stop an answer even when we were started with SIGINT ignored (as
+        # background jobs of a non-interactive shell are): Python then installs no handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     session.repl(sys.stdin, sys.stdout)
     return 0
 

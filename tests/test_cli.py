@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -55,6 +56,9 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # child
             os.chdir(ROOT)
+            # As if launched by a non-interactive shell's background job (SIGINT ignored,
+            # and inherited through exec): Ctrl-C must still stop an answer.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             os.execv(sys.executable, RUN[:1] + RUN[1:] + args)
         self.buffer = ""
 
