@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as Backend
 
-from mlxserve.tokenizer import Tokenizer, read_gguf_metadata
+from mlxserve.loader.gguf_file import read_gguf_metadata
+from mlxserve.tokenizer import Tokenizer
 from tests.paths import SMOLLM2_GGUF, llamacpp_oracle
 
 SMOLLM2 = SMOLLM2_GGUF
@@ -425,7 +426,7 @@ def test_error_not_a_gguf(tmp_path: Path) -> None:
     truncated = tmp_path / "cut.gguf"
     with open(SMOLLM2, "rb") as f:
         truncated.write_bytes(f.read(5000))
-    with pytest.raises(ValueError, match=r"cut\.gguf: truncated"):
+    with pytest.raises(ValueError, match=r"cut\.gguf: corrupt or truncated GGUF file"):
         Tokenizer.from_gguf(truncated)
     with pytest.raises(ValueError, match=r"missing\.gguf"):
         Tokenizer.from_gguf(tmp_path / "missing.gguf")

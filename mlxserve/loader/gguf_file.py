@@ -15,9 +15,11 @@ C++ reader that trusts the header.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,8 +136,9 @@ def _nbytes(name: str, qtype: QT, shape: tuple[int, ...], path: Path) -> int:
     return math.prod(shape) // block_values * block_bytes  # Python ints: no overflow
 
 
-def read_gguf_header(path: Path) -> GGUFHeader:
-    """Parse and check a GGUF file's metadata and tensor directory (tensor data not read)."""
+@contextlib.contextmanager
+def _mapped(path: Path) -> Iterator[mmap.mmap]:
+    """The file memory-mapped read-only; unreadable or empty files are a ValueError."""
     try:
         with open(path, "rb") as f:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -144,21 +147,42 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     except ValueError:  # mmap of an empty file
         raise ValueError(f"{path}: not a GGUF file (it is empty)") from None
     try:
+        yield buf
+    finally:
+        buf.close()
+
+
+def _read_metadata(cur: _Cursor) -> tuple[int, dict[str, Any]]:
+    """Magic, version, counts and the key/values: (number of tensors, metadata)."""
+    magic = bytes(cur.buf[:4])
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{cur.path}: not a GGUF file (starts with {magic!r}, not b'GGUF')")
+    cur.take(4)
+    version = cur.scalar("<I")
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"{cur.path}: GGUF version {version} is not supported (supported: 2, 3)")
+    num_tensors, num_kv = cur.scalar("<Q"), cur.scalar("<Q")
+    if num_tensors > len(cur.buf) // 24 or num_kv > len(cur.buf) // 12:  # minimum entry sizes
+        raise cur.fail(f"header claims {num_tensors} tensors and {num_kv} metadata keys")
+    meta: dict[str, Any] = {}
+    for _ in range(num_kv):
+        key = cur.string()
+        meta[key] = cur.value(cur.scalar("<I"))
+    return num_tensors, meta
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Only the metadata key/values, as plain Python values (the tensor directory is skipped)."""
+    path = Path(path)
+    with _mapped(path) as buf:
+        return _read_metadata(_Cursor(buf, path))[1]
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """Parse and check a GGUF file's metadata and tensor directory (tensor data not read)."""
+    with _mapped(path) as buf:
         cur = _Cursor(buf, path)
-        magic = bytes(buf[:4])
-        if magic != GGUF_MAGIC:
-            raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, not b'GGUF')")
-        cur.take(4)
-        version = cur.scalar("<I")
-        if version not in SUPPORTED_VERSIONS:
-            raise ValueError(f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
-        num_tensors, num_kv = cur.scalar("<Q"), cur.scalar("<Q")
-        if num_tensors > len(buf) // 24 or num_kv > len(buf) // 12:  # minimum entry sizes
-            raise cur.fail(f"header claims {num_tensors} tensors and {num_kv} metadata keys")
-        meta: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key = cur.string()
-            meta[key] = cur.value(cur.scalar("<I"))
+        num_tensors, meta = _read_metadata(cur)
         infos = [_tensor_info(cur) for _ in range(num_tensors)]
         alignment = meta.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -174,8 +198,6 @@ def read_gguf_header(path: Path) -> GGUFHeader:
                 )
             tensors.append(TensorInfo(name, qtype, shape, data_start + offset, nbytes))
         return GGUFHeader(meta, tensors)
-    finally:
-        buf.close()
 
 
 def read_tensor_bytes(path: Path, info: TensorInfo) -> np.ndarray:  # (rows..., row_bytes) u8

@@ -2,7 +2,6 @@
 
 from mlxserve.tokenizer.chat_template import ChatTemplate
 from mlxserve.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, TextStream
-from mlxserve.tokenizer.gguf_reader import read_gguf_metadata
 from mlxserve.tokenizer.tokenizer import Tokenizer
 
 __all__ = [
@@ -11,5 +10,4 @@ __all__ = [
     "StopChecker",
     "TextStream",
     "Tokenizer",
-    "read_gguf_metadata",
 ]
