@@ -13,8 +13,9 @@ import time
 import mlx.core as mx
 
 from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from mlxserve.kv_cache_manager import cdiv
 from mlxserve.loader import LoadedModel, load_model
-from mlxserve.memory import KVPlan, plan_kv_cache, tree_bytes
+from mlxserve.memory import KVPlan, kv_bytes_per_token, plan_kv_cache, tree_bytes
 from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
 from mlxserve.output_processor import OutputProcessor
@@ -75,14 +76,7 @@ class LLMEngine:
         logger.info(self.plan.describe(config.max_num_seqs))
         self.max_model_len = self.plan.max_model_len
         initial_blocks = min(self.plan.num_blocks, INITIAL_KV_BLOCKS)
-        self.kv_cache = KVCache.allocate(
-            self.model.num_layers,
-            initial_blocks,
-            config.block_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
-            dtype=loaded.dtype,
-        )
+        self.kv_cache = self._allocate_kv_cache(initial_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens),
             CacheConfig(
@@ -108,12 +102,8 @@ class LLMEngine:
     def _plan_memory(self) -> KVPlan:
         c = self.config
         model_len = self.model.max_position_embeddings or c.max_model_len or 4096
-        bytes_per_token = (
-            2
-            * self.model.num_layers
-            * self.model.num_kv_heads
-            * self.model.head_dim
-            * self.loaded.dtype.size
+        bytes_per_token = kv_bytes_per_token(
+            self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.loaded.dtype
         )
         activation = 0
         if c.num_blocks is None:
@@ -130,19 +120,23 @@ class LLMEngine:
             num_blocks=c.num_blocks,
         )
 
-    def _probe_activation_bytes(self) -> int:
-        """Peak memory of a forward pass per token, measured, times the token budget."""
-        bs = self.config.block_size
-        n = min(PROBE_TOKENS, self.max_num_batched_tokens)
-        num_blocks = -(-n // bs) + 1
-        cache = KVCache.allocate(
+    def _allocate_kv_cache(self, num_blocks: int) -> KVCache:
+        """Zeroed K/V pools of ``num_blocks`` blocks for this model (lazy until evaluated)."""
+        return KVCache.allocate(
             self.model.num_layers,
             num_blocks,
-            bs,
+            self.config.block_size,
             self.model.num_kv_heads,
             self.model.head_dim,
             dtype=self.loaded.dtype,
         )
+
+    def _probe_activation_bytes(self) -> int:
+        """Peak memory of a forward pass per token, measured, times the token budget."""
+        bs = self.config.block_size
+        n = min(PROBE_TOKENS, self.max_num_batched_tokens)
+        num_blocks = cdiv(n, bs) + 1
+        cache = self._allocate_kv_cache(num_blocks)
         md = AttentionMetadata.build([n], [n], [list(range(1, num_blocks))], bs)
         mx.eval(cache.keys, cache.values)
         mx.synchronize()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxserve.kv_cache_manager import cdiv
+
 logger = logging.getLogger("mlxserve")
 
 GiB = 1 << 30
@@ -86,7 +88,7 @@ def plan_kv_cache(
         if length > tokens:
             raise ValueError(
                 f"num_blocks {num_blocks} holds {tokens} tokens, fewer than max_model_len "
-                f"{length}; use num_blocks >= {-(-length // block_size) + 1}"
+                f"{length}; use num_blocks >= {cdiv(length, block_size) + 1}"
             )
         return KVPlan(
             num_blocks, block_size, length, (num_blocks - 1) * bytes_per_block, bytes_per_token
@@ -123,7 +125,7 @@ def plan_kv_cache(
     else:
         length = max_model_len
     # No more blocks than max_num_seqs full-length requests can use.
-    useful = -(-length * max_num_seqs // block_size)
+    useful = cdiv(length * max_num_seqs, block_size)
     blocks = min(tokens // block_size, useful) + 1  # + the null block
     return KVPlan(blocks, block_size, length, (blocks - 1) * bytes_per_block, bytes_per_token)
 
