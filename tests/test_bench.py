@@ -30,7 +30,6 @@ def test_mlxserve_bench_runs_on_the_tiny_model(tmp_path: Path, capsys) -> None:
     assert all(v > 0 for v in data["offline"].values())
     prof = data["profile"]
     assert prof["batch"] == 3 and 0 < prof["host_share"] < 1
-    assert prof["host_ms"] + prof["wait_ms"] == pytest.approx(prof["step_ms"])
     assert "device: Device(" in capsys.readouterr().out
 
 

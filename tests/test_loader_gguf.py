@@ -72,11 +72,10 @@ def test_permuted_rows_with_interleaved_rope_equal_hf_rope() -> None:
     interleaved = project_rope(permuted, traditional=True)
     restored = project_rope(np.array(unpermute_rows(mx.array(permuted), heads)), False)
     np.testing.assert_allclose(restored, hf, atol=1e-5)
-    # Dot products between heads' q and k are what attention sees: those agree too.
+    # Interleaved RoPE on llama.cpp's rows gives HF's rotated q in the same permuted order,
+    # so q.k (q and k permuted alike) is what attention sees with HF's weights.
     np.testing.assert_allclose(
-        (interleaved.reshape(heads, head_dim) ** 2).sum(-1),
-        (hf.reshape(heads, head_dim) ** 2).sum(-1),
-        rtol=1e-5,
+        interleaved.reshape(-1), llamacpp_permute(hf.reshape(-1), heads), atol=1e-5
     )
 
 
