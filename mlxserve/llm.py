@@ -46,24 +46,26 @@ class LLM:
         ids = []
         for item, p in zip(items, params, strict=True):
             rid = str(next(self._counter))
-            if isinstance(item, dict):
-                if "prompt_token_ids" in item:
-                    self.engine.add_request(
-                        rid, item.get("prompt"), p, prompt_token_ids=list(item["prompt_token_ids"])
-                    )
-                elif "prompt" in item:
-                    self.engine.add_request(rid, item["prompt"], p)
-                else:
-                    self._abort(ids)
-                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            else:
-                try:
-                    self.engine.add_request(rid, item, p)
-                except ValueError:
-                    self._abort(ids)
-                    raise
+            try:
+                self._add(rid, item, p)
+            except ValueError:
+                self._abort(ids)  # a bad prompt queues nothing: the earlier ones are dropped
+                raise
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        if not isinstance(prompt, dict):
+            self.engine.add_request(request_id, prompt, params)
+        elif "prompt_token_ids" in prompt:
+            token_ids = list(prompt["prompt_token_ids"])
+            self.engine.add_request(
+                request_id, prompt.get("prompt"), params, prompt_token_ids=token_ids
+            )
+        elif "prompt" in prompt:
+            self.engine.add_request(request_id, prompt["prompt"], params)
+        else:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
 
     def chat(
         self,
@@ -85,17 +87,7 @@ class LLM:
                 tools=tools,
                 chat_template=chat_template,
             )
-            prompts.append(
-                {
-                    "prompt": text,
-                    "prompt_token_ids": tok.encode_chat(
-                        conv,
-                        add_generation_prompt=add_generation_prompt,
-                        tools=tools,
-                        chat_template=chat_template,
-                    ),
-                }
-            )
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode_rendered_chat(text)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _abort(self, ids: list[str]) -> None:

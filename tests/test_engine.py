@@ -169,6 +169,11 @@ def test_prompt_too_long_is_rejected_with_numbers(tiny) -> None:
         llm.generate([[5] * 150], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"max_tokens 90 \+ prompt 20 tokens = 110 exceeds"):
         llm.generate([[5] * 20], SamplingParams(max_tokens=90), use_tqdm=False)
+    # A bad prompt later in a batch leaves none of the batch queued, in any prompt form.
+    for bad in ({"prompt_token_ids": [5] * 150}, {"text": "hi"}):
+        with pytest.raises(ValueError, match=r"max_model_len is 100|needs 'prompt'"):
+            llm.generate([[5] * 20, {"prompt_token_ids": [6] * 20}, bad], GREEDY, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
     # The engine is still usable afterwards.
     assert len(llm.generate([[5] * 20], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
 

@@ -82,3 +82,23 @@ def test_small_pool_forces_preemption(reference) -> None:
     got, llm = run_all(num_blocks=10, block_size=4, max_model_len=32, max_num_batched_tokens=64)
     assert got == reference
     assert llm.engine.scheduler.make_stats().num_preemptions > 0
+
+
+def test_chat_renders_like_llama_cpp_and_answers() -> None:
+    from tests.paths import llamacpp_oracle
+
+    chats = llamacpp_oracle()["chat_template"][:2]
+    llm = LLM(None, num_blocks=128)
+    short = SamplingParams(temperature=0.0, max_tokens=2)
+    outs = llm.chat([c["messages"] for c in chats], short, use_tqdm=False)
+    assert [o.prompt for o in outs] == [c["prompt"] for c in chats]
+    tok = llm.get_tokenizer()
+    assert [tok.decode(o.prompt_token_ids, skip_special_tokens=False) for o in outs] == [
+        c["prompt"] for c in chats
+    ]
+    (one,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=12),
+        use_tqdm=False,
+    )
+    assert one.outputs[0].text == "The capital of France is Paris."
