@@ -154,27 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands() -> list:
-    """Sub-commands that live in their own modules (registered if importable)."""
-    out = []
-    try:
-        from mlxserve.server.cli import add_serve_command
-    except ImportError:
-        pass
-    else:
-        out.append(add_serve_command)
-    try:
-        from mlxserve.convert import add_convert_command
-    except ImportError:
-        pass
-    else:
-        out.append(add_convert_command)
-    try:
-        from mlxserve.bench import add_bench_command
-    except ImportError:
-        pass
-    else:
-        out.append(add_bench_command)
-    return out
+    """Sub-commands that live in their own modules."""
+    from mlxserve.bench import add_bench_command
+    from mlxserve.convert import add_convert_command
+    from mlxserve.server.cli import add_serve_command
+
+    return [add_serve_command, add_convert_command, add_bench_command]
 
 
 def main(argv: list[str] | None = None) -> int:

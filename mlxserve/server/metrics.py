@@ -138,10 +138,11 @@ class ServerMetrics:
         )
         self._live: dict[str, _Live] = {}
         self._prompt_tokens_computed = 0
-        self._last_stats = None
         self._lock = threading.Lock()
         self._window = _Window()
+        self._was_idle = True  # the last log line reported nothing happening
         self._cumulative = (0, 0)  # prefix queries, hits
+        self._num_preemptions = 0
         self._gauges = (0, 0, 0.0)  # running, waiting, kv usage
 
     # -------------------------------------------------------------- engine thread
@@ -161,10 +162,10 @@ class ServerMetrics:
         self.gpu_cache_usage.set(stats.kv_cache_usage)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         last_q, last_h = self._cumulative
-        last_p = self._last_stats.num_preemptions if self._last_stats else 0
         self.prefix_cache_queries.inc(max(0, queries - last_q))
         self.prefix_cache_hits.inc(max(0, hits - last_h))
-        self.num_preemptions.inc(max(0, stats.num_preemptions - last_p))
+        self.num_preemptions.inc(max(0, stats.num_preemptions - self._num_preemptions))
+        self._num_preemptions = stats.num_preemptions
         computed = engine.num_prompt_tokens_computed
         with self._lock:
             w = self._window
@@ -174,7 +175,6 @@ class ServerMetrics:
             self._prompt_tokens_computed = computed
             self._cumulative = (queries, hits)
             self._gauges = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
-        self._last_stats = stats
         for out in outputs:
             self._observe(out, now)
 
@@ -245,5 +245,3 @@ class ServerMetrics:
             f"Generation throughput: {w.num_generation_tokens / elapsed:.1f} tokens/s, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
-
-    _was_idle = True

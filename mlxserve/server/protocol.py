@@ -220,13 +220,8 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-# SamplingParams field -> the request field a client sets.
-_PARAM_NAMES = {
-    "logprobs": "logprobs",
-    "prompt_logprobs": "logprobs",
-    "logit_bias": "logit_bias",
-    "stop": "stop",
-}
+# SamplingParams fields a client sets under another name (the others keep theirs).
+_PARAM_NAMES = {"prompt_logprobs": "logprobs"}
 
 
 def _param_of(message: str) -> str | None:
