@@ -7,6 +7,7 @@ so a prompt the engine rejects (too long, ...) is still a 400 even when streamin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -145,9 +146,8 @@ class OpenAIServing:
                 await self._run(raw, group, "prompt")
             except ClientDisconnected:
                 return Response(status_code=499)
-            return SSEResponse(
-                self._completion_stream(group, req, params, head, prompts), group.close
-            )
+            chunks = self._completion_chunks(group, req, params, head, prompts)
+            return SSEResponse(_event_stream(chunks, group, "completion"), group.close)
         try:
             results = await self._collect(raw, group, len(prompts), "prompt")
         except ClientDisconnected:
@@ -181,56 +181,49 @@ class OpenAIServing:
         text, ids = prompt
         return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def _completion_stream(
+    async def _completion_chunks(
         self,
         group: RequestGroup,
         req: CompletionRequest,
         params: SamplingParams,
         head: dict[str, Any],
         prompts: list[tuple[str | None, list[int]]],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[dict]:
         n = params.n
         fmts: dict[int, CompletionLogprobs] = {}
         finished: set[int] = set()
         totals = _StreamTotals(len(prompts))
         extra = {"usage": None} if req.include_usage else {}
-        try:
-            async for i, out in group.outputs():
-                totals.add(i, out)
-                for c in out.outputs:
-                    index = i * n + c.index
-                    if index in finished:
-                        continue
-                    first = index not in fmts
-                    if first:
-                        fmts[index] = CompletionLogprobs(self.token_text)
-                    text, ids, lps = c.text, c.token_ids, c.logprobs or []
-                    if req.echo and first:
-                        text = self._prompt_text(prompts[i]) + text
-                        plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                        ids, lps = out.prompt_token_ids + ids, list(plp) + lps
-                    show_logprobs = bool(ids) and req.logprobs is not None
-                    if not text and c.finish_reason is None and not show_logprobs:
-                        continue  # tokens whose text is held back (partial UTF-8, stop prefix)
-                    if c.finish_reason is not None:
-                        finished.add(index)
-                    logprobs = fmts[index].make(ids, lps) if req.logprobs is not None else None
-                    choice = {
-                        "index": index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                    yield sse(head | {"choices": [choice]} | extra)
-            if req.include_usage:
-                yield sse(head | {"choices": [], "usage": totals.usage()})
-        except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-stream
-            logger.exception("completion stream failed")
-            yield sse(error_body(f"internal error: {e}", "internal_error"))
-        finally:
-            await group.close()
-        yield sse("[DONE]")
+        async for i, out in group.outputs():
+            totals.add(i, out)
+            for c in out.outputs:
+                index = i * n + c.index
+                if index in finished:
+                    continue
+                first = index not in fmts
+                if first:
+                    fmts[index] = CompletionLogprobs(self.token_text)
+                text, ids, lps = c.text, c.token_ids, c.logprobs or []
+                if req.echo and first:
+                    text = self._prompt_text(prompts[i]) + text
+                    plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                    ids, lps = out.prompt_token_ids + ids, list(plp) + lps
+                show_logprobs = bool(ids) and req.logprobs is not None
+                if not text and c.finish_reason is None and not show_logprobs:
+                    continue  # tokens whose text is held back (partial UTF-8, stop prefix)
+                if c.finish_reason is not None:
+                    finished.add(index)
+                logprobs = fmts[index].make(ids, lps) if req.logprobs is not None else None
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                yield head | {"choices": [choice]} | extra
+        if req.include_usage:
+            yield head | {"choices": [], "usage": totals.usage()}
 
     # ------------------------------------------------------------------- chat
     def _render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -266,9 +259,8 @@ class OpenAIServing:
                 await self._run(raw, group, "messages")
             except ClientDisconnected:
                 return Response(status_code=499)
-            return SSEResponse(
-                self._chat_stream(group, req, params, head | {"model": model}), group.close
-            )
+            chunks = self._chat_chunks(group, req, params, head | {"model": model})
+            return SSEResponse(_event_stream(chunks, group, "chat"), group.close)
         try:
             (res,) = await self._collect(raw, group, 1, "messages")
         except ClientDisconnected:
@@ -296,51 +288,60 @@ class OpenAIServing:
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         return JSONResponse(body | {"choices": choices, "usage": _total_usage([res])})
 
-    async def _chat_stream(
+    async def _chat_chunks(
         self,
         group: RequestGroup,
         req: ChatCompletionRequest,
         params: SamplingParams,
         head: dict[str, Any],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[dict]:
         extra = {"usage": None} if req.include_usage else {}
         totals = _StreamTotals(1)
         finished: set[int] = set()
-        try:
-            for j in range(params.n):
-                role = {"role": "assistant", "content": ""}
-                choice = {"index": j, "delta": role, "logprobs": None, "finish_reason": None}
-                yield sse(head | {"choices": [choice]} | extra)
-            async for _, out in group.outputs():
-                totals.add(0, out)
-                for c in out.outputs:
-                    has_logprobs = req.logprobs and c.token_ids
-                    if c.index in finished or not (c.text or c.finish_reason or has_logprobs):
-                        continue
-                    if c.finish_reason is not None:
-                        finished.add(c.index)
-                    logprobs = None
-                    if req.logprobs:
-                        content = chat_logprobs(
-                            c.token_ids, c.logprobs or [], params.num_logprobs, self.token_text
-                        )
-                        logprobs = {"content": content, "refusal": None}
-                    choice = {
-                        "index": c.index,
-                        "delta": {"content": c.text} if c.text else {},
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                    yield sse(head | {"choices": [choice]} | extra)
-            if req.include_usage:
-                yield sse(head | {"choices": [], "usage": totals.usage()})
-        except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-stream
-            logger.exception("chat stream failed")
-            yield sse(error_body(f"internal error: {e}", "internal_error"))
-        finally:
-            await group.close()
-        yield sse("[DONE]")
+        for j in range(params.n):
+            role = {"role": "assistant", "content": ""}
+            choice = {"index": j, "delta": role, "logprobs": None, "finish_reason": None}
+            yield head | {"choices": [choice]} | extra
+        async for _, out in group.outputs():
+            totals.add(0, out)
+            for c in out.outputs:
+                has_logprobs = req.logprobs and c.token_ids
+                if c.index in finished or not (c.text or c.finish_reason or has_logprobs):
+                    continue
+                if c.finish_reason is not None:
+                    finished.add(c.index)
+                logprobs = None
+                if req.logprobs:
+                    content = chat_logprobs(
+                        c.token_ids, c.logprobs or [], params.num_logprobs, self.token_text
+                    )
+                    logprobs = {"content": content, "refusal": None}
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": c.text} if c.text else {},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                yield head | {"choices": [choice]} | extra
+        if req.include_usage:
+            yield head | {"choices": [], "usage": totals.usage()}
+
+
+async def _event_stream(
+    chunks: AsyncIterator[dict], group: RequestGroup, what: str
+) -> AsyncIterator[str]:
+    """Chunks as server-sent events, an in-stream error if producing them fails, [DONE] last."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield sse(chunk)
+    except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-stream
+        logger.exception("%s stream failed", what)
+        yield sse(error_body(f"internal error: {e}", "internal_error"))
+    finally:
+        await group.close()
+    yield sse("[DONE]")
 
 
 class _StreamTotals:
