@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-DTYPES = ("auto", "float16", "bfloat16", "float32")
+# vLLM's --dtype names ("half" and "float" are its aliases); the loader maps them to MLX dtypes.
+DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,7 @@ def test_logprobs_equal_log_softmax_of_reference_logits(tiny) -> None:
         (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
         (dict(block_size=0), r"block_size must be in \[1, 256\], got 0"),
         (dict(gpu_memory_utilization=1.5), r"memory_fraction .* must be in \(0, 1\], got 1.5"),
-        (dict(dtype="int8"), "dtype must be one of auto, float16, bfloat16, float32"),
+        (dict(dtype="int8"), "dtype must be one of auto, float16, half, bfloat16, float32, float"),
         (dict(max_num_batched_tokens=-1), "max_num_batched_tokens must be >= 1, got -1"),
         (dict(no_such_arg=1), "unknown engine argument"),
         (dict(max_model_len=100000), "larger than the model's context length 4096"),

@@ -55,6 +55,15 @@ def test_vllm_engine_flags_reach_the_engine_config(tmp_path) -> None:
     assert parse("--enable-prefix-caching").enable_prefix_caching
 
 
+@pytest.mark.parametrize("name", ["half", "float"])
+def test_vllm_dtype_aliases_are_accepted(name: str) -> None:
+    from mlxserve.loader import resolve_dtype
+
+    config = engine_config(parse(f"--dtype={name}"), None)
+    assert config.dtype == name
+    assert resolve_dtype(config.dtype, {}).size == {"half": 2, "float": 4}[name]
+
+
 def test_api_key_from_flag_or_environment() -> None:
     assert api_keys(parse("--api-key", "k1", "--api-key", "k2"), environ={}) == ("k1", "k2")
     env = {"MLXSERVE_API_KEY": "from-env", "VLLM_API_KEY": "vllm"}

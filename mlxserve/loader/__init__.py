@@ -111,8 +111,8 @@ def _source_from_dir(path: Path, name: str) -> ModelSource:
     raise ValueError(f"{path}: no config.json and no .gguf file: not a model directory")
 
 
-# vLLM's --dtype names: "half" and "float" are aliases.
-DTYPES = {
+# config.DTYPES (vLLM's --dtype names) -> MLX dtypes.
+MX_DTYPES = {
     "float16": mx.float16,
     "half": mx.float16,
     "bfloat16": mx.bfloat16,
@@ -128,11 +128,11 @@ def resolve_dtype(dtype: str, config: dict) -> mx.Dtype:
     40x slower there); on Metal the checkpoint dtype (bfloat16/float16) is best.
     """
     if dtype != "auto":
-        if dtype not in DTYPES:
+        if dtype not in MX_DTYPES:
             raise ValueError(
-                f"dtype {dtype!r} is not supported; choose one of auto, {', '.join(DTYPES)}"
+                f"dtype {dtype!r} is not supported; choose one of auto, {', '.join(MX_DTYPES)}"
             )
-        return DTYPES[dtype]
+        return MX_DTYPES[dtype]
     if not uses_gpu():
         return mx.float32
     torch_dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
