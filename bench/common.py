@@ -16,11 +16,25 @@ if str(ROOT) not in sys.path:
 
 # MLX's own BLAS for mlx-lm's "stock" runs: mlxserve must not leak its OpenBLAS choice.
 STOCK_ENV = {"MLXSERVE_BLAS": "off", "LD_PRELOAD": ""}
+MLX_LM_WORKER = ROOT / "bench" / "peers" / "mlx_lm_worker.py"
 
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mlxserve-bench"
+
+
+def openblas_env(blas: str | None) -> dict[str, str]:
+    """mlx-lm with a system OpenBLAS preloaded under MLX (mlxserve's own loading off)."""
+    return {"LD_PRELOAD": blas or "", "MLXSERVE_BLAS": "off"}
+
+
+def run_mlx_lm_offline(spec: dict, env: dict[str, str], work: Path, name: str) -> dict:
+    """Run bench/peers/mlx_lm_worker.py on ``spec`` in a child process; its results."""
+    spec_path, out = work / f"{name}-spec.json", work / f"{name}-offline.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, str(MLX_LM_WORKER), str(spec_path), str(out)]
+    return run_json(cmd, child_env(env), out)
 
 
 def find_openblas() -> str | None:

@@ -12,7 +12,6 @@ Prints tok/s for both and the ratio. bench/run.py includes this as "batch N".
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -20,7 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import STOCK_ENV, child_env, find_openblas, mlx_lm_model, run_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    STOCK_ENV,
+    find_openblas,
+    mlx_lm_model,
+    openblas_env,
+    run_mlx_lm_offline,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     variant, env = "q", STOCK_ENV
     if args.mlx_lm_openblas:
-        variant, env = "f32", {"LD_PRELOAD": find_openblas() or "", "MLXSERVE_BLAS": "off"}
+        variant, env = "f32", openblas_env(find_openblas())
     work = Path(tempfile.mkdtemp(prefix="offline-throughput-"))
     spec = {
         "model": str(mlx_lm_model(args.model, variant)),
@@ -57,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "batches": {str(args.num_prompts): prompts},
         "batch_tokens": args.max_tokens,
     }
-    (work / "spec.json").write_text(json.dumps(spec))
-    worker = str(Path(__file__).parent / "peers" / "mlx_lm_worker.py")
-    cmd = [sys.executable, worker, str(work / "spec.json"), str(work / "out.json")]
-    theirs = run_json(cmd, child_env(env), work / "out.json")[f"batch{args.num_prompts}_tok_s"]
+    theirs = run_mlx_lm_offline(spec, env, work, "mlx-lm")[f"batch{args.num_prompts}_tok_s"]
     print(f"mlx-lm batch_generate: {theirs:.1f} tok/s")
     print(f"ratio mlxserve / mlx-lm: {ours / theirs:.2f}")
     return 0

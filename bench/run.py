@@ -23,7 +23,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import memory, serving  # noqa: E402
-from bench.common import STOCK_ENV, child_env, find_openblas, mlx_lm_model, run_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    STOCK_ENV,
+    child_env,
+    find_openblas,
+    mlx_lm_model,
+    openblas_env,
+    run_json,
+    run_mlx_lm_offline,
+)
 from bench.peers import llamacpp  # noqa: E402
 from bench.report import print_report, write_chart  # noqa: E402
 from mlxserve.bench import OfflineSpec, make_prompts  # noqa: E402
@@ -74,15 +82,12 @@ def offline(args, spec: OfflineSpec, tok, gguf: Path, work: Path) -> dict[str, d
         runs = [("mlx-lm", "q", STOCK_ENV)]
         blas = find_openblas()
         if blas and not args.no_mlx_lm_openblas:
-            runs.append(("mlx-lm+openblas", "f32", {"LD_PRELOAD": blas, "MLXSERVE_BLAS": "off"}))
+            runs.append(("mlx-lm+openblas", "f32", openblas_env(blas)))
         for name, variant, env in runs:
-            spec_path = work / f"{name}-spec.json"
-            out = work / f"{name}-offline.json"
-            spec_path.write_text(json.dumps(payload | {"model": str(args.mlx_dirs[variant])}))
-            worker = str(Path(__file__).parent / "peers" / "mlx_lm_worker.py")
-            res[name] = run_json(
-                [sys.executable, worker, str(spec_path), str(out)], child_env(env), out
-            )
+            if variant not in args.mlx_dirs:  # converted on first use: it takes a while
+                args.mlx_dirs[variant] = mlx_lm_model(str(args.gguf), variant)
+            model = {"model": str(args.mlx_dirs[variant])}
+            res[name] = run_mlx_lm_offline(payload | model, env, work, name)
             res[name]["weights"] = variant
     if "llama.cpp" in args.peers:
         res["llama.cpp"] = llamacpp.offline(gguf, spec, args.threads)
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     work = out_dir / "logs"
     work.mkdir(exist_ok=True)
     if "mlx-lm" in args.peers:
-        args.mlx_dirs = {"q": mlx_lm_model(str(gguf), "q"), "f32": mlx_lm_model(str(gguf), "f32")}
+        args.mlx_dirs = {"q": mlx_lm_model(str(gguf), "q")}  # "f32": by offline(), if used
     if "llama.cpp" in args.peers:
         llamacpp.ensure_built()
     spec = OfflineSpec(

@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="mlxserve serve's step token budget (default: the server's)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 

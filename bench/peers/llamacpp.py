@@ -18,13 +18,14 @@ import sys
 import tarfile
 from pathlib import Path
 
+from bench.common import cache_dir
+
 VERSION = "0.3.36"  # llama-cpp-python; its vendor/llama.cpp is what gets built
 TARGETS = ("llama-server", "llama-bench", "llama-batched-bench")
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlxserve-bench" / "llama-cpp"
+    return cache_dir() / "llama-cpp"
 
 
 def bin_dir(version: str = VERSION) -> Path:
