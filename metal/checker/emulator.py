@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal.checker import build
-from metal.checker.signature import TYPE_STRINGS, Generated, InputSpec, dtype_name, generate
+from metal.checker.signature import TYPE_STRINGS, Generated, dtype_name, generate_for_call
 
 _lib: ctypes.CDLL | None = None
 
@@ -161,18 +161,14 @@ class EmulatedKernel:
     atomic_outputs: bool
 
     def generated(self, inputs: list[mx.array], output_dtypes, template) -> Generated:
-        specs = [
-            InputSpec(n, dtype_name(a.dtype), tuple(a.shape))
-            for n, a in zip(self.input_names, inputs, strict=True)
-        ]
-        return generate(
+        return generate_for_call(
             self.name,
             self.input_names,
             self.output_names,
             self.source,
             self.header,
-            specs,
-            [dtype_name(d) for d in output_dtypes],
+            inputs,
+            output_dtypes,
             template,
             self.atomic_outputs,
         )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from metal.checker.signature import Generated, InputSpec, dtype_name, generate
+from metal.checker.signature import Generated, generate_for_call
 
 
 @dataclass
@@ -46,18 +46,14 @@ class Recorder:
             stream=None,
         ) -> list[mx.array]:
             arrays = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
-            specs = [
-                InputSpec(n, dtype_name(a.dtype), tuple(a.shape))
-                for n, a in zip(input_names, arrays, strict=True)
-            ]
-            g = generate(
+            g = generate_for_call(
                 name,
-                list(input_names),
-                list(output_names),
+                input_names,
+                output_names,
                 source,
                 header,
-                specs,
-                [dtype_name(d) for d in output_dtypes],
+                arrays,
+                output_dtypes,
                 template,
                 atomic_outputs,
             )

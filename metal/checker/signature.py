@@ -256,3 +256,32 @@ def generate(
         template_def=template_def,
         params=params,
     )
+
+
+def generate_for_call(
+    name: str,
+    input_names: list[str],
+    output_names: list[str],
+    source: str,
+    header: str,
+    arrays: list,
+    output_dtypes: list,
+    template: list[tuple[str, object]] | None,
+    atomic_outputs: bool = False,
+) -> Generated:
+    """:func:`generate` from what a metal_kernel call receives: the input arrays, MLX dtypes."""
+    specs = [
+        InputSpec(n, dtype_name(a.dtype), tuple(a.shape))
+        for n, a in zip(input_names, arrays, strict=True)
+    ]
+    return generate(
+        name,
+        list(input_names),
+        list(output_names),
+        source,
+        header,
+        specs,
+        [dtype_name(d) for d in output_dtypes],
+        template,
+        atomic_outputs,
+    )
