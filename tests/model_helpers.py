@@ -21,6 +21,17 @@ from mlxserve.loader.local import read_model_dir
 from mlxserve.models import KVCache, build_model
 from mlxserve.ops import AttentionMetadata
 
+# Llama 3.1 RoPE scaling shrunk to tiny models: with head_dim 16 and base 5e5 the
+# wavelengths (6.3, 32.4, 167, ...) fall in all three bands (kept < 16, blended 16..64,
+# scaled > 64).
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
 
 def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
     """A tiny GQA config (4 heads / 2 KV heads, head_dim 16) in HF config.json form."""

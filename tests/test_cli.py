@@ -18,8 +18,8 @@ from mlxserve.cli import split_model_and_prompt
 from mlxserve.config import EngineConfig
 from mlxserve.sampling_params import SamplingParams
 from tests.engine_helpers import make_tiny_model_dir
+from tests.paths import ROOT
 
-ROOT = Path(__file__).parents[1]
 RUN = [sys.executable, "-m", "mlxserve.cli", "run"]
 
 

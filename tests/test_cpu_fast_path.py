@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import mlx.nn as nn
 
 from mlxserve.loader import load_model
 from tests.model_helpers import BlockPoolRunner, greedy_generate
+from tests.paths import ROOT
 
 
 def test_dequantized_model_gives_the_quantized_models_greedy_tokens(llamacpp_oracle) -> None:
@@ -33,7 +33,7 @@ def blas_choice(setting: str) -> list[str]:
         env=dict(os.environ, MLXSERVE_BLAS=setting),
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=ROOT,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr

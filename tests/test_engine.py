@@ -4,7 +4,6 @@ preemption, sampling, n > 1, logprobs, and argument errors."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 
 from mlxserve import LLM, SamplingParams
 from tests.engine_helpers import make_tiny_model_dir
+from tests.paths import ROOT
 
 NUM_PROMPTS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -210,8 +210,8 @@ def test_plain_script_without_main_guard(tiny, tmp_path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=str(Path(__file__).parents[1]),
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[3, 3]"

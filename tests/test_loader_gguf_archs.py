@@ -23,6 +23,7 @@ from mlxserve.loader.gguf import make_config
 from mlxserve.models.base import llama3_inv_freq
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import (
+    LLAMA3_SCALING,
     BlockPoolRunner,
     make_mlx_lm_checkpoint,
     mlx_lm_chunk_logits,
@@ -91,26 +92,15 @@ def llamacpp_rope_factors(head_dim: int, base: float, scaling: dict[str, Any]) -
     return np.array(out, dtype=np.float32)
 
 
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    # With head_dim 16 and base 5e5 the wavelengths 6.3 / 32 / 167... fall in all three
-    # bands (kept < 16, blended 16..64, scaled > 64).
-    "original_max_position_embeddings": 64,
-}
-
-
 def test_rope_freqs_tensor_equals_hf_llama3_scaling(tmp_path: Path) -> None:
-    config = tiny_config("llama", rope_theta=5e5, rope_scaling=LLAMA3)
+    config = tiny_config("llama", rope_theta=5e5, rope_scaling=LLAMA3_SCALING)
     oracle, _ = make_mlx_lm_checkpoint(tmp_path / "ref", config, seed=4)
-    factors = llamacpp_rope_factors(16, 5e5, LLAMA3)
+    factors = llamacpp_rope_factors(16, 5e5, LLAMA3_SCALING)
     bands = sorted(set(factors.tolist()))  # kept (1), blended (between), scaled (8)
     assert len(bands) == 3 and bands[0] == 1.0 and 1.0 < bands[1] < 8.0 and bands[2] == 8.0
     # The same frequencies as transformers' llama3 formula (as mlxserve implements it).
     plain = 1.0 / 5e5 ** (np.arange(0, 16, 2) / 16)
-    np.testing.assert_allclose(plain / factors, llama3_inv_freq(16, 5e5, LLAMA3), rtol=1e-6)
+    np.testing.assert_allclose(plain / factors, llama3_inv_freq(16, 5e5, LLAMA3_SCALING), rtol=1e-6)
 
     weights = f16_rounded(oracle)
     oracle.load_weights([(k, mx.array(v)) for k, v in weights.items()])

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 from mlxserve.loader import load_model
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, tiny_config
+from tests.paths import ROOT
 from tests.test_loader_resolve import make_fake_hub
 
 CONFIG = tiny_config(max_position_embeddings=256)
@@ -146,7 +147,7 @@ def test_repo_ids_load_offline_from_the_hub_cache(tiny, tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=ROOT,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr

@@ -12,6 +12,7 @@ import pytest
 
 from mlxserve.loader import DEFAULT_MODEL_INSTALL, resolve_model
 from mlxserve.loader.hub import is_repo_id, split_gguf_ref
+from tests.paths import ROOT
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -40,7 +41,7 @@ def resolve_offline(cache: Path, model: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=ROOT,
         timeout=120,
     )
 
@@ -119,7 +120,7 @@ def test_missing_default_model_gives_the_install_command(tmp_path: Path) -> None
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=ROOT,
         timeout=120,
     )
     assert out.returncode != 0

@@ -17,6 +17,7 @@ from metal.checker.cases import (
 from metal.checker.cases import run as run_case
 from mlxserve import ops
 from mlxserve.ops import AttentionMetadata
+from tests.paths import ROOT
 
 ON_METAL = mx.metal.is_available()
 
@@ -218,9 +219,8 @@ def test_kernel_sources_ship_in_the_package(tmp_path) -> None:
     import shutil
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     src = tmp_path / "src"
     src.mkdir()
     for name in ("setup.py", "pyproject.toml"):

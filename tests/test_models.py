@@ -18,6 +18,7 @@ import pytest
 
 from mlxserve.models import build_model
 from tests.model_helpers import (
+    LLAMA3_SCALING,
     BlockPoolRunner,
     greedy_generate,
     load_checkpoint,
@@ -29,16 +30,6 @@ from tests.model_helpers import (
 
 TOL = 1e-4  # fp32 atol and rtol
 
-
-LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    # Small, so all three bands occur at head_dim 16, base 5e5: wavelength 6.3 kept (< 16),
-    # 32.4 blended (16..64), the rest scaled (> 64).
-    "original_max_position_embeddings": 64,
-}
 
 CASES: dict[str, dict[str, Any]] = {
     "llama-llama3rope-untied": tiny_config(

@@ -74,24 +74,14 @@ def test_seeded_request_is_reproducible_alone_and_in_a_batch() -> None:
     for i in range(6):
         alone = run(logits[i : i + 1], [states[i]])
         assert int(np.array(alone.token_ids)[0]) == batched[i]
+
     # Another seed gives another stream (over many steps, not equal everywhere).
-    a = [
-        int(
-            np.array(run(logits[:1], [state(seed=1, temperature=1.0, outputs=[0] * k)]).token_ids)[
-                0
-            ]
-        )
-        for k in range(20)
-    ]
-    b = [
-        int(
-            np.array(run(logits[:1], [state(seed=2, temperature=1.0, outputs=[0] * k)]).token_ids)[
-                0
-            ]
-        )
-        for k in range(20)
-    ]
-    assert a != b
+    def stream(seed: int) -> list[int]:
+        """The first 20 sampled tokens of a request with this seed."""
+        one = [state(seed=seed, temperature=1.0, outputs=[0] * k) for k in range(20)]
+        return [int(np.array(run(logits[:1], [s]).token_ids)[0]) for s in one]
+
+    assert stream(1) != stream(2)
 
 
 def reference_penalties(logits, prompt, outputs, rep, pres, freq):
