@@ -172,16 +172,7 @@ def test_attention_waits_for_the_write() -> None:
 
     for requests in (decode_requests(8), mixed_requests(8)):
         inp = make_inputs(Case(requests, 8, 2, 64))
-        with ops.force_backend("metal", spy):
-            ops.write_kv_and_attend(
-                mx.array(inp.q),
-                mx.array(inp.keys),
-                mx.array(inp.values),
-                mx.array(inp.k_pool),
-                mx.array(inp.v_pool),
-                inp.md,
-                inp.scale,
-            )
+        run(inp, "float32", lambda: ops.force_backend("metal", spy))
         (token,) = seen["write_kv:out"]
         reader = "paged_prefill" if requests == mixed_requests(8) else "paged_decode"
         assert seen[reader][-1] is token
