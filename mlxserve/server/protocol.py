@@ -163,12 +163,14 @@ class ChatMessage(BaseModel):
         return content
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it (text parts joined by newlines)."""
+        """The message as the chat template sees it.
+
+        Text parts stay a list: the template joins them by newlines unless it iterates
+        over content parts itself (see mlxserve.tokenizer.chat_template).
+        """
         msg = self.model_dump(exclude_none=True)
         if msg["role"] == "developer":  # OpenAI's newer name for the system role
             msg["role"] = "system"
-        if isinstance(self.content, list):
-            msg["content"] = "\n".join(part["text"] for part in self.content)
         return msg
 
 
