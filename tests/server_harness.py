@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -95,3 +96,30 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """The response has this status and an OpenAI-shaped error body; its "error" object."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def stream_events(http: httpx.Client, path: str, body: dict) -> list[dict | str]:
+    """POST with stream=true: the SSE events before the final [DONE] (which must come)."""
+    events = []
+    with http.stream("POST", path, json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    assert events[-1] == "[DONE]"
+    return events[:-1]

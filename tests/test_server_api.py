@@ -7,8 +7,6 @@ tokenizer.json (token ids, text).
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from tokenizers import Tokenizer
 
 from tests.engine_helpers import make_tiny_model_dir
 from tests.model_helpers import mlx_lm_greedy
-from tests.server_harness import start_server
+from tests.server_harness import assert_openai_error, start_server, stream_events
 
 KEY = "sk-tiny-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -55,35 +53,10 @@ def chatml(messages: list[dict]) -> str:
     return turns + "<|im_start|>assistant\n"
 
 
-def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return err
-
-
 def completion(http: httpx.Client, **body) -> dict:
     r = http.post("/v1/completions", json={"model": "tiny", **body})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def stream_events(http: httpx.Client, path: str, body: dict) -> list[dict | str]:
-    events = []
-    with http.stream("POST", path, json=body | {"stream": True}) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: ") :]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    assert events[-1] == "[DONE]"
-    return events[:-1]
 
 
 # ------------------------------------------------------------------------ errors

@@ -4,7 +4,6 @@ injected into the engine's model runner."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import httpx
@@ -16,7 +15,14 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine import LLMEngine
 from mlxserve.server import ServerConfig, ServerMetrics, build_app
 from tests.engine_helpers import make_tiny_model_dir
-from tests.server_harness import free_port, metric, read_metrics, wait_until
+from tests.server_harness import (
+    assert_openai_error,
+    free_port,
+    metric,
+    read_metrics,
+    stream_events,
+    wait_until,
+)
 
 
 class Faults:
@@ -75,9 +81,7 @@ def test_failed_step_is_500_then_the_server_keeps_serving(app_server, where) -> 
     ok(url)
     faults.fail_in(2, where=where)  # the second step of the next request
     r = httpx.post(url + "/v1/completions", json=BODY, timeout=30)
-    assert r.status_code == 500
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
+    err = assert_openai_error(r, 500)
     assert err["type"] == "internal_error" and "injected fault" in err["message"]
     ok(url)
     # The failed request released its blocks.
@@ -89,16 +93,12 @@ def test_failed_step_is_500_then_the_server_keeps_serving(app_server, where) -> 
 def test_failure_mid_stream_is_an_error_event_then_done(app_server) -> None:
     url, faults, _ = app_server
     faults.fail_in(3)
-    events = []
-    with httpx.stream("POST", url + "/v1/completions", json=BODY | {"stream": True}) as r:
-        assert r.status_code == 200  # the first token came before the fault
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[len("data: ") :])
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        # Status 200: the first token came before the fault; [DONE] still ends the stream.
+        events = stream_events(http, "/v1/completions", BODY)
+    error = events[-1]["error"]
     assert error["type"] == "internal_error" and "injected fault" in error["message"]
-    assert all("choices" in json.loads(e) for e in events[:-2])
+    assert all("choices" in e for e in events[:-1])
     ok(url)
 
 
