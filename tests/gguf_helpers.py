@@ -123,6 +123,14 @@ def encode_tensor(w: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:
     return raw, gguf.quants.dequantize(raw, qtype).reshape(w.shape)
 
 
+def close_gguf(writer: gguf.GGUFWriter) -> None:
+    """Write the header, the metadata and the tensors, then close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(
     path: Path,
     config: dict[str, Any],
@@ -186,8 +194,5 @@ def write_gguf(
         )
     for name, arr in (extra_tensors or {}).items():
         writer.add_tensor(name, arr)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return expected

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from mlxserve.loader import load_model
 from mlxserve.loader.local import read_model_dir
 from mlxserve.models import get_model_class
+from tests.gguf_helpers import close_gguf, write_gguf
 from tests.model_helpers import save_checkpoint
 
 CONFIG = {
@@ -131,10 +132,7 @@ def write_gguf_file(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, 
     writer.add_uint32(f"{arch}.attention.head_count", 4)
     for name, (arr, raw_dtype) in tensors.items():
         writer.add_tensor(name, arr, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return path
 
 
@@ -208,7 +206,6 @@ def test_bad_dtype(model_dir: Path) -> None:
 def test_random_header_corruption_is_a_value_error_or_loads(tmp_path: Path) -> None:
     """Flipped header bytes never crash the process (MLX's own GGUF reader can segfault on
     them): the file loads or a ValueError names it."""
-    from tests.gguf_helpers import write_gguf
 
     weights = {k: np.array(v) for k, v in weights_for(CONFIG).items()}
     config = {**CONFIG, "max_position_embeddings": 64, "rope_theta": 1e4, "rms_norm_eps": 1e-5}

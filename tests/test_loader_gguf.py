@@ -12,7 +12,7 @@ import pytest
 from mlxserve.loader.gguf import hf_tensor_name, load_gguf, make_config, unpermute_rows
 from mlxserve.loader.gguf_file import read_gguf_header, read_tensor_bytes
 from mlxserve.loader.gguf_quants import REPACKABLE, convert_tensor
-from tests.gguf_helpers import llamacpp_permute
+from tests.gguf_helpers import close_gguf, llamacpp_permute
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +179,7 @@ def test_unknown_tensor_names_are_refused(tmp_path: Path) -> None:
     writer.add_uint32("llama.attention.head_count", 2)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 64, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     with pytest.raises(
         ValueError, match=r"moe\.gguf: tensor\(s\) .* no place for: blk\.0\.ffn_gate_exps\.weight"
     ):

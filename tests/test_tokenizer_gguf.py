@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as Backend
 
 from mlxserve.loader.gguf_file import read_gguf_metadata
 from mlxserve.tokenizer import Tokenizer
+from tests.gguf_helpers import close_gguf
 from tests.paths import SMOLLM2_GGUF, llamacpp_oracle
 
 SMOLLM2 = SMOLLM2_GGUF
@@ -130,10 +131,7 @@ SPM_CORPUS = [
 def write_gguf(path: Path, fill: Any) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     fill(writer)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return path
 
 
