@@ -206,7 +206,6 @@ def test_bad_dtype(model_dir: Path) -> None:
 def test_random_header_corruption_is_a_value_error_or_loads(tmp_path: Path) -> None:
     """Flipped header bytes never crash the process (MLX's own GGUF reader can segfault on
     them): the file loads or a ValueError names it."""
-
     weights = {k: np.array(v) for k, v in weights_for(CONFIG).items()}
     config = {**CONFIG, "max_position_embeddings": 64, "rope_theta": 1e4, "rms_norm_eps": 1e-5}
     good_path = tmp_path / "good.gguf"
