@@ -217,6 +217,24 @@ inline T poison() {
   __builtin_memset(&t, 0xff, sizeof(T));  // NaN for floating types
   return t;
 }
+// Reading an inactive (or out-of-range) lane is undefined on the GPU: the emulator gives NaN.
+template <typename T>
+inline T lane_or_poison(const Lanes<T>& l, unsigned src) {
+  return active(l.mask, src) ? l.v[src] : poison<T>();
+}
+// op folded over the active lanes in lane order from the first one, by the first lane to
+// resume; every lane returns that one result.
+template <typename T, typename Op>
+inline T fold_active(T x, const char* what, const char* file, int line, Op op) {
+  auto l = exchange(x, what, file, line);
+  if (l.fresh) {
+    T acc = l.v[__builtin_ctz(l.mask)];
+    for (unsigned i = 0; i < 32; ++i)
+      if (active(l.mask, i)) acc = op(acc, l.v[i]);
+    *l.shared = acc;
+  }
+  return *l.shared;
+}
 }  // namespace mlxs_detail
 
 #define MLXS_SITE const char *file = __builtin_FILE(), int line = __builtin_LINE()
@@ -234,25 +252,11 @@ inline T simd_sum(T x, MLXS_SITE) {
 }
 template <typename T>
 inline T simd_max(T x, MLXS_SITE) {
-  auto l = mlxs_detail::exchange(x, "simd_max", file, line);
-  if (l.fresh) {
-    T acc = l.v[__builtin_ctz(l.mask)];
-    for (unsigned i = 0; i < 32; ++i)
-      if (mlxs_detail::active(l.mask, i)) acc = max(acc, l.v[i]);
-    *l.shared = acc;
-  }
-  return *l.shared;
+  return mlxs_detail::fold_active(x, "simd_max", file, line, [](T a, T b) { return max(a, b); });
 }
 template <typename T>
 inline T simd_min(T x, MLXS_SITE) {
-  auto l = mlxs_detail::exchange(x, "simd_min", file, line);
-  if (l.fresh) {
-    T acc = l.v[__builtin_ctz(l.mask)];
-    for (unsigned i = 0; i < 32; ++i)
-      if (mlxs_detail::active(l.mask, i)) acc = min(acc, l.v[i]);
-    *l.shared = acc;
-  }
-  return *l.shared;
+  return mlxs_detail::fold_active(x, "simd_min", file, line, [](T a, T b) { return min(a, b); });
 }
 template <typename T>
 inline T simd_prefix_exclusive_sum(T x, MLXS_SITE) {
@@ -262,36 +266,30 @@ inline T simd_prefix_exclusive_sum(T x, MLXS_SITE) {
     if (mlxs_detail::active(l.mask, i)) acc = acc + l.v[i];
   return acc;
 }
-// Reading an inactive (or out-of-range) lane is undefined on the GPU: the emulator gives NaN.
 template <typename T>
 inline T simd_shuffle(T x, ushort lane, MLXS_SITE) {
-  auto l = mlxs_detail::exchange(x, "simd_shuffle", file, line);
-  return mlxs_detail::active(l.mask, lane) ? l.v[lane] : mlxs_detail::poison<T>();
+  return mlxs_detail::lane_or_poison(mlxs_detail::exchange(x, "simd_shuffle", file, line), lane);
 }
 template <typename T>
 inline T simd_broadcast(T x, ushort lane, MLXS_SITE) {
-  auto l = mlxs_detail::exchange(x, "simd_broadcast", file, line);
-  return mlxs_detail::active(l.mask, lane) ? l.v[lane] : mlxs_detail::poison<T>();
+  return mlxs_detail::lane_or_poison(mlxs_detail::exchange(x, "simd_broadcast", file, line), lane);
 }
 template <typename T>
 inline T simd_shuffle_down(T x, ushort delta, MLXS_SITE) {
   auto l = mlxs_detail::exchange(x, "simd_shuffle_down", file, line);
   unsigned src = l.me + delta;
-  return src < 32 ? (mlxs_detail::active(l.mask, src) ? l.v[src] : mlxs_detail::poison<T>())
-                  : x;
+  return src < 32 ? mlxs_detail::lane_or_poison(l, src) : x;
 }
 template <typename T>
 inline T simd_shuffle_up(T x, ushort delta, MLXS_SITE) {
   auto l = mlxs_detail::exchange(x, "simd_shuffle_up", file, line);
   if (delta > l.me) return x;
-  unsigned src = l.me - delta;
-  return mlxs_detail::active(l.mask, src) ? l.v[src] : mlxs_detail::poison<T>();
+  return mlxs_detail::lane_or_poison(l, l.me - delta);
 }
 template <typename T>
 inline T simd_shuffle_xor(T x, ushort m, MLXS_SITE) {
   auto l = mlxs_detail::exchange(x, "simd_shuffle_xor", file, line);
-  unsigned src = l.me ^ m;
-  return mlxs_detail::active(l.mask, src) ? l.v[src] : mlxs_detail::poison<T>();
+  return mlxs_detail::lane_or_poison(l, l.me ^ m);
 }
 template <typename T>
 inline T simd_broadcast_first(T x, MLXS_SITE) {
