@@ -62,7 +62,7 @@ def mlx_lm_model(model: str | None, variant: str, log=print) -> Path:
     """
     import mlx.core as mx
 
-    from mlxserve.convert import convert
+    from mlxserve.cli.convert import convert
     from mlxserve.loader import resolve_model
 
     source = resolve_model(model)

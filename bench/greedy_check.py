@@ -32,7 +32,7 @@ SETTINGS = {
 
 def generate(model: str | None, num_prompts: int, max_tokens: int) -> dict[str, list]:
     from mlxserve import LLM, SamplingParams
-    from mlxserve.bench import make_prompts
+    from mlxserve.cli.bench import make_prompts
 
     llm = LLM(model, max_num_seqs=max(64, num_prompts))
     prompts = make_prompts(llm.get_tokenizer(), num_prompts, 24, start=3000)

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from mlxserve import LLM, SamplingParams
-    from mlxserve.bench import make_prompts
+    from mlxserve.cli.bench import make_prompts
 
     llm = LLM(args.model, max_num_seqs=max(64, args.num_prompts))
     tok = llm.get_tokenizer()

@@ -34,7 +34,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.peers import llamacpp  # noqa: E402
 from bench.report import print_report, write_chart  # noqa: E402
-from mlxserve.bench import OfflineSpec, make_prompts  # noqa: E402
+from mlxserve.cli.bench import OfflineSpec, make_prompts  # noqa: E402
 
 SECTIONS = ("offline", "serving", "mixed", "prefix", "memory")
 PEERS = ("mlxserve", "mlx-lm", "llama.cpp")
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args.peers = [x for x in args.peers.split(",") if x]
     skip = {x for x in args.skip.split(",") if x}
 
-    from mlxserve.bench import device_info
+    from mlxserve.cli.bench import device_info
     from mlxserve.loader import resolve_model
     from mlxserve.tokenizer import Tokenizer
 

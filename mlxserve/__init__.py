@@ -6,8 +6,8 @@ from mlxserve import blas as _blas
 _blas.preload()
 
 from mlxserve.config import EngineConfig  # noqa: E402
+from mlxserve.core.request import CompletionOutput, RequestOutput  # noqa: E402
 from mlxserve.llm import LLM  # noqa: E402
-from mlxserve.request import CompletionOutput, RequestOutput  # noqa: E402
 from mlxserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine import LLMEngine
-from mlxserve.request import RequestOutput
+from mlxserve.core.request import RequestOutput
+from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]

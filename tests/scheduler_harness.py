@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mlxserve.block_pool import BlockPool
-from mlxserve.request import RequestStatus
-from mlxserve.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from mlxserve.core.block_pool import BlockPool
+from mlxserve.core.request import RequestStatus
+from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 
 VOCAB = 50
 

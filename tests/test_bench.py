@@ -12,7 +12,7 @@ import pytest
 
 from bench import memory
 from mlxserve import blas
-from mlxserve.cli import main
+from mlxserve.cli.main import main
 from tests.engine_helpers import make_tiny_model_dir
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxserve.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from mlxserve.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxserve.chat import ChatSession
-from mlxserve.cli import split_model_and_prompt
+from mlxserve.cli.chat import ChatSession, split_model_and_prompt
 from mlxserve.config import EngineConfig
 from mlxserve.sampling_params import SamplingParams
 from tests.engine_helpers import make_tiny_model_dir

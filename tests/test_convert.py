@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.cli import main
-from mlxserve.convert import convert
+from mlxserve.cli.convert import convert
+from mlxserve.cli.main import main
 from tests.paths import check_llamacpp_step
 
 

@@ -179,7 +179,7 @@ def test_prompt_too_long_is_rejected_with_numbers(tiny) -> None:
 
 
 def test_kv_pool_grows_on_demand_without_changing_outputs(tiny, monkeypatch) -> None:
-    from mlxserve import engine
+    from mlxserve.engine import llm_engine as engine
 
     _, model_dir = tiny
     ps = prompts(12)

@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from mlxserve.kv_cache_manager import KVCacheManager, hash_block_tokens
-from mlxserve.request import Request
+from mlxserve.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from mlxserve.core.request import Request
 from mlxserve.sampling_params import SamplingParams
 
 BS = 4

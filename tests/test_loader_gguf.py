@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxserve.gguf_file import read_gguf_header, read_tensor_bytes
 from mlxserve.loader.gguf import hf_tensor_name, load_gguf, make_config, unpermute_rows
-from mlxserve.loader.gguf_file import read_gguf_header, read_tensor_bytes
 from mlxserve.loader.gguf_quants import REPACKABLE, convert_tensor
 from tests.gguf_helpers import close_gguf, llamacpp_permute
 

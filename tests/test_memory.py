@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxserve.memory import GiB, plan_kv_cache
+from mlxserve.worker.memory import GiB, plan_kv_cache
 
 # SmolLM2-135M in float32: 30 layers x 3 kv heads x 64 dims x 2 (K, V) x 4 bytes.
 SMOL_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # 46,080

@@ -6,8 +6,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.sampler import SamplingState, apply_logits_processors, make_sampling_batch, sample
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.worker.sampler import (
+    SamplingState,
+    apply_logits_processors,
+    make_sampling_batch,
+    sample,
+)
 
 V = 12
 

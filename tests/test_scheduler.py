@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from mlxserve.config import CacheConfig, SchedulerConfig
-from mlxserve.request import Request, RequestStatus
+from mlxserve.core.request import Request, RequestStatus
+from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 from mlxserve.sampling_params import SamplingParams
-from mlxserve.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 from tests.scheduler_harness import PagedFakeModel, reference_generate, run_to_completion, step
 
 

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mlxserve.config import CacheConfig, SchedulerConfig
-from mlxserve.request import Request, RequestStatus
+from mlxserve.core.request import Request, RequestStatus
+from mlxserve.core.scheduler import Scheduler
 from mlxserve.sampling_params import SamplingParams
-from mlxserve.scheduler import Scheduler
 from tests.scheduler_harness import (
     VOCAB,
     PagedFakeModel,

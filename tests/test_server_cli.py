@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from mlxserve.cli import build_parser, engine_config
+from mlxserve.cli.engine_args import engine_config
+from mlxserve.cli.main import build_parser
+from mlxserve.cli.serve import api_keys, parse_origins, serve_command
 from mlxserve.server.app import ServerConfig
-from mlxserve.server.cli import api_keys, parse_origins, serve_command
 
 
 def parse(*argv: str):

@@ -10,9 +10,9 @@ import httpx
 import pytest
 import uvicorn
 
-from mlxserve.async_engine import AsyncLLM
 from mlxserve.config import EngineConfig
-from mlxserve.engine import LLMEngine
+from mlxserve.engine.async_llm import AsyncLLM
+from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.server import ServerConfig, ServerMetrics, build_app
 from tests.engine_helpers import make_tiny_model_dir
 from tests.server_harness import (

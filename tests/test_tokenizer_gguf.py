@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as Backend
 
-from mlxserve.loader.gguf_file import read_gguf_metadata
+from mlxserve.gguf_file import read_gguf_metadata
 from mlxserve.tokenizer import Tokenizer
 from tests.gguf_helpers import close_gguf
 from tests.paths import SMOLLM2_GGUF, llamacpp_oracle

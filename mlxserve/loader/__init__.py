@@ -22,8 +22,8 @@ from mlxserve.blas import fast_blas
 from mlxserve.loader import hub
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.loader.local import read_model_dir
-from mlxserve.memory import usable_memory
 from mlxserve.models import dequantize_model, quantized_bytes_as_float
+from mlxserve.utils import usable_memory, uses_gpu
 
 logger = logging.getLogger("mlxserve")
 
@@ -137,11 +137,6 @@ def resolve_dtype(dtype: str, config: dict) -> mx.Dtype:
         return mx.float32
     torch_dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
     return mx.bfloat16 if torch_dtype == "bfloat16" else mx.float16
-
-
-def uses_gpu() -> bool:
-    """True when MLX computes on a Metal GPU."""
-    return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
 def cast_weights(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 from gguf import GGMLQuantizationType as QT
 
-from mlxserve.loader.gguf_file import GGUFHeader, read_gguf_header, read_tensor_bytes
+from mlxserve.gguf_file import GGUFHeader, read_gguf_header, read_tensor_bytes
 from mlxserve.loader.gguf_quants import GROUP_SIZE, convert_tensor
 
 # GGUF general.architecture -> HF model_type (the registry key of mlxserve.models).

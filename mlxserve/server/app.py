@@ -25,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxserve import __version__
-from mlxserve.async_engine import AsyncLLM
+from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server.errors import (
     APIError,
     bad_request,

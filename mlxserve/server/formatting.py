@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlxserve.request import Logprobs, RequestOutput
+from mlxserve.core.request import Logprobs, RequestOutput
 
 # JSON has no -inf; OpenAI and vLLM clamp to this.
 MIN_LOGPROB = -9999.0

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mlxserve.request import RequestMetrics, RequestOutput
+from mlxserve.core.request import RequestMetrics, RequestOutput
 
 logger = logging.getLogger("mlxserve")
 

@@ -18,8 +18,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlxserve.async_engine import AsyncLLM
-from mlxserve.request import RequestOutput
+from mlxserve.core.request import RequestOutput
+from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.server.errors import APIError, bad_request, error_body
 from mlxserve.server.formatting import (

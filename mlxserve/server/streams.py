@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from mlxserve.async_engine import AsyncLLM
-from mlxserve.request import RequestOutput
+from mlxserve.core.request import RequestOutput
+from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
+from mlxserve.gguf_file import read_gguf_metadata
 from mlxserve.tokenizer.chat_template import ChatTemplate, make_environment
 from mlxserve.tokenizer.gguf_vocab import build_gguf_vocab
 from mlxserve.tokenizer.hf_dir import read_hf_dir
@@ -105,8 +106,6 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Load the tokenizer embedded in a GGUF file (reads only the metadata header)."""
-        from mlxserve.loader.gguf_file import read_gguf_metadata  # lazy: the loader imports us
-
         return cls.from_gguf_metadata(read_gguf_metadata(path), source=str(path))
 
     @classmethod

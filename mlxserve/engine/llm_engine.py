@@ -13,16 +13,16 @@ import time
 import mlx.core as mx
 
 from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from mlxserve.kv_cache_manager import cdiv
+from mlxserve.core.request import Request, RequestOutput, RequestStatus
+from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
+from mlxserve.engine.output_processor import OutputProcessor
 from mlxserve.loader import LoadedModel, load_model
-from mlxserve.memory import KVPlan, kv_bytes_per_token, plan_kv_cache, tree_bytes
 from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
-from mlxserve.output_processor import OutputProcessor
-from mlxserve.request import Request, RequestOutput, RequestStatus
-from mlxserve.runner import InFlightStep, ModelRunner
 from mlxserve.sampling_params import SamplingParams
-from mlxserve.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
+from mlxserve.utils import cdiv, uses_gpu
+from mlxserve.worker.memory import KVPlan, kv_bytes_per_token, plan_kv_cache, tree_bytes
+from mlxserve.worker.model_runner import InFlightStep, ModelRunner
 
 logger = logging.getLogger("mlxserve")
 
@@ -43,8 +43,6 @@ CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 32
 
 def default_max_num_batched_tokens(serving: bool = False) -> int:
     """The step token budget when the config leaves it unset (None)."""
-    from mlxserve.loader import uses_gpu
-
     if serving and not uses_gpu():
         return CPU_SERVING_MAX_NUM_BATCHED_TOKENS
     return DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mlxserve.request import (
+from mlxserve.core.request import (
     CompletionOutput,
     Logprobs,
     Request,

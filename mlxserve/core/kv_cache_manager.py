@@ -18,8 +18,9 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from mlxserve.block_pool import BlockHash, BlockPool, KVCacheBlock
-from mlxserve.request import Request
+from mlxserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from mlxserve.core.request import Request
+from mlxserve.utils import cdiv
 
 ROOT_BLOCK_HASH: BlockHash = hashlib.sha256(b"mlxserve prefix cache root").digest()
 
@@ -36,11 +37,6 @@ def hash_block_tokens(
     if extra_keys:
         h.update(repr(extra_keys).encode())
     return h.digest()
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
 
 
 class KVCacheManager:

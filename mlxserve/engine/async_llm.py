@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxserve.engine import LLMEngine
-from mlxserve.request import RequestOutput
+from mlxserve.core.request import RequestOutput
+from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("mlxserve")

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mlxserve.config import CacheConfig, SchedulerConfig
-from mlxserve.kv_cache_manager import KVCacheManager
-from mlxserve.request import Request, RequestStatus
+from mlxserve.core.kv_cache_manager import KVCacheManager
+from mlxserve.core.request import Request, RequestStatus
 
 
 @dataclass

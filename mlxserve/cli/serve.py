@@ -8,7 +8,7 @@ import json
 import logging
 import os
 
-from mlxserve.cli import add_engine_args, engine_config
+from mlxserve.cli.engine_args import add_engine_args, engine_config
 
 logger = logging.getLogger("mlxserve")
 
@@ -99,8 +99,8 @@ def serve_command(args: argparse.Namespace) -> int:
     """Load the engine, start its thread, serve the app until interrupted."""
     import uvicorn
 
-    from mlxserve.async_engine import AsyncLLM
-    from mlxserve.engine import LLMEngine, default_max_num_batched_tokens
+    from mlxserve.engine.async_llm import AsyncLLM
+    from mlxserve.engine.llm_engine import LLMEngine, default_max_num_batched_tokens
     from mlxserve.server.app import ServerConfig, build_app
     from mlxserve.server.metrics import ServerMetrics
 

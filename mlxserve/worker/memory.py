@@ -9,26 +9,16 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxserve.kv_cache_manager import cdiv
+from mlxserve.utils import GiB, cdiv, usable_memory
 
 logger = logging.getLogger("mlxserve")
 
-GiB = 1 << 30
 # Below this many tokens of KV a server is not useful; the error then names the knobs.
 MIN_KV_TOKENS = 256
-
-
-def usable_memory() -> int:
-    """Bytes MLX may use: Metal's recommended working set, else physical RAM."""
-    if mx.metal.is_available():
-        info = mx.device_info()
-        return int(info.get("max_recommended_working_set_size") or info["memory_size"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from mlxserve.core.request import Logprobs, Request
+from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from mlxserve.ops import AttentionMetadata
-from mlxserve.request import Logprobs, Request
-from mlxserve.sampler import (
+from mlxserve.worker.sampler import (
     SamplerOutput,
     SamplingState,
     make_sampling_batch,
     sample,
     top_logprobs,
 )
-from mlxserve.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass

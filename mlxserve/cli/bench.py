@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -203,7 +202,7 @@ def profile_steps(engine, batch: int, num_steps: int, prompt_tokens: int = 32) -
 
 def make_engine(model: str | None, **engine_args):
     from mlxserve.config import EngineConfig
-    from mlxserve.engine import LLMEngine
+    from mlxserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=model, **engine_args))
 
@@ -263,9 +262,3 @@ def bench_command(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    from mlxserve.cli import main
-
-    sys.exit(main(["bench", *sys.argv[1:]]))

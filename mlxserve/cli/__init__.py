@@ -1,0 +1,1 @@
+"""The `mlxserve` command: one module per sub-command, the shared engine flags, `main`."""

@@ -1,0 +1,69 @@
+"""Engine flags every sub-command shares (vLLM's names), and the EngineConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+
+from mlxserve.config import DTYPES, EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flag names."""
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        dest="model_flag",
+        default=None,
+        help="hub repo id, model directory or .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct)",
+    )
+    g.add_argument("--tokenizer", default=None, help="tokenizer source, if not the model's")
+    g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="activation dtype (auto: float32 on CPU, the checkpoint's on Metal)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the model's, capped to fit memory)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        "--memory-fraction",
+        dest="memory_fraction",
+        type=float,
+        default=EngineConfig.memory_fraction,
+        help="fraction of the memory MLX may use for weights + KV cache",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step, prefill chunks + decodes (default 2048; `serve` on "
+        "the CPU: 32, so a long prompt does not stall the decoding streams)",
+    )
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template, or a file holding one"
+    )
+    g.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM compatibility")
+
+
+def engine_config(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    """EngineConfig from parsed flags (flags not in EngineConfig are ignored)."""
+    names = {f.name for f in fields(EngineConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names and k != "model"}
+    if args.chat_template and os.path.isfile(args.chat_template):
+        with open(args.chat_template, encoding="utf-8") as f:
+            values["chat_template"] = f.read()
+    return EngineConfig(model=model, **values)

@@ -1,0 +1,46 @@
+"""Command line: `mlxserve run` (chat in the terminal), `serve`, `bench`, `convert`.
+
+Each sub-command lives in its own module and registers itself here; they share the
+engine flags through :mod:`mlxserve.cli.engine_args` and never import this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mlxserve.cli.bench import add_bench_command
+from mlxserve.cli.chat import add_run_command
+from mlxserve.cli.convert import add_convert_command
+from mlxserve.cli.serve import add_serve_command
+
+DESCRIPTION = "Run, serve and benchmark LLMs on MLX: `mlxserve run`, `serve`, `convert`, `bench`."
+SUB_COMMANDS = (add_run_command, add_serve_command, add_convert_command, add_bench_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxserve", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_command in SUB_COMMANDS:
+        add_command(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", True) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.handler(args)
+    except ValueError as e:  # bad flags, a missing model, a prompt too long: one clear line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

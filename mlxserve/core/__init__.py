@@ -1,0 +1,1 @@
+"""Engine bookkeeping, no arrays: requests, block pool, KV cache manager, scheduler."""

@@ -1,0 +1,1 @@
+"""The engine: requests in, steps scheduled and run, outputs detokenized (sync and async)."""

@@ -1,0 +1,33 @@
+"""Leaf helpers shared across the wings: ceiling division, the device, usable memory.
+
+Nothing here imports another mlxserve module, so any module may import it without
+forming an import circle (the loader needs the device and memory without memory planning).
+"""
+
+from __future__ import annotations
+
+import os
+
+GiB = 1 << 30
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+def uses_gpu() -> bool:
+    """True when MLX computes on a Metal GPU."""
+    import mlx.core as mx
+
+    return mx.metal.is_available() and mx.default_device() == mx.gpu
+
+
+def usable_memory() -> int:
+    """Bytes MLX may use: Metal's recommended working set, else physical RAM."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        info = mx.device_info()
+        return int(info.get("max_recommended_working_set_size") or info["memory_size"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

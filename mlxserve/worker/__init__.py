@@ -1,0 +1,1 @@
+"""Everything that touches the device: the model runner, the sampler, memory planning."""
