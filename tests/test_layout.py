@@ -181,7 +181,7 @@ def test_only_the_cli_imports_the_cli_and_sub_commands_never_import_main() -> No
 
 
 def test_leaf_modules_import_nothing_from_the_package() -> None:
-    for leaf in ("mlxserve.utils", "mlxserve.blas", "mlxserve.gguf_file"):
+    for leaf in ("mlxserve.utils", "mlxserve.blas", "mlxserve.gguf_file", "mlxserve.exceptions"):
         assert internal_imports(leaf) == set(), leaf
 
 

@@ -1,0 +1,13 @@
+"""Errors that carry what they are about, so every layer can report them without parsing."""
+
+from __future__ import annotations
+
+
+class ParameterError(ValueError):
+    """A bad value for a named parameter (a SamplingParams field, a request field, an engine
+    argument). ``parameter`` names it, so the HTTP layer reports it in OpenAI's ``param``
+    without reading the message; the message itself names the value and the limit."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
