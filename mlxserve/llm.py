@@ -39,7 +39,10 @@ class LLM:
         """Complete every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt).
+        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt). A prompt that cannot run
+        (too long, empty...) raises ParameterError before anything is queued. A request
+        that fails while running comes back finished with finish_reason "error" and
+        ``RequestOutput.error`` saying why; the other prompts' outputs are unaffected.
         """
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
