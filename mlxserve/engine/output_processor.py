@@ -96,7 +96,8 @@ class OutputProcessor:
         )
 
     def metrics_of(self, engine_id: str) -> RequestMetrics | None:
-        state = self.states.get(self.fanout.owner(engine_id)[0].request_id)
+        parent = self.fanout.parent_of(engine_id)
+        state = None if parent is None else self.states.get(parent.request_id)
         return None if state is None else state.metrics
 
     def process(
