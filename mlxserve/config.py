@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
+
+from mlxserve.exceptions import ParameterError
 
 # vLLM's --dtype names ("half" and "float" are its aliases); the loader maps them to MLX dtypes.
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
+# Attention kernels: Metal where it can run (auto), always Metal, or the pure-MLX fallback.
+KERNEL_CHOICES = ("auto", "metal", "fallback")
+
+
+def default_kernels() -> str:
+    """The ``kernels`` default: MLXSERVE_KERNELS if set, else auto."""
+    return os.environ.get("MLXSERVE_KERNELS", "").strip().lower() or "auto"
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The KV block pool: how many blocks of how many tokens, and prefix caching."""
+    """The KV block pool: how many blocks of how many tokens, and prefix caching.
+
+    Built by the engine from a validated EngineConfig, so its invariants are asserted.
+    """
 
     num_blocks: int
     block_size: int = 16
@@ -19,28 +32,21 @@ class CacheConfig:
     initial_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
         # Block 0 is the null block, so a usable pool needs at least two.
-        _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, ">= 2")
+        assert self.block_size >= 1 and self.num_blocks >= 2, self
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step budgets of the scheduler."""
+    """Per-step budgets of the scheduler (built by the engine; invariants asserted)."""
 
     max_model_len: int
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
-        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
-        _require(
-            self.max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            self.max_num_batched_tokens,
-            ">= 1",
-        )
+        assert self.max_model_len >= 2 and self.max_num_seqs >= 1, self
+        assert self.max_num_batched_tokens >= 1, self
 
 
 @dataclass(frozen=True)
@@ -67,11 +73,19 @@ class EngineConfig:
     served_model_name: str | None = None
     enforce_eager: bool = False
     revision: str | None = None
+    # Checked against the machine when the engine starts (metal needs a Metal GPU).
+    kernels: str = field(default_factory=default_kernels)
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if self.max_model_len is not None:
-            _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+            # A request needs at least one prompt token and room for one output token.
+            _require(
+                self.max_model_len >= 2,
+                "max_model_len",
+                self.max_model_len,
+                ">= 2 (1 prompt token + 1 output token)",
+            )
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         if self.max_num_batched_tokens is not None:
             _require(
@@ -89,6 +103,12 @@ class EngineConfig:
             self.memory_fraction,
             "in (0, 1]",
         )
+        _require(
+            self.kernels in KERNEL_CHOICES,
+            "kernels (MLXSERVE_KERNELS)",
+            self.kernels,
+            f"one of {', '.join(KERNEL_CHOICES)}",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -98,13 +118,14 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(
+            raise ParameterError(
                 f"unknown engine argument(s): {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known | {'gpu_memory_utilization'}))}"
+                f"known: {', '.join(sorted(known | {'gpu_memory_utilization'}))}",
+                parameter=unknown[0],
             )
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
 def _require(ok: bool, name: str, value: object, limit: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {limit}, got {value!r}")
+        raise ParameterError(f"{name} must be {limit}, got {value!r}", parameter=name.split()[0])

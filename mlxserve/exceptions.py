@@ -11,3 +11,12 @@ class ParameterError(ValueError):
     def __init__(self, message: str, parameter: str | None = None) -> None:
         super().__init__(message)
         self.parameter = parameter
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed inside the engine (a step it was in raised because of it); the
+    other requests of that step were not affected."""
+
+    def __init__(self, message: str, request_id: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id

@@ -13,6 +13,7 @@ from typing import Any
 from mlxserve.config import EngineConfig
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.llm_engine import LLMEngine
+from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -39,7 +40,10 @@ class LLM:
         """Complete every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt).
+        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt). A prompt that cannot run
+        (too long, empty...) raises ParameterError before anything is queued. A request
+        that fails while running comes back finished with finish_reason "error" and
+        ``RequestOutput.error`` saying why; the other prompts' outputs are unaffected.
         """
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
@@ -65,7 +69,9 @@ class LLM:
         elif "prompt" in prompt:
             self.engine.add_request(request_id, prompt["prompt"], params)
         else:
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise ParameterError(
+                "a prompt dict needs 'prompt' or 'prompt_token_ids'", parameter="prompt"
+            )
 
     def chat(
         self,
@@ -134,5 +140,8 @@ def _as_params_list(
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one or {n}")
+        raise ParameterError(
+            f"got {len(params)} SamplingParams for {n} prompts; pass one or {n}",
+            parameter="sampling_params",
+        )
     return params

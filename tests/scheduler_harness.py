@@ -76,7 +76,7 @@ class PagedFakeModel:
             assert 0 not in table, "the null block is never part of a request's table"
             assert len(table) * bs >= start + n and len(table) == -(-(start + n) // bs)
             fed = out.token_ids(req)
-            assert fed == req.all_token_ids[start : start + n]
+            assert fed == (req.prompt_token_ids + req.output_token_ids)[start : start + n]
             for offset, token in enumerate(fed):
                 pos = start + offset
                 self.slots[table[pos // bs] * bs + pos % bs] = token
@@ -93,7 +93,8 @@ class PagedFakeModel:
             script = self.script.get(rid)
             token = script[req.num_output_tokens] if script else next_token(context)
             if not script:
-                assert context == req.all_token_ids, f"{rid}: KV cache holds wrong tokens"
+                want = req.prompt_token_ids + req.output_token_ids
+                assert context == want, f"{rid}: KV cache holds wrong tokens"
             sampled[rid] = [token]
         self.num_steps += 1
         return ModelRunnerOutput(sampled_token_ids=sampled)
@@ -138,7 +139,7 @@ def step(
     assert all(
         r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in scheduler.waiting
     )
-    assert scheduler.get_num_unfinished_requests() == scheduler.num_running + scheduler.num_waiting
+    assert len(scheduler.requests) == len(scheduler.running) + len(scheduler.waiting)
     return out
 
 

@@ -186,9 +186,10 @@ def test_kv_pool_grows_on_demand_without_changing_outputs(tiny, monkeypatch) -> 
     reference = greedy_tokens(LLM(str(model_dir), num_blocks=256), ps)
     monkeypatch.setattr(engine, "INITIAL_KV_BLOCKS", 4)
     llm = LLM(str(model_dir), num_blocks=256)
-    assert llm.engine.kv_cache.num_blocks == 4
+    # The runner makes the arrays on the thread that steps, at the first step.
+    assert llm.engine.runner.num_blocks == 0 and llm.engine.block_pool.num_allocated_blocks == 4
     assert greedy_tokens(llm, ps) == reference
-    grown = llm.engine.kv_cache.num_blocks
+    grown = llm.engine.runner.num_blocks
     assert 4 < grown <= 256 and grown == llm.engine.block_pool.num_allocated_blocks
 
 

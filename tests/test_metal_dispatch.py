@@ -24,24 +24,7 @@ from tests.paths import ROOT
 ON_METAL = mx.metal.is_available()
 
 
-@pytest.fixture
-def env(monkeypatch):
-    """Set MLXSERVE_KERNELS for one test (the choice is read once per process)."""
-
-    def set_choice(value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv("MLXSERVE_KERNELS", raising=False)
-        else:
-            monkeypatch.setenv("MLXSERVE_KERNELS", value)
-        ops._env_choice.cache_clear()
-
-    yield set_choice
-    monkeypatch.delenv("MLXSERVE_KERNELS", raising=False)
-    ops._env_choice.cache_clear()
-
-
-def test_auto_picks_what_the_machine_has(env) -> None:
-    env(None)
+def test_auto_picks_what_the_machine_has() -> None:
     backend, reason = ops.kernel_backend()
     if ON_METAL and mx.default_device() == mx.Device(mx.gpu):
         assert backend == "metal"
@@ -50,28 +33,43 @@ def test_auto_picks_what_the_machine_has(env) -> None:
         assert "mx.metal.is_available() is False" in reason or "default device" in reason
 
 
-def test_env_override(env) -> None:
-    env("fallback")
-    assert ops.kernel_backend() == ("fallback", "MLXSERVE_KERNELS=fallback")
-    env("Metal ")
+def test_kernels_setting_is_an_engine_field_checked_at_start_up(monkeypatch) -> None:
+    """MLXSERVE_KERNELS is only the default of EngineConfig.kernels, checked up front."""
+    from mlxserve.config import EngineConfig
+    from mlxserve.exceptions import ParameterError
+
+    monkeypatch.setenv("MLXSERVE_KERNELS", "Metal ")
+    assert EngineConfig().kernels == "metal"
+    monkeypatch.delenv("MLXSERVE_KERNELS")
+    assert EngineConfig().kernels == "auto"
+    assert EngineConfig(kernels="fallback").kernels == "fallback"
+    with pytest.raises(ParameterError, match=r"kernels \(MLXSERVE_KERNELS\) must be one of") as e:
+        EngineConfig(kernels="cuda")
+    assert e.value.parameter == "kernels"
+    ops.check_kernels("fallback")
+    ops.check_kernels("auto")
     if ON_METAL:
-        assert ops.kernel_backend()[0] == "metal"
+        ops.check_kernels("metal")
     else:
-        with pytest.raises(RuntimeError, match=r"MLXSERVE_KERNELS=metal.*is_available\(\)"):
-            ops.kernel_backend()
-    env("cuda")
-    with pytest.raises(ValueError, match="MLXSERVE_KERNELS must be one of auto, metal"):
-        ops.kernel_backend()
+        with pytest.raises(ValueError, match=r"kernels='metal'.*is_available\(\) is False"):
+            ops.check_kernels("metal")
 
 
-def test_force_backend_wins_and_nests(env) -> None:
-    env("fallback")
-    with ops.force_backend("metal", lambda **kw: None):
-        assert ops.kernel_backend()[0] == "metal"
-        with ops.force_backend("fallback"):
-            assert ops.kernel_backend()[0] == "fallback"
-        assert ops.kernel_backend()[0] == "metal"
-    assert ops.kernel_backend()[0] == "fallback"
+def test_use_kernels_scopes_the_choice() -> None:
+    with ops.use_kernels("fallback"):
+        assert ops.kernel_backend()[0] == "fallback"
+    with ops.use_kernels("auto"):  # no override: the machine decides
+        assert not ops._override
+
+
+def test_force_backend_wins_and_nests() -> None:
+    with ops.force_backend("fallback"):
+        with ops.force_backend("metal", lambda **kw: None):
+            assert ops.kernel_backend()[0] == "metal"
+            with ops.force_backend("fallback"):
+                assert ops.kernel_backend()[0] == "fallback"
+            assert ops.kernel_backend()[0] == "metal"
+        assert ops.kernel_backend()[0] == "fallback"
     with pytest.raises(ValueError, match="backend must be"):
         with ops.force_backend("cuda"):
             pass

@@ -11,6 +11,7 @@ import pytest
 from mlxserve.config import CacheConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import SamplingParams
 from tests.scheduler_harness import PagedFakeModel, reference_generate, run_to_completion, step
 
@@ -117,7 +118,7 @@ def test_max_num_seqs_caps_the_batch():
         sched.add_request(r)
     out = step(sched, model)
     assert layout(out) == [("a", 0, 4), ("b", 0, 4)]
-    assert sched.num_running == 2 and sched.num_waiting == 1
+    assert len(sched.running) == 2 and len(sched.waiting) == 1
     out = step(sched, model)
     assert layout(out) == [("a", 4, 1), ("b", 4, 1)]
     out = step(sched, model)
@@ -138,7 +139,7 @@ def test_preemption_requeues_newest_at_front_and_recomputes(caching: bool):
     assert out.block_ids == {"a": [1, 2], "b": [3, 4]}
     sched.add_request(c)
     out = step(sched, model)  # c does not fit: 0 free blocks
-    assert layout(out) == [("a", 3, 1), ("b", 3, 1)] and sched.num_waiting == 1
+    assert layout(out) == [("a", 3, 1), ("b", 3, 1)] and len(sched.waiting) == 1
 
     # a needs a third block: b (newest) is preempted; a gets b's last block.
     out = step(sched, model)
@@ -199,25 +200,16 @@ def test_prefix_hit_through_scheduler_shares_blocks():
     assert a.output_token_ids == oracle(a, sched) and b.output_token_ids == oracle(b, sched)
 
 
-def test_prompt_too_long_is_rejected_with_numbers():
-    sched, _ = make(max_model_len=16)
-    with pytest.raises(
-        ValueError, match=r"prompt has 16 tokens, but max_model_len is 16: at most 15"
-    ):
-        sched.add_request(req("a", list(range(16))))
-    sched.add_request(req("ok", list(range(15))))
-    with pytest.raises(ValueError, match="already scheduled"):
-        sched.add_request(req("ok", [1]))
-    with pytest.raises(ValueError, match="at least 1 token"):
-        sched.add_request(req("empty", []))
-
+def test_prompt_larger_than_the_pool_is_rejected_with_numbers():
+    # Empty or too long for max_model_len is LLMEngine.add_request's check (test_engine.py).
     small, model = make(num_blocks=3, block_size=4, max_model_len=100)  # 8 pool tokens
     with pytest.raises(
-        ValueError,
+        ParameterError,
         match=r"prompt has 9 tokens, but the whole KV cache holds 8 tokens \(2 blocks of 4\)",
-    ):
+    ) as e:
         small.add_request(req("big", list(range(9))))
-    assert small.get_num_unfinished_requests() == 0
+    assert e.value.parameter == "prompt"
+    assert not small.has_unfinished_requests()
     # A prompt that fills the pool gets one token, then stops for length.
     r = req("full", list(range(8)), max_tokens=10)
     small.add_request(r)
@@ -316,17 +308,17 @@ def test_abort_waiting_and_running_frees_everything():
     sched.add_request(a)
     sched.add_request(b)
     step(sched, model)
-    assert sched.num_running == 1 and sched.num_waiting == 1
-    sched.abort_requests("b")
-    assert b.status == RequestStatus.FINISHED_ABORTED and sched.num_waiting == 0
-    sched.abort_requests(["a", "unknown"])
+    assert len(sched.running) == 1 and len(sched.waiting) == 1
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert b.status == RequestStatus.FINISHED_ABORTED and not sched.waiting
+    sched.finish_requests(["a", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert a.status == RequestStatus.FINISHED_ABORTED and a.status.finish_reason == "abort"
     assert not sched.has_unfinished_requests() and sched.running == []
     kv = sched.kv_cache_manager
     assert kv.get_num_free_blocks() == 31 and kv.req_to_blocks == {}
     assert all(blk.ref_cnt == 0 for blk in kv.block_pool.blocks)
     out = sched.schedule()
-    assert out.is_empty and out.finished_request_ids == ["b", "a"]
+    assert not out.scheduled_requests and out.finished_request_ids == ["b", "a"]
     assert sched.schedule().finished_request_ids == []
 
 
@@ -336,7 +328,7 @@ def test_abort_between_schedule_and_update():
     sched.add_request(a)
     out = sched.schedule()
     result = model.execute(out)
-    sched.abort_requests("a")
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     assert sched.update_from_output(out, result) == []
     assert a.output_token_ids == [] and sched.kv_cache_manager.get_num_free_blocks() == 31
 

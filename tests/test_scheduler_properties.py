@@ -87,8 +87,10 @@ def test_random_streams_keep_invariants_and_finish(scenario):
             params = SamplingParams(
                 max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos
             )
+            if not 1 <= len(prompt) <= max_model_len - 1:
+                continue  # LLMEngine.add_request rejects it before the scheduler sees it
             r = Request(f"r{len(added)}", prompt, params, eos_token_ids=EOS)
-            fits = 1 <= len(prompt) <= max_model_len - 1 and len(prompt) <= pool_tokens
+            fits = len(prompt) <= pool_tokens
             try:
                 sched.add_request(r)
             except ValueError:
@@ -102,7 +104,7 @@ def test_random_streams_keep_invariants_and_finish(scenario):
             r = added[op[1] % len(added)]
             if not r.is_finished:
                 aborted.add(r.request_id)
-            sched.abort_requests(r.request_id)
+            sched.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
 
     run_to_completion(sched, model)
 

@@ -4,6 +4,7 @@ injected into the engine's model runner."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -114,4 +115,56 @@ def test_a_failing_handler_is_500_then_the_server_keeps_serving(app_server, monk
     assert "tokenizer exploded" in r.json()["error"]["message"]
     monkeypatch.undo()
     ok(url)
+    assert engine.get_num_unfinished_requests() == 0
+
+
+def test_a_step_failure_fails_only_the_request_that_caused_it(app_server, monkeypatch) -> None:
+    """Concurrent streams finish with their own tokens while the request that breaks the
+    step (here: reading back its sampled token raises) gets a 500 naming it as the cause."""
+    import asyncio
+
+    from mlxserve.worker.model_runner import ModelRunner
+
+    url, _, engine = app_server
+    victims = [BODY | {"prompt": [4 + i, 5, 6, 7 + 2 * i], "max_tokens": 12} for i in range(5)]
+    attacker = BODY | {"prompt": [9, 9, 9], "max_tokens": 7}  # 7: the mark of the attacker
+
+    async def text(http: httpx.AsyncClient, body: dict) -> str:
+        chunks = []
+        async with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[len("data: ") :])
+                    assert "error" not in event, event
+                    chunks.append(event["choices"][0]["text"])
+        return "".join(chunks)
+
+    async def run(with_attacker: bool):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            jobs = [text(http, v) for v in victims]
+            if with_attacker:
+                jobs.append(http.post("/v1/completions", json=attacker))
+            return await asyncio.gather(*jobs)
+
+    reference = asyncio.run(run(False))
+    real = ModelRunner._read
+
+    def read(self, part):
+        if any(r.sampling_params.max_tokens == 7 for r in part.samplers):
+            raise RuntimeError("injected fault")
+        return real(self, part)
+
+    monkeypatch.setattr(ModelRunner, "_read", read)
+    *texts, failed = asyncio.run(run(True))
+    assert texts == reference
+    err = assert_openai_error(failed, 500)
+    assert err["type"] == "internal_error"
+    assert (
+        "internal error while running this request: RuntimeError: injected fault"
+        in (err["message"])
+    )
+    monkeypatch.undo()
+    ok(url)
+    assert metric(read_metrics(url), "vllm:kv_cache_usage_perc", model_name="tiny") == 0
     assert engine.get_num_unfinished_requests() == 0

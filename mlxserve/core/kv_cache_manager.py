@@ -54,8 +54,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         initial_blocks: int | None = None,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        assert block_size >= 1, block_size  # EngineConfig checks it
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, initial_blocks)
@@ -178,10 +177,6 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
-
-    def get_blocks(self, request: Request) -> list[KVCacheBlock]:
-        """The request's block table (shared list: do not modify)."""
-        return self.req_to_blocks.get(request.request_id, [])
 
     def get_block_ids(self, request: Request) -> list[int]:
         """The request's block table as block ids (a fresh list)."""

@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # a step failed because of this request (see ModelRunner.collect)
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +34,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -99,10 +101,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def get_token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
         num_prompt = len(self.prompt_token_ids)
@@ -167,3 +165,6 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Set when the request failed (its samples end with finish_reason "error"): what
+    # went wrong. Other requests of the same batch are not affected.
+    error: str | None = None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from mlxserve.config import CacheConfig, SchedulerConfig
 from mlxserve.core.kv_cache_manager import KVCacheManager
 from mlxserve.core.request import Request, RequestStatus
+from mlxserve.exceptions import ParameterError
 
 
 @dataclass
@@ -29,7 +30,7 @@ class SchedulerOutput:
     """What the runner computes in one step.
 
     For each request ``r`` in ``scheduled_requests`` the runner feeds the tokens
-    ``r.all_token_ids[start : start + n]`` (``token_ids(r)`` returns them) at positions
+    ``(r.prompt_token_ids + r.output_token_ids)[start : start + n]`` (``token_ids(r)``) at positions
     ``start .. start + n - 1``, where ``start = start_positions[r.request_id]`` (tokens
     already in the KV cache before this step) and ``n = num_scheduled_tokens[...]``. Its
     context after the step is ``start + n`` tokens; token at position p goes to slot
@@ -58,10 +59,27 @@ class SchedulerOutput:
         """True when the request's chunk reaches the end of its known tokens this step."""
         return request_id in self.sampling_request_ids
 
-    @property
-    def is_empty(self) -> bool:
-        """True when nothing is scheduled (the runner can skip the step)."""
-        return not self.scheduled_requests
+    def subset(self, requests: list[Request]) -> SchedulerOutput:
+        """The same step for some of its requests only (batch order kept, nothing finished).
+
+        A valid step on its own: each request's tokens depend only on its own tokens and
+        blocks, so the runner re-runs subsets to find which request made a step fail.
+        """
+        ids = {r.request_id for r in requests}
+        num_decodes = self.num_decodes
+        kept = [r for r in self.scheduled_requests if r.request_id in ids]
+        num_scheduled = {r.request_id: self.num_scheduled_tokens[r.request_id] for r in kept}
+        return SchedulerOutput(
+            scheduled_requests=kept,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            block_ids={rid: self.block_ids[rid] for rid in num_scheduled},
+            preempted_request_ids=[],
+            finished_request_ids=[],
+            start_positions={rid: self.start_positions[rid] for rid in num_scheduled},
+            sampling_request_ids=self.sampling_request_ids & ids,
+            num_decodes=sum(r.request_id in ids for r in self.scheduled_requests[:num_decodes]),
+        )
 
 
 @dataclass
@@ -72,6 +90,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, object] | None = None  # opaque here; passed through to the engine
     prompt_logprobs: dict[str, object] | None = None
+    # request_id -> what went wrong, for requests whose step failed (they got no token).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -113,22 +133,20 @@ class Scheduler:
     # ------------------------------------------------------------------ lifecycle
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; ValueError if its prompt can never be served."""
+        """Queue a new request; ParameterError if its prompt cannot fit the whole pool.
+
+        The caller (LLMEngine.add_request) has checked the id and the prompt's length
+        against max_model_len.
+        """
         num_prompt = request.num_prompt_tokens
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already scheduled")
-        if num_prompt == 0:
-            raise ValueError("prompt must contain at least 1 token, got 0")
-        if num_prompt > self.max_model_len - 1:
-            raise ValueError(
-                f"prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len}: "
-                f"at most {self.max_model_len - 1} prompt tokens leave room for an output token"
-            )
+        assert request.request_id not in self.requests, request
+        assert 1 <= num_prompt < self.max_model_len, (num_prompt, self.max_model_len)
         if num_prompt > self.num_pool_tokens:
-            raise ValueError(
+            raise ParameterError(
                 f"prompt has {num_prompt} tokens, but the whole KV cache holds "
                 f"{self.num_pool_tokens} tokens ({self.kv_cache_manager.num_usable_blocks} "
-                f"blocks of {self.block_size}); raise num_blocks or memory_fraction"
+                f"blocks of {self.block_size}); raise num_blocks or memory_fraction",
+                parameter="prompt",
             )
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
         self.requests[request.request_id] = request
@@ -152,10 +170,6 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
-
-    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
-        """Abort requests, running or waiting; their blocks are freed at once."""
-        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -311,20 +325,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        """Waiting + running requests."""
-        return len(self.requests)
-
-    @property
-    def num_running(self) -> int:
-        """Requests holding blocks and scheduled each step (budget permitting)."""
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued for admission (new or preempted)."""
-        return len(self.waiting)
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes."""

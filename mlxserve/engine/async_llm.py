@@ -3,8 +3,9 @@
     HTTP handler --(inbox: add / abort)--> engine thread: step() in a loop
     HTTP handler <--(per-request asyncio.Queue, via call_soon_threadsafe)-- outputs
 
-Handlers never touch the model. A failing step fails the requests in it (they get the
-exception) and the loop goes on serving the others.
+Handlers never touch the model. A request whose step failed because of it gets a
+RequestFailedError; the others go on (the engine isolates the culprit). Only an error
+the engine cannot pin on requests fails every accepted request, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.llm_engine import LLMEngine
+from mlxserve.exceptions import RequestFailedError
 from mlxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("mlxserve")
@@ -47,9 +47,6 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, on_step=None) -> None:
         self.engine = engine
-        # MLX arrays still lazy here belong to this thread's stream and cannot be
-        # evaluated on the engine thread ("There is no Stream(cpu, 0) in current thread").
-        mx.eval(engine.kv_cache.keys, engine.kv_cache.values)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         # Requests the engine accepted and that have not finished (engine thread only).
@@ -120,7 +117,9 @@ class AsyncLLM:
                 if out.finished:
                     self._accepted.discard(out.request_id)
                 stream = self._streams.get(out.request_id)
-                if stream is not None:
+                if stream is not None and out.error is not None:
+                    stream.put(RequestFailedError(out.error, out.request_id))
+                elif stream is not None:
                     stream.put(out)
             if self._on_step is not None:
                 self._on_step(self.engine, outputs)

@@ -1,8 +1,12 @@
 """LLMEngine: requests in, one scheduled forward pass per step(), RequestOutputs out.
 
-add_request -> tokenizer -> Scheduler.add_request
-step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
+add_request -> tokenizer -> checks -> ParallelSampling (n > 1) -> Scheduler.add_request
+step():  Scheduler.schedule() -> ModelRunner.launch() / collect() -> Scheduler.update_from_output()
          -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
+
+The engine keeps requests, scheduling and outputs; the ModelRunner owns the device (model,
+KV arrays, every evaluation). A request whose step fails ends alone with finish_reason
+"error" (RequestOutput.error says why); the others in the batch go on, token-exact.
 """
 
 from __future__ import annotations
@@ -10,25 +14,21 @@ from __future__ import annotations
 import logging
 import time
 
-import mlx.core as mx
-
+from mlxserve import ops
 from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestOutput, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 from mlxserve.engine.output_processor import OutputProcessor
+from mlxserve.engine.parallel_sampling import ParallelSampling
+from mlxserve.exceptions import ParameterError
 from mlxserve.loader import LoadedModel, load_model
-from mlxserve.models.base import KVCache
-from mlxserve.ops import AttentionMetadata
 from mlxserve.sampling_params import SamplingParams
-from mlxserve.utils import cdiv, uses_gpu
-from mlxserve.worker.memory import KVPlan, kv_bytes_per_token, plan_kv_cache, tree_bytes
-from mlxserve.worker.model_runner import InFlightStep, ModelRunner
+from mlxserve.utils import uses_gpu
+from mlxserve.worker.isolation import describe
+from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
 
 logger = logging.getLogger("mlxserve")
 
-# Tokens in the start-up probe that measures activation memory per token (small: on
-# the CPU backend a forward pass costs ~0.1 s per token of a 135M model).
-PROBE_TOKENS = 8
 # KV blocks that exist at start; the pool grows (doubling) up to the planned size as
 # requests need more, so a small job never commits the whole memory budget.
 INITIAL_KV_BLOCKS = 256
@@ -53,6 +53,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        ops.check_kernels(config.kernels)  # before loading: fail fast on this machine
         if loaded is None:
             loaded = load_model(
                 config.model,
@@ -61,7 +62,6 @@ class LLMEngine:
                 tokenizer=config.tokenizer,
             )
         self.loaded = loaded
-        self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer.chat_templates = config.chat_template
@@ -69,89 +69,47 @@ class LLMEngine:
         self.max_num_batched_tokens = (
             config.max_num_batched_tokens or default_max_num_batched_tokens()
         )
-        mx.random.seed(config.seed)
-        self.plan = self._plan_memory()
+        self.runner = ModelRunner(
+            loaded.model,
+            dtype=loaded.dtype,
+            block_size=config.block_size,
+            kernels=config.kernels,
+            seed=config.seed,
+        )
+        self.plan = self.runner.plan_kv_cache(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            memory_fraction=config.memory_fraction,
+            num_blocks=config.num_blocks,
+        )
         logger.info(self.plan.describe(config.max_num_seqs))
         self.max_model_len = self.plan.max_model_len
-        initial_blocks = min(self.plan.num_blocks, INITIAL_KV_BLOCKS)
-        self.kv_cache = self._allocate_kv_cache(initial_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens),
             CacheConfig(
                 self.plan.num_blocks,
                 config.block_size,
                 config.enable_prefix_caching,
-                initial_blocks,
+                min(self.plan.num_blocks, INITIAL_KV_BLOCKS),
             ),
         )
         self.block_pool = self.scheduler.kv_cache_manager.block_pool
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, config.block_size, self.model.vocab_size, seed=config.seed
-        )
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.fanout = ParallelSampling()
+        self.outputs = OutputProcessor(self.tokenizer, self.fanout)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        # n > 1: samples after the first wait until it has prefilled, then hit its blocks.
-        self._pending_siblings: dict[str, list[Request]] = {}
-        self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # Prompt tokens computed so far (prefix-cache hits excluded), for throughput logs.
         self.num_prompt_tokens_computed = 0
 
-    # ----------------------------------------------------------------- set-up
-    def _plan_memory(self) -> KVPlan:
-        c = self.config
-        model_len = self.model.max_position_embeddings or c.max_model_len or 4096
-        bytes_per_token = kv_bytes_per_token(
-            self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.loaded.dtype
-        )
-        activation = 0
-        if c.num_blocks is None:
-            activation = self._probe_activation_bytes()
-        return plan_kv_cache(
-            bytes_per_token=bytes_per_token,
-            block_size=c.block_size,
-            model_max_len=model_len,
-            max_model_len=c.max_model_len,
-            max_num_seqs=c.max_num_seqs,
-            memory_fraction=c.memory_fraction,
-            weights_bytes=tree_bytes(self.model.parameters()),
-            activation_bytes=activation,
-            num_blocks=c.num_blocks,
-        )
+    @property
+    def model(self):
+        """The model (the runner holds it; read its attributes, never run it from here)."""
+        return self.runner.model
 
-    def _allocate_kv_cache(self, num_blocks: int) -> KVCache:
-        """Zeroed K/V pools of ``num_blocks`` blocks for this model (lazy until evaluated)."""
-        return KVCache.allocate(
-            self.model.num_layers,
-            num_blocks,
-            self.config.block_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
-            dtype=self.loaded.dtype,
-        )
-
-    def _probe_activation_bytes(self) -> int:
-        """Peak memory of a forward pass per token, measured, times the token budget."""
-        bs = self.config.block_size
-        n = min(PROBE_TOKENS, self.max_num_batched_tokens)
-        num_blocks = cdiv(n, bs) + 1
-        cache = self._allocate_kv_cache(num_blocks)
-        md = AttentionMetadata.build([n], [n], [list(range(1, num_blocks))], bs)
-        mx.eval(cache.keys, cache.values)
-        mx.synchronize()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        logits = self.model(
-            mx.zeros((n,), mx.int32),
-            mx.arange(n, dtype=mx.int32),
-            md,
-            cache,
-            logits_indices=mx.array([n - 1], dtype=mx.int32),
-        )
-        mx.eval(logits)
-        per_token = max(mx.get_peak_memory() - base, 0) / n
-        del cache, logits
-        mx.clear_cache()
-        return int(per_token * self.max_num_batched_tokens)
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
 
     # --------------------------------------------------------------- requests
     def add_request(
@@ -162,10 +120,9 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; ValueError (with the numbers) if it can never run."""
+        """Queue a request; ParameterError (naming the field, with the numbers) if it
+        can never run. The one place these checks live."""
         params = params or SamplingParams()
-        if request_id in self.outputs.states:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -173,71 +130,79 @@ class LLMEngine:
             elif prompt is not None:
                 prompt_token_ids = list(prompt)
         if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            raise ParameterError("prompt must not be empty", parameter="prompt")
+        self._check_token_ids("prompt", prompt_token_ids)
+        self._check_token_ids("logit_bias", list(params.logit_bias or ()))
+        self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
         max_tokens = self._max_tokens(len(prompt_token_ids), params)
+        parent = self.fanout.add(request_id, params)  # reserves the n engine ids
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        requests = []
-        for i, cid in enumerate(
-            self.outputs.add(request_id, text, prompt_token_ids, params, arrival)
-        ):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = _with_seed(params, params.seed + i)
-            requests.append(
-                Request(
-                    cid, prompt_token_ids, child_params, self.eos_token_ids, max_tokens, arrival
-                )
-            )
+        self.outputs.add(parent, text, prompt_token_ids, arrival)
         try:
-            self.scheduler.add_request(requests[0])
+            first = parent.make_requests(prompt_token_ids, self.eos_token_ids, max_tokens, arrival)
+            self.scheduler.add_request(first)
         except ValueError:
-            self.outputs.remove(request_id)
+            self._forget(request_id)
             raise
-        if len(requests) > 1:
-            self._pending_siblings[requests[0].request_id] = requests[1:]
+
+    def _check_token_ids(self, parameter: str, token_ids: list[int]) -> None:
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            what = "prompt token ids" if parameter == "prompt" else f"{parameter} token ids"
+            raise ParameterError(
+                f"{what} must be in [0, {vocab}) (the model's vocabulary), got {bad[:5]}",
+                parameter=parameter,
+            )
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise ValueError(
+            raise ParameterError(
                 f"prompt is {prompt_len} tokens, but max_model_len is {self.max_model_len}: "
-                f"it must be at most {self.max_model_len - 1} tokens to generate anything"
+                f"it must be at most {self.max_model_len - 1} tokens to generate anything",
+                parameter="prompt",
             )
         if params.max_tokens is None:
             return room
         if params.max_tokens > room:
-            raise ValueError(
+            raise ParameterError(
                 f"max_tokens {params.max_tokens} + prompt {prompt_len} tokens = "
                 f"{params.max_tokens + prompt_len} exceeds max_model_len {self.max_model_len}; "
-                f"use max_tokens <= {room}"
+                f"use max_tokens <= {room}",
+                parameter="max_tokens",
             )
         return params.max_tokens
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        finals = []
-        for rid in ids:
-            children = self.outputs.child_ids(rid)
-            if not children:
-                continue
-            self._pending_siblings.pop(children[0], None)
-            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-            state = self.outputs.abort(rid)
-            if state is not None:
-                finals.append(self.outputs.make_output(state))
-                self.outputs.remove(rid)
-        return finals
+        finals = [self._end(rid) for rid in ids]
+        return [out for out in finals if out is not None]
+
+    def _end(
+        self, request_id: str, error: str | None = None, delta: bool = False
+    ) -> RequestOutput | None:
+        """Finish a user request now: aborted, or failed with ``error``; its last output."""
+        parent = self.fanout.get(request_id)
+        if parent is None:
+            return None
+        status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
+        self.scheduler.finish_requests(parent.child_ids, status)
+        state = self.outputs.abort(request_id, error)
+        out = None if state is None else self.outputs.make_output(state, delta=delta)
+        self._forget(request_id)
+        return out
+
+    def _forget(self, request_id: str) -> None:
+        self.outputs.remove(request_id)
+        self.fanout.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return (
             self._in_flight is not None
             or self.scheduler.has_unfinished_requests()
-            or bool(self._pending_siblings)
+            or self.fanout.has_held()
         )
 
     def get_num_unfinished_requests(self) -> int:
@@ -251,27 +216,49 @@ class LLMEngine:
         one is scheduled and launched, and the collected step's outputs are detokenized
         while the new one computes. So outputs trail the launch by one call, and a
         request stopped by a stop string may have computed one extra token, discarded.
+        A request the runner reports as failed ends with finish_reason "error".
         """
         collected = None
         if self._in_flight is not None:
             so, handle = self._in_flight
             self._in_flight = None
-            ro = self.runner.collect(handle)
-            collected = (so, ro, self.scheduler.update_from_output(so, ro))
+            try:
+                ro = self.runner.collect(handle)
+            except KVCacheLostError as e:
+                return self._fail_everything(str(e), delta)
+            failures = self._fail(ro.failed, delta)
+            collected = (so, ro, self.scheduler.update_from_output(so, ro), failures)
         so = self.scheduler.schedule()
         if so.scheduled_requests or so.finished_request_ids:
-            self.kv_cache.ensure_num_blocks(self.block_pool.num_allocated_blocks)
+            self.runner.ensure_blocks(self.block_pool.num_allocated_blocks)
             try:
                 self._in_flight = (so, self.runner.launch(so))
             except Exception:
-                self.abort_request(
-                    [self.outputs.parent_id(r.request_id) for r in so.scheduled_requests]
-                )
+                parents = {self.fanout.owner(r.request_id)[0] for r in so.scheduled_requests}
+                self.abort_request([p.request_id for p in parents])
                 raise
             self._note_scheduled(so)
         if collected is None:
             return []
         return self._process(*collected, delta=delta)
+
+    def _fail(self, failed: dict[str, str], delta: bool) -> list[RequestOutput]:
+        """End the user requests of engine requests whose step failed; their outputs."""
+        outs = []
+        for engine_id, error in failed.items():
+            parent = self.fanout.parent_of(engine_id)
+            if parent is not None:
+                message = f"internal error while running this request: {error}"
+                outs.append(self._end(parent.request_id, message, delta))
+        return [out for out in outs if out is not None]
+
+    def _fail_everything(self, error: str, delta: bool) -> list[RequestOutput]:
+        """The KV pool is lost: fail every request and forget the cached prefixes."""
+        logger.error("%s; failing every request", error)
+        message = f"internal error: {error}"
+        outs = [self._end(rid, message, delta) for rid in list(self.fanout.parents)]
+        self.scheduler.reset_prefix_cache()
+        return [out for out in outs if out is not None]
 
     def _note_scheduled(self, so: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -284,36 +271,41 @@ class LLMEngine:
                 m.first_scheduled_time = now
 
     def _process(
-        self, so: SchedulerOutput, ro: ModelRunnerOutput, changed: list[Request], delta: bool
+        self,
+        so: SchedulerOutput,
+        ro: ModelRunnerOutput,
+        changed: list[Request],
+        failures: list[RequestOutput],
+        delta: bool,
     ) -> list[RequestOutput]:
         touched = {}
         for req in changed:
+            if self.fanout.parent_of(req.request_id) is None:
+                continue  # a sibling sample failed earlier in this loop: the request ended
             new = ro.sampled_token_ids.get(req.request_id, [])
             logprobs = (ro.logprobs or {}).get(req.request_id)
             plp = (ro.prompt_logprobs or {}).get(req.request_id)
-            state, hit_stop = self.outputs.process(req, new, logprobs, plp)
+            try:
+                state, hit_stop = self.outputs.process(req, new, logprobs, plp)
+            except Exception as e:  # noqa: BLE001 -- e.g. the detokenizer: fail this one only
+                logger.exception("processing the output of request %s failed", req.request_id)
+                parent_id = self.fanout.owner(req.request_id)[0].request_id
+                touched.pop(parent_id, None)
+                failures += self._fail({req.request_id: describe(e)}, delta)
+                continue
             if hit_stop:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             touched[state.request_id] = state
-            siblings = self._pending_siblings.pop(req.request_id, None)
-            if siblings:  # the first sample has prefilled: its prompt blocks are cached now
-                for sib in siblings:
-                    self.scheduler.add_request(sib)
-        results = []
+            # Sample 0 has prefilled: its prompt blocks are cached, the held samples hit them.
+            for sibling in self.fanout.release_held(req.request_id):
+                self.scheduler.add_request(sibling)
+        results = failures
         for rid, state in touched.items():
             results.append(self.outputs.make_output(state, delta=delta))
             if state.finished:
-                self.outputs.remove(rid)
+                self._forget(rid)
         return results
 
     def get_stats(self) -> SchedulerStats:
         """Scheduler and cache gauges (running, waiting, KV usage, prefix counters)."""
         return self.scheduler.make_stats()
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import copy
-
-    out = copy.copy(params)
-    out.seed = seed
-    return out

@@ -1,7 +1,8 @@
 """From engine Requests to user RequestOutputs: text, stop strings, logprobs, n samples.
 
-A user request with n > 1 becomes n engine requests ("<id>", "<id>#1", ...); the output
-processor gathers them back into one RequestOutput with n CompletionOutputs.
+A user request with n > 1 becomes n engine requests (engine/parallel_sampling.py owns
+the fan-out); the output processor gathers them back into one RequestOutput with n
+CompletionOutputs.
 """
 
 from __future__ import annotations
@@ -17,13 +18,9 @@ from mlxserve.core.request import (
     RequestOutput,
     RequestStatus,
 )
+from mlxserve.engine.parallel_sampling import ParallelSampling, ParentRequest
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.tokenizer import TextStream
-
-
-def child_request_id(request_id: str, index: int) -> str:
-    """Engine id of sample ``index`` of a user request (the first keeps the user's id)."""
-    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 @dataclass
@@ -54,6 +51,7 @@ class RequestState:
     metrics: RequestMetrics
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why the request failed (its samples end with "error")
 
     @property
     def finished(self) -> bool:
@@ -63,20 +61,20 @@ class RequestState:
 class OutputProcessor:
     """Detokenizes new tokens, applies stop strings, builds RequestOutputs."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, fanout: ParallelSampling) -> None:
         self.tokenizer = tokenizer
+        self.fanout = fanout  # engine id -> (user request, sample index)
         self.states: dict[str, RequestState] = {}
-        self._parent: dict[str, tuple[str, int]] = {}  # engine id -> (user id, index)
 
     def add(
         self,
-        request_id: str,
+        parent: ParentRequest,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
         arrival_time: float,
-    ) -> list[str]:
-        """Track a user request; returns the engine ids of its n samples."""
+    ) -> None:
+        """Track a user request (whose n samples ``parent`` has fanned out)."""
+        params = parent.params
         samples = []
         for i in range(params.n):
             stream = TextStream.for_request(self.tokenizer, params, prompt_token_ids)
@@ -88,27 +86,19 @@ class OutputProcessor:
                     cumulative_logprob=0.0 if params.logprobs is not None else None,
                 )
             )
-        self.states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time)
+        self.states[parent.request_id] = RequestState(
+            parent.request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            samples,
+            RequestMetrics(arrival_time),
         )
-        ids = [child_request_id(request_id, i) for i in range(params.n)]
-        for i, cid in enumerate(ids):
-            self._parent[cid] = (request_id, i)
-        return ids
-
-    def parent_id(self, engine_id: str) -> str:
-        """The user request an engine request belongs to."""
-        return self._parent.get(engine_id, (engine_id, 0))[0]
 
     def metrics_of(self, engine_id: str) -> RequestMetrics | None:
-        parent = self._parent.get(engine_id)
-        return None if parent is None else self.states[parent[0]].metrics
-
-    def child_ids(self, request_id: str) -> list[str]:
-        state = self.states.get(request_id)
-        if state is None:
-            return []
-        return [child_request_id(request_id, s.index) for s in state.samples]
+        parent = self.fanout.parent_of(engine_id)
+        state = None if parent is None else self.states.get(parent.request_id)
+        return None if state is None else state.metrics
 
     def process(
         self,
@@ -122,8 +112,8 @@ class OutputProcessor:
         Returns (state, hit_stop_string): on a stop string the caller must finish the
         engine request (it is still running in the scheduler).
         """
-        parent_id, index = self._parent[request.request_id]
-        state = self.states[parent_id]
+        parent, index = self.fanout.owner(request.request_id)
+        state = self.states[parent.request_id]
         sample = state.samples[index]
         now = time.monotonic()
         m = state.metrics
@@ -152,8 +142,12 @@ class OutputProcessor:
         return state, hit_stop
 
     def finish_sample(self, engine_id: str, reason: str, stop_reason: int | str | None) -> None:
-        parent_id, index = self._parent[engine_id]
-        state = self.states[parent_id]
+        parent, index = self.fanout.owner(engine_id)
+        self._finish(self.states[parent.request_id], index, reason, stop_reason)
+
+    def _finish(
+        self, state: RequestState, index: int, reason: str, stop_reason: int | str | None
+    ) -> None:
         sample = state.samples[index]
         if sample.finish_reason is None:
             if reason != "stop" or not sample.stream.stopped:
@@ -163,14 +157,16 @@ class OutputProcessor:
         if state.finished:
             state.metrics.finished_time = time.monotonic()
 
-    def abort(self, request_id: str) -> RequestState | None:
-        """Mark every unfinished sample of a user request aborted."""
+    def abort(self, request_id: str, error: str | None = None) -> RequestState | None:
+        """End every unfinished sample of a user request: "abort", or "error" with ``error``."""
         state = self.states.get(request_id)
         if state is None:
             return None
+        if error is not None:
+            state.error = error
         for s in state.samples:
             if s.finish_reason is None:
-                self.finish_sample(child_request_id(request_id, s.index), "abort", None)
+                self._finish(state, s.index, "abort" if error is None else "error", None)
         return state
 
     def make_output(self, state: RequestState, delta: bool = False) -> RequestOutput:
@@ -205,10 +201,8 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            error=state.error,
         )
 
     def remove(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
-        if state is not None:
-            for s in state.samples:
-                self._parent.pop(child_request_id(request_id, s.index), None)
+        self.states.pop(request_id, None)

@@ -2,36 +2,37 @@
 
 ``write_kv``, ``paged_attention`` and ``write_kv_and_attend`` run mlxserve's Metal kernels
 (``mlxserve.ops.metal``) when Metal is available and the default stream is on the GPU, and
-the pure-MLX fallback otherwise. ``MLXSERVE_KERNELS=auto|metal|fallback`` overrides;
-forcing metal where it cannot run raises and says why. ``kernel_backend()`` says which
-implementation is in use and why. Models should call ``write_kv_and_attend``: it is the
-only entry that can write the pool in place with a Metal kernel (see ops/metal.py).
+the pure-MLX fallback otherwise. ``use_kernels(choice)`` ("auto", "metal" or "fallback",
+the engine's ``kernels`` setting) scopes a choice; ``check_kernels`` says at start-up
+whether a choice can run here. ``kernel_backend()`` says which implementation is in use
+and why. Models should call ``write_kv_and_attend``: it is the only entry that can write
+the pool in place with a Metal kernel (see ops/metal.py).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
 
+from mlxserve.exceptions import ParameterError
 from mlxserve.ops import fallback
 from mlxserve.ops.metadata import AttentionMetadata
 from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels
 
 __all__ = [
     "AttentionMetadata",
+    "check_kernels",
     "force_backend",
     "kernel_backend",
     "paged_attention",
+    "use_kernels",
     "write_kv",
     "write_kv_and_attend",
 ]
-
-KERNEL_CHOICES = ("auto", "metal", "fallback")
 
 
 @dataclass
@@ -43,16 +44,6 @@ class _Override:
 _override: list[_Override] = []  # innermost force_backend() last
 
 
-@lru_cache(maxsize=1)
-def _env_choice() -> str:
-    choice = os.environ.get("MLXSERVE_KERNELS", "auto").strip().lower() or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(
-            f"MLXSERVE_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}"
-        )
-    return choice
-
-
 def _metal_unavailable_reason() -> str | None:
     if not mx.metal.is_available():
         return "mx.metal.is_available() is False (no Metal device; MLX runs on its CPU backend)"
@@ -61,18 +52,27 @@ def _metal_unavailable_reason() -> str | None:
     return None
 
 
+def check_kernels(choice: str) -> None:
+    """ParameterError naming the reason when kernel choice ``choice`` (one of
+    config.KERNEL_CHOICES) cannot run on this machine: "metal" needs a Metal GPU."""
+    reason = _metal_unavailable_reason() if choice == "metal" else None
+    if reason:
+        raise ParameterError(
+            f"kernels='metal' (MLXSERVE_KERNELS), but Metal cannot run: {reason}",
+            parameter="kernels",
+        )
+
+
+def use_kernels(choice: str) -> AbstractContextManager[object]:
+    """Scope the engine's kernel choice: "auto" picks what the machine has."""
+    return nullcontext() if choice == "auto" else force_backend(choice)
+
+
 def kernel_backend() -> tuple[str, str]:
     """(backend, reason): which implementation the ops use right now, and why."""
     if _override:
-        return _override[-1].backend, "forced by mlxserve.ops.force_backend()"
-    choice = _env_choice()
-    if choice == "fallback":
-        return "fallback", "MLXSERVE_KERNELS=fallback"
+        return _override[-1].backend, "forced (kernels setting or ops.force_backend())"
     reason = _metal_unavailable_reason()
-    if choice == "metal":
-        if reason:
-            raise RuntimeError(f"MLXSERVE_KERNELS=metal, but Metal kernels cannot run: {reason}")
-        return "metal", "MLXSERVE_KERNELS=metal"
     if reason:
         return "fallback", reason
     return "metal", "Metal is available and the default stream is on the GPU"

@@ -35,14 +35,6 @@ class AttentionMetadata:
         return len(self.query_lens)
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
-    def max_context_len(self) -> int:
-        return max(self.context_lens_host, default=0)
-
-    @property
     def max_decode_context_len(self) -> int:
         return max(self.context_lens_host[: self.num_decodes], default=0)
 

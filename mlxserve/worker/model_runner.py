@@ -1,30 +1,60 @@
-"""ModelRunner: a SchedulerOutput in, one forward pass and one mx.eval, sampled tokens out.
+"""ModelRunner: everything on the device -- the model, the KV block pool, every evaluation.
+
+    LLMEngine (requests, scheduling, outputs)     ModelRunner (one per device / rank)
+      plan_kv_cache(...) -> KVPlan           ->   probe activation memory, size the pool
+      ensure_blocks(n)                       ->   create / grow the K/V arrays
+      launch(SchedulerOutput) -> StepHandle  ->   flat arrays, model, sampler, mx.async_eval
+      collect(StepHandle) -> ModelRunnerOutput -> wait; sampled tokens as host lists
+
+The K/V arrays are created by ensure_blocks, i.e. on the thread that steps the engine:
+MLX cannot evaluate a lazy array on a thread other than the one that made it.
 
 Batch layout on the flat token axis (decodes first, as AttentionMetadata wants)::
 
     input_ids:  | d0 | d1 | p0 p0 p0 p0 p0 | p1 p1 p1 |
     samples:      ^    ^                ^          ^      (last row of each request
                                                            whose chunk reaches its end)
+
+A step that raises is not charged to the whole batch (worker/isolation.py): the runner
+re-runs it for halves of its requests until the request(s) that fail alone are found;
+those are reported in ``ModelRunnerOutput.failed`` and every other request gets the
+token it would have got anyway.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
+from mlxserve import ops
 from mlxserve.core.request import Logprobs, Request
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
+from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
+from mlxserve.worker.memory import (
+    PROBE_TOKENS,
+    KVPlan,
+    kv_bytes_per_token,
+    plan_kv_cache,
+    probe_activation_bytes,
+    tree_bytes,
+)
 from mlxserve.worker.sampler import (
     SamplerOutput,
     SamplingState,
     make_sampling_batch,
+    prompt_logprobs,
     sample,
-    top_logprobs,
 )
+
+__all__ = ["KVCacheLostError", "ModelRunner", "StepHandle"]
+
+logger = logging.getLogger("mlxserve")
 
 
 @dataclass
@@ -39,26 +69,140 @@ class _RequestState:
 
 
 @dataclass
-class InFlightStep:
-    """A launched step: what to read back once its evaluation finishes."""
+class _Part:
+    """The graph of (part of) a step: whom it samples for and its lazy results."""
 
     samplers: list[Request]
     result: SamplerOutput | None
-    plp_targets: list[tuple[Request, int]]
+    plp_targets: list[tuple[Request, int]]  # (request, position of the scored prompt token)
     prompt_logprobs: tuple[mx.array, ...] | None
+
+    def arrays(self) -> list[mx.array]:
+        out = list(self.prompt_logprobs or ())
+        if self.result is not None:
+            r = self.result
+            out += [
+                r.token_ids,
+                *(a for a in (r.logprobs, r.top_ids, r.top_logprobs) if a is not None),
+            ]
+        return out
+
+
+@dataclass
+class _Read:
+    """A part's results on the host, not yet applied to the request states."""
+
+    samples: list[tuple[Request, int, Logprobs | None]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)
+
+
+@dataclass
+class StepHandle:
+    """A launched step: what to read back once its evaluation finishes."""
+
+    scheduler_output: SchedulerOutput
+    parts: list[_Part]
+    failed: dict[str, str]  # requests that failed while the step was built
+    error: str | None = None  # mx.async_eval itself raised
 
 
 class ModelRunner:
-    """Turns scheduled requests into flat arrays, runs the model, samples."""
+    """Owns the model and the KV pool; turns scheduled requests into sampled tokens."""
 
-    def __init__(self, model, kv_cache, block_size: int, vocab_size: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        dtype: mx.Dtype,
+        block_size: int,
+        kernels: str = "auto",
+        seed: int = 0,
+    ) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.dtype = dtype
         self.block_size = block_size
-        self.vocab_size = vocab_size
+        self.vocab_size: int = model.vocab_size
+        self.kernels = kernels  # "auto" | "metal" | "fallback", checked at start-up
+        self.kv_cache: KVCache | None = None  # made by the first ensure_blocks()
+        mx.random.seed(seed)
         self._rng = random.Random(seed)
         self._states: dict[str, _RequestState] = {}
 
+    # ------------------------------------------------------------- the pool
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the K/V arrays hold now (0 before the first ensure_blocks)."""
+        return 0 if self.kv_cache is None else self.kv_cache.num_blocks
+
+    def plan_kv_cache(
+        self,
+        *,
+        max_num_batched_tokens: int,
+        max_model_len: int | None,
+        max_num_seqs: int,
+        memory_fraction: float,
+        num_blocks: int | None = None,
+    ) -> KVPlan:
+        """Size the pool (worker/memory.py), probing a forward pass's activation peak."""
+        m = self.model
+        activation = 0
+        if num_blocks is None:
+            n = min(PROBE_TOKENS, max_num_batched_tokens)
+            with ops.use_kernels(self.kernels):
+                per_token = probe_activation_bytes(m, self._allocate, self.block_size, n)
+            activation = int(per_token * max_num_batched_tokens)
+        bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        return plan_kv_cache(
+            bytes_per_token=bytes_per_token,
+            block_size=self.block_size,
+            model_max_len=m.max_position_embeddings or max_model_len or 4096,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            memory_fraction=memory_fraction,
+            weights_bytes=tree_bytes(m.parameters()),
+            activation_bytes=activation,
+            num_blocks=num_blocks,
+        )
+
+    def ensure_blocks(self, num_blocks: int) -> None:
+        """Make the K/V arrays hold at least ``num_blocks`` blocks (new ones zeroed).
+
+        Call it on the thread that steps: the arrays (or their growth) are lazy until the
+        next launch evaluates them.
+        """
+        if self.kv_cache is None:
+            self.kv_cache = self._allocate(num_blocks)
+        else:
+            self.kv_cache.ensure_num_blocks(num_blocks)
+
+    def _allocate(self, num_blocks: int) -> KVCache:
+        m = self.model
+        return KVCache.allocate(
+            m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.dtype
+        )
+
+    def _pool(self) -> tuple[list[mx.array], list[mx.array]]:
+        assert self.kv_cache is not None, "ensure_blocks() comes before the first launch()"
+        return list(self.kv_cache.keys), list(self.kv_cache.values)
+
+    def _restore(self, pool: tuple[list[mx.array], list[mx.array]]) -> None:
+        """Put back the pool arrays of before a failed build (drops its lazy writes)."""
+        assert self.kv_cache is not None
+        self.kv_cache.keys[:], self.kv_cache.values[:] = pool
+
+    def _settle_pool(self) -> None:
+        """Evaluate the pool after a failed step; if even that fails, its contents are lost."""
+        assert self.kv_cache is not None
+        try:
+            mx.eval(self.kv_cache.keys, self.kv_cache.values)
+        except Exception as e:  # noqa: BLE001 -- the engine must drop every request
+            self.kv_cache = None  # the next ensure_blocks() makes a fresh, zeroed pool
+            self._states.clear()
+            raise KVCacheLostError(
+                f"the KV cache could not be evaluated after a failed step: {describe(e)}"
+            ) from None
+
+    # ------------------------------------------------------------------ steps
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
         if state is None:
@@ -72,20 +216,101 @@ class ModelRunner:
             self._states[request.request_id] = state
         return state
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step for every scheduled request (launch, then wait for it)."""
-        return self.collect(self.launch(so))
-
-    def launch(self, so: SchedulerOutput) -> InFlightStep:
+    def launch(self, so: SchedulerOutput) -> StepHandle:
         """Build the step's graph and start evaluating it; returns at once.
 
         The caller may do host work that does not need this step's results (the engine
-        processes the previous step's outputs) before :meth:`collect`.
+        processes the previous step's outputs) before :meth:`collect`. Requests whose
+        part of the graph cannot be built are left out and reported by collect().
         """
         for rid in so.finished_request_ids:
             self._states.pop(rid, None)
+        handle = StepHandle(so, [], {})
         if not so.scheduled_requests:
-            return InFlightStep([], None, [], None)
+            return handle
+        handle.parts = self._build_isolating(so, handle.failed)
+        outs = [*self.kv_cache.keys, *self.kv_cache.values]
+        for part in handle.parts:
+            outs += part.arrays()
+        try:
+            mx.async_eval(*outs)  # the one evaluation of this step
+        except Exception as e:  # noqa: BLE001 -- collect() finds whose fault it was
+            handle.error = describe(e)
+        return handle
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step; its sampled tokens (and logprobs) as host lists.
+
+        If the step failed, it is re-run for halves of its requests; the requests that
+        fail alone end up in ``failed`` (KVCacheLostError if the pool itself is lost).
+        """
+        output = ModelRunnerOutput({}, {}, {}, failed=dict(handle.failed))
+        error = handle.error
+        if error is None:
+            try:
+                reads = [self._read(part) for part in handle.parts]
+            except Exception as e:  # noqa: BLE001 -- isolated below
+                error = describe(e)
+            else:
+                for read in reads:
+                    self._commit(read, output)
+                return output
+        so = handle.scheduler_output
+        logger.warning(
+            "a step of %d requests failed (%s); re-running it in parts to find the cause",
+            len(so.scheduled_requests),
+            error,
+        )
+        handle.parts = []  # drop the failed graph before re-running
+        self._settle_pool()
+        live = [r for r in so.scheduled_requests if r.request_id not in output.failed]
+        bisect(so.subset(live), error, output.failed, lambda sub: self._rerun(sub, output))
+        return output
+
+    def _rerun(self, so: SchedulerOutput, output: ModelRunnerOutput) -> str | None:
+        """Run part of a failed step to the end; its error, or None once committed."""
+        pool = self._pool()  # held during the eval: no donation, so a failure can restore
+        try:
+            parts = self._build_isolating(so, output.failed)
+            mx.eval(self.kv_cache.keys, self.kv_cache.values, [p.arrays() for p in parts])
+            reads = [self._read(part) for part in parts]
+        except Exception as e:  # noqa: BLE001 -- the caller splits this part further
+            self._restore(pool)
+            return describe(e)
+        for read in reads:
+            self._commit(read, output)
+        return None
+
+    def _build_isolating(self, so: SchedulerOutput, failed: dict[str, str]) -> list[_Part]:
+        """Build the step's graph; if that raises, build halves (recursively) instead.
+
+        Building evaluates nothing, so the pool arrays from before a failed build are
+        intact and put back. They are held only while building: evaluation must be able
+        to update the pool in place.
+        """
+        parts: list[_Part] = []
+
+        def build(sub: SchedulerOutput) -> str | None:
+            pool = self._pool()
+            try:
+                with ops.use_kernels(self.kernels):
+                    parts.append(self._build(sub))
+            except Exception as e:  # noqa: BLE001 -- split and try again
+                self._restore(pool)
+                return describe(e)
+            return None
+
+        error = build(so)
+        if error is not None:
+            logger.warning(
+                "building a step of %d requests failed (%s); building it in parts",
+                len(so.scheduled_requests),
+                error,
+            )
+            bisect(so, error, failed, build)
+        return parts
+
+    def _build(self, so: SchedulerOutput) -> _Part:
         # The scheduler orders decodes (one token each) first, as the attention op wants.
         input_ids: list[int] = []
         positions: list[int] = []
@@ -124,69 +349,57 @@ class ModelRunner:
             self.kv_cache,
             logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
         )
-        outs: list[mx.array] = [*self.kv_cache.keys, *self.kv_cache.values]
         result = None
         if samplers:
             states = [self._states[r.request_id].sampling for r in samplers]
             result = sample(logits[: len(samplers)], make_sampling_batch(states, logits.shape[-1]))
-            outs += [
-                a
-                for a in (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs)
-                if a is not None
-            ]
         plp = None
         if plp_rows:
-            plp = self._prompt_logprobs(logits[len(samplers) :], plp_targets)
-            outs += list(plp)
-        mx.async_eval(*outs)  # the one evaluation of this step
-        return InFlightStep(samplers, result, plp_targets, plp)
+            plp = prompt_logprobs(
+                logits[len(samplers) :],
+                [r.prompt_token_ids[pos] for r, pos in plp_targets],
+                max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
+            )
+        return _Part(samplers, result, plp_targets, plp)
 
-    def collect(self, step: InFlightStep) -> ModelRunnerOutput:
-        """Wait for a launched step; its sampled tokens (and logprobs) as host lists."""
-        output = ModelRunnerOutput(sampled_token_ids={}, logprobs={}, prompt_logprobs={})
-        if step.result is not None:
-            self._collect_samples(step.samplers, step.result, output)
-        if step.prompt_logprobs is not None:
-            self._collect_prompt_logprobs(step.plp_targets, step.prompt_logprobs, output)
-        return output
+    def _read(self, part: _Part) -> _Read:
+        """Wait for a part and copy its results to the host (request states untouched)."""
+        read = _Read()
+        if part.result is not None:
+            r = part.result
+            token_ids = np.array(r.token_ids).tolist()
+            chosen = np.array(r.logprobs).tolist() if r.logprobs is not None else None
+            top_ids = np.array(r.top_ids).tolist() if r.top_ids is not None else None
+            top_lp = np.array(r.top_logprobs).tolist() if r.top_logprobs is not None else None
+            for i, req in enumerate(part.samplers):
+                tok = token_ids[i]
+                entry: Logprobs | None = None
+                k = req.sampling_params.logprobs
+                if k is not None and chosen is not None:
+                    entry = {tok: chosen[i]}
+                    if k and top_ids is not None:
+                        for j in range(k):
+                            entry.setdefault(top_ids[i][j], top_lp[i][j])
+                read.samples.append((req, tok, entry))
+        if part.prompt_logprobs is not None:
+            chosen = np.array(part.prompt_logprobs[0]).tolist()
+            tops = [np.array(a).tolist() for a in part.prompt_logprobs[1:]]
+            for i, (req, pos) in enumerate(part.plp_targets):
+                entry = {req.prompt_token_ids[pos]: chosen[i]}
+                for j in range(req.sampling_params.prompt_logprobs or 0):
+                    entry.setdefault(tops[0][i][j], tops[1][i][j])
+                read.prompt_logprobs.append((req, entry))
+        return read
 
-    def _collect_samples(self, samplers: list[Request], result, output: ModelRunnerOutput) -> None:
-        token_ids = np.array(result.token_ids).tolist()
-        chosen = np.array(result.logprobs).tolist() if result.logprobs is not None else None
-        top_ids = np.array(result.top_ids).tolist() if result.top_ids is not None else None
-        top_lp = np.array(result.top_logprobs).tolist() if result.top_logprobs is not None else None
-        for i, req in enumerate(samplers):
-            tok = token_ids[i]
+    def _commit(self, read: _Read, output: ModelRunnerOutput) -> None:
+        """Apply a part's results to the request states and the step's output."""
+        for req, tok, entry in read.samples:
             self._states[req.request_id].sampling.append(tok)
             output.sampled_token_ids[req.request_id] = [tok]
-            k = req.sampling_params.logprobs
-            if k is not None and chosen is not None:
-                entry: Logprobs = {tok: chosen[i]}
-                if k and top_ids is not None:
-                    for j in range(k):
-                        entry.setdefault(top_ids[i][j], top_lp[i][j])
+            if entry is not None:
                 output.logprobs[req.request_id] = entry
-
-    def _prompt_logprobs(
-        self, logits: mx.array, targets: list[tuple[Request, int]]
-    ) -> tuple[mx.array, ...]:
-        raw = logits.astype(mx.float32)
-        logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # (R, V)
-        target_ids = mx.array([r.prompt_token_ids[p] for r, p in targets], dtype=mx.int32)
-        chosen = mx.take_along_axis(logprobs, target_ids[:, None], axis=-1)[:, 0]
-        k = max(r.sampling_params.prompt_logprobs for r, _ in targets)
-        if k == 0:
-            return (chosen,)
-        return (chosen, *top_logprobs(logprobs, k))
-
-    def _collect_prompt_logprobs(self, targets, plp: tuple[mx.array, ...], output) -> None:
-        chosen = np.array(plp[0]).tolist()
-        tops = [np.array(a).tolist() for a in plp[1:]]
-        for i, (req, pos) in enumerate(targets):
+        for req, entry in read.prompt_logprobs:
             state = self._states[req.request_id]
-            entry: Logprobs = {req.prompt_token_ids[pos]: chosen[i]}
-            for j in range(req.sampling_params.prompt_logprobs or 0):
-                entry.setdefault(tops[0][i][j], tops[1][i][j])
             state.prompt_logprobs.append(entry)
             if len(state.prompt_logprobs) == req.num_prompt_tokens:
                 state.prompt_logprobs_done = True

@@ -13,6 +13,7 @@ so a seeded request samples the same tokens alone or inside any batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -32,6 +33,11 @@ class SamplingState:
     output_counts: dict[int, int] = field(default_factory=dict)
     num_output_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()  # eos + stop_token_ids, masked until min_tokens
+
+    @cached_property
+    def prompt_token_set(self) -> frozenset[int]:
+        """The prompt's distinct token ids, computed once (the repetition penalty's)."""
+        return frozenset(self.prompt_token_ids)
 
     def append(self, token_id: int) -> None:
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
@@ -87,8 +93,8 @@ def make_sampling_batch(states: list[SamplingState], vocab_size: int) -> Samplin
                 if tok < vocab_size:
                     rows.append(i), cols.append(tok), vals.append(-np.inf)
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            prompt = set(s.prompt_token_ids) if p.repetition_penalty != 1.0 else set()
-            for tok in prompt | s.output_counts.keys():
+            prompt = s.prompt_token_set if p.repetition_penalty != 1.0 else frozenset()
+            for tok in prompt.union(s.output_counts):
                 p_rows.append(i)
                 p_cols.append(tok)
                 p_counts.append(s.output_counts.get(tok, 0))
@@ -215,3 +221,16 @@ def top_logprobs(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return mx.take_along_axis(ids, order, axis=-1).astype(mx.int32), mx.take_along_axis(
         vals, order, axis=-1
     )
+
+
+def prompt_logprobs(
+    logits: mx.array, target_ids: list[int], k: int
+) -> tuple[mx.array, ...]:  # (R,), then (R, k) ids and (R, k) logprobs when k > 0
+    """Logprob of each row's target token (the next prompt token), and the row's top k."""
+    raw = logits.astype(mx.float32)
+    logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # (R, V)
+    targets = mx.array(target_ids, dtype=mx.int32)
+    chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    if k == 0:
+        return (chosen,)
+    return (chosen, *top_logprobs(logprobs, k))
