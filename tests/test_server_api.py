@@ -60,6 +60,12 @@ def completion(http: httpx.Client, **body) -> dict:
 
 
 # ------------------------------------------------------------------------ errors
+def engine_param(field: str) -> tuple[str | None, ...]:
+    """The param of an engine rejection: the engine raises ParameterError naming it. The
+    mapping itself is tested exactly in tests/test_server_failure.py with injected errors."""
+    return (field,)
+
+
 BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
@@ -153,17 +159,20 @@ def test_prompt_longer_than_max_model_len_is_400_with_the_numbers(http) -> None:
     ids = list(range(10, 10 + MAX_MODEL_LEN + 6))
     for stream in (False, True):
         err = assert_openai_error(
-            http.post("/v1/completions", json={"prompt": ids, "stream": stream}), 400, "prompt"
+            http.post("/v1/completions", json={"prompt": ids, "stream": stream}), 400
         )
+        assert err["param"] in engine_param("prompt")
         assert str(len(ids)) in err["message"] and str(MAX_MODEL_LEN) in err["message"]
     long_chat = {"messages": [{"role": "user", "content": "Paris " * 200}]}
-    err = assert_openai_error(http.post("/v1/chat/completions", json=long_chat), 400, "messages")
+    err = assert_openai_error(http.post("/v1/chat/completions", json=long_chat), 400)
+    assert err["param"] in engine_param("messages")
     assert str(MAX_MODEL_LEN) in err["message"]
 
 
 def test_max_tokens_beyond_max_model_len_is_400_with_the_numbers(http) -> None:
     body = {"prompt": [5, 6, 7, 8], "max_tokens": MAX_MODEL_LEN}
-    err = assert_openai_error(http.post("/v1/completions", json=body), 400, "max_tokens")
+    err = assert_openai_error(http.post("/v1/completions", json=body), 400)
+    assert err["param"] in engine_param("max_tokens")
     assert (
         f"max_tokens {MAX_MODEL_LEN}" in err["message"]
         and f"= {4 + MAX_MODEL_LEN}" in err["message"]
@@ -205,13 +214,17 @@ def test_server_keeps_serving_after_errors(http) -> None:
 
 
 # --------------------------------------------------------------------- endpoints
-def test_models_lists_every_served_name(http) -> None:
+def test_models_lists_every_served_name(http, tiny) -> None:
     data = http.get("/v1/models").json()
     assert data["object"] == "list"
     assert [m["id"] for m in data["data"]] == ["tiny", "tiny-alias"]
     card = http.get("/v1/models/tiny-alias").json()
     assert card["id"] == "tiny-alias" and card["object"] == "model"
     assert card["max_model_len"] == MAX_MODEL_LEN
+    # root: the model's name as given (here a directory: its name), never a local path.
+    model_dir = tiny[1]
+    assert {m["root"] for m in data["data"]} == {card["root"]} == {model_dir.name}
+    assert str(model_dir.parent) not in http.get("/v1/models").text
     # Either name works; no name means the first.
     for name in ("tiny-alias", None):
         body = {"prompt": [5, 6], "max_tokens": 1} | ({"model": name} if name else {})

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -10,6 +14,7 @@ from mlxserve.cli.engine_args import engine_config
 from mlxserve.cli.main import build_parser
 from mlxserve.cli.serve import api_keys, parse_origins, serve_command
 from mlxserve.server.app import ServerConfig
+from tests.paths import ROOT
 
 
 def parse(*argv: str):
@@ -89,3 +94,35 @@ def test_allowed_origins_as_json_list_or_comma_separated() -> None:
 def test_two_different_models_are_an_error() -> None:
     with pytest.raises(ValueError, match="two models"):
         serve_command(parse("a/b", "--model", "c/d"))
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tmp_path) -> None:
+    """The port is bound first: a missing model is never even looked at (issue 11)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        missing = str(tmp_path / "no-such-model")
+        cmd = [sys.executable, "-m", "mlxserve.cli", "serve", missing, "--port", str(port)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"error: cannot listen on 127.0.0.1:{port}: the address is already in use"]
+
+
+def test_server_flags_default_to_the_server_limits() -> None:
+    from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from mlxserve.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT
+
+    args = parse()
+    assert (args.max_request_body_bytes, args.shutdown_timeout) == (None, None)  # = defaults
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    help_text = " ".join(serve.format_help().split())  # argparse wraps to the terminal width
+    assert f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES} = 4 MiB)" in help_text
+    assert f"(default: {DEFAULT_SHUTDOWN_TIMEOUT:g})" in help_text
+    args = parse("--max-request-body-bytes", "1024", "--shutdown-timeout", "0")
+    assert (args.max_request_body_bytes, args.shutdown_timeout) == (1024, 0.0)
+    for bad in ("--max-request-body-bytes=0", "--shutdown-timeout=-1", "--shutdown-timeout=nan"):
+        with pytest.raises(SystemExit):
+            parse(bad)

@@ -5,6 +5,8 @@ injected into the engine's model runner."""
 from __future__ import annotations
 
 import json
+import re
+import socket
 import threading
 
 import httpx
@@ -14,6 +16,7 @@ import uvicorn
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.engine.llm_engine import LLMEngine
+from mlxserve.exceptions import ParameterError
 from mlxserve.server import ServerConfig, ServerMetrics, build_app
 from tests.engine_helpers import make_tiny_model_dir
 from tests.server_harness import (
@@ -168,3 +171,83 @@ def test_a_step_failure_fails_only_the_request_that_caused_it(app_server, monkey
     ok(url)
     assert metric(read_metrics(url), "vllm:kv_cache_usage_perc", model_name="tiny") == 0
     assert engine.get_num_unfinished_requests() == 0
+
+
+def test_after_a_500_the_connection_is_closed_and_the_next_one_served(app_server, monkeypatch):
+    """Issue 11: a keep-alive request after a 500 on the same connection was reset."""
+    url, _, engine = app_server
+    monkeypatch.setattr(engine.tokenizer, "encode", _broken)
+    port = int(url.rsplit(":", 1)[1])
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 15\r\n\r\n{"prompt": "a"}'
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request)
+        head, body = _read_response(s)
+        assert head.startswith(b"HTTP/1.1 500")
+        assert b"\r\nconnection: close" in head.lower()
+        assert b"tokenizer exploded" in body
+        assert s.recv(1) == b""  # closed by the server, in order: no reset, no half-open socket
+    monkeypatch.undo()
+    # A pooled client (one connection) goes on without a transport error.
+    with httpx.Client(base_url=url, timeout=30, limits=httpx.Limits(max_connections=1)) as http:
+        monkeypatch.setattr(engine.tokenizer, "encode", _broken)
+        r = http.post("/v1/completions", json={"prompt": "text"})
+        assert r.status_code == 500 and r.headers["connection"] == "close"
+        monkeypatch.undo()
+        for _ in range(3):
+            assert http.post("/v1/completions", json=BODY).status_code == 200
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("tokenizer exploded")
+
+
+def _read_response(s: socket.socket) -> tuple[bytes, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head, body
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+ENGINE_ERRORS = [
+    # (what the engine raises, the request, the param the client sees, text in the message)
+    (ParameterError("max_tokens 99 is too many", "max_tokens"), BODY, "max_tokens", "max_tokens"),
+    (
+        ParameterError("max_tokens 99 is too many", "max_tokens"),
+        CHAT | {"max_completion_tokens": 2},
+        "max_completion_tokens",
+        "max_completion_tokens 99 is too many",
+    ),
+    (ParameterError("max_tokens 99", "max_tokens"), CHAT, "max_tokens", "max_tokens 99"),
+    (ParameterError("prompt is too long", "prompt"), BODY, "prompt", "prompt is too long"),
+    (ParameterError("prompt is too long", "prompt"), CHAT, "messages", "prompt is too long"),
+    (ValueError("prompt must not be empty"), BODY, None, "prompt must not be empty"),
+    (ValueError("something else"), CHAT, None, "something else"),
+]
+
+
+@pytest.mark.parametrize("error,body,param,text", ENGINE_ERRORS)
+def test_engine_rejections_name_the_request_field(
+    app_server, monkeypatch, error, body, param, text
+):
+    url, _, engine = app_server
+
+    def reject(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(engine, "add_request", reject)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    for stream in (False, True):
+        r = httpx.post(url + path, json=body | {"stream": stream}, timeout=30)
+        err = assert_openai_error(r, 400)
+        assert (err["param"], err["type"]) == (param, "invalid_request_error")
+        assert text in err["message"]
+    monkeypatch.undo()
+    ok(url)

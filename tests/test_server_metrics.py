@@ -84,6 +84,9 @@ def test_metrics_parse_with_vllm_names(server, http) -> None:
         assert m(values, name + "_count") >= 1, name
         assert m(values, name + "_bucket", le="+Inf") == m(values, name + "_count")
     assert m(values, "vllm:request_success_total", finished_reason="length") >= 1
+    # No *_created series (issue 11): the parsed samples hold none, nor does the text.
+    assert not [name for name, _ in values if name.endswith("_created")]
+    assert "_created" not in r.text
 
 
 def test_counters_match_the_requests_made(server, http) -> None:

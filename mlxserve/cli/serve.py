@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 
 from mlxserve.cli.engine_args import add_engine_args, engine_config
 
@@ -58,12 +59,41 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     g.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=None,  # the server's default, resolved when serving (no server import here)
+        metavar="BYTES",
+        help="largest request body accepted; a larger one is a 413 (default: 4194304 = 4 MiB)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_float,
+        default=None,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long requests in flight may still run before they are "
+        "aborted with an error; a second signal exits at once (default: 5)",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     add_engine_args(p)
     p.set_defaults(handler=serve_command)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 def parse_origins(values: list[str] | None) -> tuple[str, ...]:
@@ -96,13 +126,15 @@ def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) ->
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    """Load the engine, start its thread, serve the app until interrupted."""
+    """Load the engine, start its thread, serve the app until a signal, then exit the process."""
     import uvicorn
 
     from mlxserve.engine.async_llm import AsyncLLM
     from mlxserve.engine.llm_engine import LLMEngine, default_max_num_batched_tokens
     from mlxserve.server.app import ServerConfig, build_app
+    from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES
     from mlxserve.server.metrics import ServerMetrics
+    from mlxserve.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT, GracefulServer, bind_socket
 
     if args.model and args.model_flag and args.model != args.model_flag:
         raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
@@ -117,8 +149,14 @@ def serve_command(args: argparse.Namespace) -> int:
         )
     if names:
         config = dataclasses.replace(config, served_model_name=names[0])
+    # Bind first: a port in use is an error now, not after the model has loaded.
+    sock = bind_socket(args.host, args.port)
     logger.info("loading %s ...", model or "the default model")
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except BaseException:
+        sock.close()
+        raise
     names = names or (engine.model_name,)
     metrics = ServerMetrics(names[0])
     llm = AsyncLLM(engine, on_step=metrics.on_step)
@@ -127,7 +165,8 @@ def serve_command(args: argparse.Namespace) -> int:
         api_keys=keys,
         allowed_origins=origins,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-        model_root=str(engine.loaded.source.path),
+        model_root=engine.loaded.source.name,  # as given (a repo id) or a file's name, no path
+        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
     )
     app = build_app(llm, metrics, server_config)
     logger.info(
@@ -137,8 +176,20 @@ def serve_command(args: argparse.Namespace) -> int:
         args.port,
         "required" if keys else "not required",
     )
+    uvicorn_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level
+    )
+    timeout = DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout
+    server = GracefulServer(uvicorn_config, app.state.in_flight, timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         llm.shutdown()
-    return 0
+    # Everything is closed and the engine thread has stopped. Leave without the interpreter's
+    # teardown: after requests, MLX's C++ destructors there sometimes abort (std::terminate,
+    # about 1 exit in 5 here), which would turn a clean shutdown into a SIGABRT.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

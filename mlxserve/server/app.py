@@ -9,29 +9,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
+from mlxserve.server import openapi as doc
+from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
 from mlxserve.server.errors import (
     APIError,
     bad_request,
+    closing_headers,
     error_body,
     install_error_handlers,
-    validation_error,
 )
 from mlxserve.server.metrics import ServerMetrics
 from mlxserve.server.protocol import (
@@ -43,8 +42,6 @@ from mlxserve.server.protocol import (
 from mlxserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("mlxserve")
-
-M = TypeVar("M", bound=BaseModel)
 
 # Paths that need the API key when one is set (health, version and metrics stay open
 # for load balancers and Prometheus, as in vLLM).
@@ -59,13 +56,18 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
     log_stats_interval: float | None = 10.0  # seconds; None: no periodic stats line
-    model_root: str | None = None  # the model path or repo id, shown by /v1/models
+    model_root: str | None = None  # the model's name or repo id (never a local path): /v1/models
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not self.model_names:
             raise ValueError("model_names must name at least one model")
         if any(not k for k in self.api_keys):
             raise ValueError("api_key must not be empty")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
+            )
 
 
 def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
@@ -91,7 +93,14 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
             task.cancel()
 
     app = FastAPI(title="mlxserve", version=__version__, lifespan=lifespan)
+    app.state.in_flight = serving.in_flight  # for a graceful shutdown (server/shutdown.py)
     install_error_handlers(app)
+    doc.install_openapi(
+        app,
+        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+        list(config.model_names),
+    )
+    limit = config.max_request_body_bytes
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys)
     if config.allowed_origins:
@@ -113,44 +122,64 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
             "max_model_len": engine.max_model_len,
         }
 
-    @app.get("/health")
+    @app.get("/health", responses=_HEALTH_RESPONSES)
     async def health() -> Response:
         if not llm.is_running:
-            return JSONResponse(
-                error_body("the engine thread has stopped", "service_unavailable"), 503
-            )
-        return Response(status_code=200)
+            message = "the engine thread has stopped"
+        elif serving.in_flight.is_draining:  # load balancers: stop sending requests here
+            message = "the server is shutting down"
+        else:
+            return Response(status_code=200)
+        body = error_body(message, "service_unavailable")
+        return JSONResponse(body, 503, headers=closing_headers(503))
 
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses={200: doc.ok(doc.Version)})
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=_METRICS_RESPONSES)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: doc.ok(doc.ModelList)} | doc.ERRORS)
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card(n) for n in config.model_names]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=None,
+        responses={200: doc.ok(doc.ModelCard), 404: doc.BODY_ERRORS[404]} | doc.ERRORS,
+    )
     async def retrieve_model(model_id: str) -> dict:
         serving.check_model(model_id)
         return model_card(model_id)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=doc.request_body(CompletionRequest),
+        responses=doc.generation_responses(doc.CompletionResponse),
+    )
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, limit)
         return await serving.create_completion(request, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=doc.request_body(ChatCompletionRequest),
+        responses=doc.generation_responses(doc.ChatCompletionResponse),
+    )
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest, limit)
         return await serving.create_chat_completion(request, body)
 
-    @app.post("/tokenize")
+    @app.post(
+        "/tokenize",
+        openapi_extra=doc.request_body(TokenizeRequest),
+        response_model=None,
+        responses={200: doc.ok(doc.TokenizeResponse)} | doc.BODY_ERRORS,
+    )
     async def tokenize(request: Request) -> dict:
-        body = await parse_body(request, TokenizeRequest)
+        body = await parse_body(request, TokenizeRequest, limit)
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
@@ -176,9 +205,14 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
             out["token_strs"] = [tokenizer.id_to_token(t) for t in tokens]
         return out
 
-    @app.post("/detokenize")
+    @app.post(
+        "/detokenize",
+        openapi_extra=doc.request_body(DetokenizeRequest),
+        response_model=None,
+        responses={200: doc.ok(doc.DetokenizeResponse)} | doc.BODY_ERRORS,
+    )
     async def detokenize(request: Request) -> dict:
-        body = await parse_body(request, DetokenizeRequest)
+        body = await parse_body(request, DetokenizeRequest, limit)
         serving.check_model(body.model)
         serving.check_token_ids(body.tokens, "tokens")
         text = await run_in_threadpool(tokenizer.decode, body.tokens, False)
@@ -187,27 +221,19 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     return app
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as ``model``: 400 for malformed JSON, unknown fields or bad values."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
-    # null means "not given"; so does an empty list or object for a field we do not
-    # implement ("tools": []): there is nothing in it to ignore.
-    known = model.model_fields
-    data = {
-        k: v
-        for k, v in data.items()
-        if v is not None and (k in known or not (isinstance(v, (list, dict)) and not v))
+_HEALTH_RESPONSES = {
+    200: {"description": "The engine runs", "content": None},
+    503: {
+        "description": "The engine has stopped, or the server is shutting down",
+        "model": doc.ErrorResponse,
+    },
+}
+_METRICS_RESPONSES = {
+    200: {
+        "description": "Prometheus text format",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
     }
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+}
 
 
 class APIKeyMiddleware:

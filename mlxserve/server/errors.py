@@ -1,4 +1,8 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+A 5xx (and a 413, whose body may be left unread) also closes the connection
+(``Connection: close``): after an internal failure the client must not reuse it.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_error",
     503: "service_unavailable",
 }
@@ -56,12 +61,28 @@ def error_body(
     message: str, type: str, param: str | None = None, code: str | int | None = None
 ) -> dict:
     """{"error": {"message", "type", "param", "code"}}."""
+    # Text from the request (a field name, a value) may hold what UTF-8 cannot encode.
+    message = _encodable(message)
+    param = _encodable(param) if param is not None else None
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def closing_headers(status: int, headers: dict[str, str] | None = None) -> dict[str, str] | None:
+    """``headers`` plus ``Connection: close`` for a status after which the connection ends."""
+    if status >= 500 or status == 413:
+        return (headers or {}) | {"Connection": "close"}
+    return headers
 
 
 def error_response(error: APIError) -> JSONResponse:
     """The error as a JSON response with its status."""
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(
+        error.body(), status_code=error.status, headers=closing_headers(error.status)
+    )
 
 
 def validation_error(e: ValidationError | RequestValidationError) -> APIError:
@@ -76,7 +97,10 @@ def validation_error(e: ValidationError | RequestValidationError) -> APIError:
         if err.get("type") == "extra_forbidden":
             unsupported.append(name)
         else:
-            invalid.setdefault(name, []).append(str(err.get("msg")))
+            message = str(err.get("msg"))
+            if str(err.get("type")).endswith("_type") and "input" in err:  # strict types
+                message += f" (got {_json_type(err['input'])})"
+            invalid.setdefault(name, []).append(message)
     parts = [f"unsupported field {n!r}: mlxserve does not implement it" for n in unsupported]
     for name, messages in invalid.items():
         parts.append(f"invalid value for {name!r}: {' or '.join(dict.fromkeys(messages))}")
@@ -84,6 +108,23 @@ def validation_error(e: ValidationError | RequestValidationError) -> APIError:
     return bad_request("; ".join(parts), param=params[0] if params else None)
 
 
+def _json_type(value: object) -> str:
+    for kind, name in _JSON_TYPES:
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+# bool before int: True is an int to Python, a boolean to JSON.
+_JSON_TYPES = (
+    (bool, "a boolean"),
+    (str, "a string"),
+    (int, "an integer"),
+    (float, "a decimal number"),
+    (list, "an array"),
+    (dict, "an object"),
+    (type(None), "null"),
+)
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "function-after", "literal['text']"}
 
 
@@ -108,7 +149,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             error_body(message, _TYPES.get(e.status_code, "invalid_request_error")),
             status_code=e.status_code,
-            headers=getattr(e, "headers", None),
+            headers=closing_headers(e.status_code, getattr(e, "headers", None)),
         )
 
     @app.exception_handler(Exception)
@@ -117,4 +158,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             error_body(f"internal server error: {type(e).__name__}: {e}", "internal_error"),
             status_code=500,
+            headers=closing_headers(500),
         )

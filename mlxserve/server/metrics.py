@@ -26,6 +26,21 @@ ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
+class _WithoutCreated:
+    """A registry's metrics without the ``*_created`` timestamps prometheus_client adds to
+    counters and histograms: one more series per metric that dashboards never read.
+    (prometheus_client.disable_created_metrics() would change every registry in the process.)
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
 @dataclass
 class _Live:
     """What the metrics remember about a request that has not finished."""
@@ -220,8 +235,8 @@ class ServerMetrics:
 
     # ---------------------------------------------------------------- event loop
     def render(self) -> bytes:
-        """The registry in Prometheus text format."""
-        return generate_latest(self.registry)
+        """The registry in Prometheus text format (without ``_created`` series)."""
+        return generate_latest(_WithoutCreated(self.registry))
 
     def log_line(self) -> str | None:
         """The periodic stats line (None when idle since the last one)."""

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their SamplingParams.
 
 Every model forbids unknown fields: a parameter mlxserve does not implement is a 400
-that names it, never silently ignored. Fields set to JSON null count as absent.
+that names it, never silently ignored. Fields set to JSON null count as absent. Types are
+strict, as OpenAI's: "10" is not an integer, true is not 1, "true" is not a boolean; only a
+float field also takes a JSON integer ("temperature": 1).
 """
 
 from __future__ import annotations
@@ -10,12 +12,43 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mlxserve.sampling_params import SamplingParams
-from mlxserve.server.errors import bad_request
+from mlxserve.exceptions import ParameterError
+from mlxserve.sampling_params import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+from mlxserve.server.errors import APIError, bad_request
+
+# Engine requests one API call may start (prompts x n): one call must not fill the queue.
+MAX_SEQUENCES = MAX_N
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _doc(**schema: Any) -> Any:
+    """A field's default plus the bounds /openapi.json shows for it.
+
+    Documentation only (clients, fuzzers): the check itself stays in SamplingParams, which
+    names the field in its 400; the numbers come from the same constants.
+    """
+    default = schema.pop("default", None)
+    return Field(default, json_schema_extra=schema)
+
+
+def _range(lo: float, hi: float, default: Any, **more: Any) -> Any:
+    return _doc(default=default, minimum=lo, maximum=hi, **more)
+
+
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
 
 
 class StreamOptions(_Strict):
@@ -35,24 +68,28 @@ class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    n: int = _range(1, MAX_N, 1)
+    temperature: float = _doc(default=1.0, minimum=0)
+    top_p: float = _doc(default=1.0, exclusiveMinimum=0, maximum=1)
+    seed: int | None = _range(INT64_MIN, INT64_MAX, None)
+    stop: str | list[str] | None = _doc(maxItems=MAX_STOP, minLength=1, items={"minLength": 1})
+    presence_penalty: float = _range(-2, 2, 0.0)
+    frequency_penalty: float = _range(-2, 2, 0.0)
+    logit_bias: dict[str, float] | None = _doc(
+        maxProperties=MAX_LOGIT_BIAS,
+        propertyNames={"pattern": "^[0-9]{1,10}$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own bookkeeping; not used
     # vLLM's extra sampling parameters.
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] | None = None
+    top_k: int = _range(-1, INT32_MAX, 0)
+    min_p: float = _range(0, 1, 0.0)
+    repetition_penalty: float = _doc(default=1.0, exclusiveMinimum=0)
+    stop_token_ids: list[int] | None = _doc(maxItems=MAX_STOP_TOKEN_IDS, items=_TOKEN_ID)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = _range(0, INT32_MAX, 0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -75,7 +112,10 @@ class _SamplingFields(_Strict):
         prompt_logprobs: int | None = None,
         rename: dict[str, str] | None = None,
     ) -> SamplingParams:
-        """SamplingParams; a bad value is a 400 naming the request field (``rename``d)."""
+        """SamplingParams; a bad value is a 400 naming the request field.
+
+        ``rename`` maps a SamplingParams field to the request field that set it.
+        """
         try:
             return SamplingParams(
                 n=self.n,
@@ -98,20 +138,18 @@ class _SamplingFields(_Strict):
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
             )
-        except ValueError as e:
-            message, param = str(e), _param_of(str(e))
-            if param is not None and rename and param in rename:
-                message = rename[param] + message[len(param) :]
-                param = rename[param]
-            raise bad_request(message, param) from None
+        except ParameterError as e:
+            raise request_error(e, rename or {}) from None
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        json_schema_extra={"minLength": 1, "minItems": 1, "maxItems": MAX_SEQUENCES}
+    )
+    max_tokens: int | None = _range(1, INT32_MAX, 16)
+    logprobs: int | None = _range(0, MAX_LOGPROBS, None)
     echo: bool = False
     best_of: int | None = None
     add_special_tokens: bool = True
@@ -124,7 +162,11 @@ class CompletionRequest(_SamplingFields):
                 "best_of",
             )
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs, self.field_names())
+
+    def field_names(self) -> dict[str, str]:
+        """SamplingParams / engine parameter -> the field of this request that set it."""
+        return {"prompt_logprobs": "logprobs"}
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (texts or token id lists)."""
@@ -137,16 +179,39 @@ class CompletionRequest(_SamplingFields):
             items = list(p)  # type: ignore[arg-type]
         if not items:
             raise bad_request("prompt must not be empty", "prompt")
-        for i, item in enumerate(items):
-            if len(item) == 0:
-                raise bad_request(f"prompt[{i}] is empty", "prompt")
+        if len(items) * self.n > MAX_SEQUENCES:
+            raise bad_request(
+                f"prompt has {len(items)} prompts and n is {self.n}: a request may ask for at "
+                f"most {MAX_SEQUENCES} sequences (prompts x n)",
+                "prompt",
+            )
         return items
+
+
+def _document_message(schema: dict[str, Any]) -> None:
+    # The documented shape: text parts, and the keys chat templates read. Other keys are
+    # still accepted and handed to the template as they are.
+    text_part = {
+        "type": "object",
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+        "additionalProperties": False,
+    }
+    props = schema["properties"]
+    # null content is accepted, but most chat templates need text: document text.
+    props["content"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+    schema["required"] = ["role", "content"]
+    props["name"] = {"type": "string"}
+    props["tool_call_id"] = {"type": "string"}
+    props["tool_calls"] = {"type": "array", "items": {"type": "object"}}
+    schema["additionalProperties"] = False
+    schema["description"] = "A chat message; other keys are passed to the chat template as is."
 
 
 class ChatMessage(BaseModel):
     """One message; keys beyond role/content (name, tool_calls, ...) go to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_document_message)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -178,10 +243,10 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = _range(1, INT32_MAX, None)
+    max_completion_tokens: int | None = _range(1, INT32_MAX, None)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _range(0, MAX_LOGPROBS, None)
     response_format: ResponseFormat | None = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
@@ -193,11 +258,17 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens, rename = self.max_tokens, {"logprobs": "top_logprobs"}
+        max_tokens = self.max_tokens
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
             max_tokens = self.max_completion_tokens
-            rename["max_tokens"] = "max_completion_tokens"
-        return self._params(max_tokens, logprobs, rename=rename)
+        return self._params(max_tokens, logprobs, rename=self.field_names())
+
+    def field_names(self) -> dict[str, str]:
+        """SamplingParams / engine parameter -> the field of this request that set it."""
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them."""
@@ -206,6 +277,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeRequest(_Strict):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+    )
 
     model: str | None = None
     prompt: str | None = None
@@ -222,13 +297,12 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-# SamplingParams fields a client sets under another name (the others keep theirs).
-_PARAM_NAMES = {"prompt_logprobs": "logprobs"}
-
-
-def _param_of(message: str) -> str | None:
-    """The field a SamplingParams ValueError names (its message starts with it)."""
-    first = message.split(" ", 1)[0].split("[", 1)[0]
-    if first in SamplingParams.__dataclass_fields__:
-        return _PARAM_NAMES.get(first, first)
-    return None
+def request_error(e: ParameterError, rename: dict[str, str]) -> APIError:
+    """A SamplingParams or engine ParameterError as a 400 naming the request's own field."""
+    param = e.parameter
+    message = str(e)
+    if param in rename:
+        if message.startswith(param):  # the message names the field first: name it as sent
+            message = rename[param] + message[len(param) :]
+        param = rename[param]
+    return bad_request(message, param)

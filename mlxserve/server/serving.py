@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.async_llm import AsyncLLM
+from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.server.errors import APIError, bad_request, error_body
 from mlxserve.server.formatting import (
@@ -29,9 +30,10 @@ from mlxserve.server.formatting import (
     chat_logprobs,
     usage,
 )
-from mlxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from mlxserve.server.protocol import ChatCompletionRequest, CompletionRequest, request_error
 from mlxserve.server.streams import (
     ClientDisconnected,
+    InFlight,
     RequestGroup,
     SSEResponse,
     run_unless_disconnected,
@@ -39,6 +41,8 @@ from mlxserve.server.streams import (
 )
 
 logger = logging.getLogger("mlxserve.server")
+
+_Request = CompletionRequest | ChatCompletionRequest
 
 # Keys of chat_template_kwargs that would clash with the template's own arguments.
 RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "continue_final_message"}
@@ -61,6 +65,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.token_text = TokenText(tokenizer)
+        self.in_flight = InFlight()
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str | None) -> str:
@@ -86,20 +91,28 @@ class OpenAIServing:
                 param,
             )
 
-    def _check_params(self, params: SamplingParams) -> None:
-        self.check_token_ids(list(params.logit_bias or ()), "logit_bias")
-        self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
+    def check_accepting(self) -> None:
+        """503 once a graceful shutdown has begun."""
+        if self.in_flight.is_draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
 
     # ------------------------------------------------------------- running
-    async def _run(self, raw: Request, group: RequestGroup, prompt_param: str) -> None:
+    async def _run(
+        self, raw: Request, group: RequestGroup, req: _Request, prompt_param: str
+    ) -> None:
         """Start the group; engine rejections become 400s."""
         try:
             await run_unless_disconnected(raw, group.start())
         except ValueError as e:
-            raise bad_request(str(e), _param_of_engine_error(str(e), prompt_param)) from None
+            raise _engine_error(e, req, prompt_param) from None
 
     async def _collect(
-        self, raw: Request, group: RequestGroup, num_prompts: int, prompt_param: str
+        self,
+        raw: Request,
+        group: RequestGroup,
+        num_prompts: int,
+        req: _Request,
+        prompt_param: str,
     ) -> list[PromptResult]:
         async def work() -> list[PromptResult]:
             await group.start()
@@ -111,7 +124,7 @@ class OpenAIServing:
         try:
             return await run_unless_disconnected(raw, work())
         except ValueError as e:
-            raise bad_request(str(e), _param_of_engine_error(str(e), prompt_param)) from None
+            raise _engine_error(e, req, prompt_param) from None
         finally:
             await group.close()
 
@@ -123,33 +136,31 @@ class OpenAIServing:
         for p in prompts:
             if isinstance(p, str):
                 out.append((p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens)))
-            else:
-                self.check_token_ids(p, "prompt")
+            else:  # the engine checks the ids (and every other prompt rule)
                 out.append((None, list(p)))
         return out
 
     async def create_completion(self, raw: Request, req: CompletionRequest) -> Response:
         """POST /v1/completions: JSON, or an event stream when req.stream."""
+        self.check_accepting()
         model = self.check_model(req.model)
         params = req.sampling_params()
-        self._check_params(params)
         prompts = await run_in_threadpool(
             self._encode_prompts, req.prompts(), req.add_special_tokens
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
-        group = RequestGroup(
-            self.llm, [(f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
-        )
+        requests = [(f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
+        group = RequestGroup(self.llm, requests, self.in_flight)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         if req.stream:
             try:
-                await self._run(raw, group, "prompt")
+                await self._run(raw, group, req, "prompt")
             except ClientDisconnected:
                 return Response(status_code=499)
             chunks = self._completion_chunks(group, req, params, head, prompts)
             return SSEResponse(_event_stream(chunks, group, "completion"), group.close)
         try:
-            results = await self._collect(raw, group, len(prompts), "prompt")
+            results = await self._collect(raw, group, len(prompts), req, "prompt")
         except ClientDisconnected:
             return Response(status_code=499)
         choices = []
@@ -246,23 +257,23 @@ class OpenAIServing:
 
     async def create_chat_completion(self, raw: Request, req: ChatCompletionRequest) -> Response:
         """POST /v1/chat/completions: JSON, or an event stream when req.stream."""
+        self.check_accepting()
         model = self.check_model(req.model)
         params = req.sampling_params()
-        self._check_params(params)
         text, ids = await run_in_threadpool(self._render_chat, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = RequestGroup(self.llm, [(rid, text, ids, params)])
+        group = RequestGroup(self.llm, [(rid, text, ids, params)], self.in_flight)
         created = int(time.time())
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created}
             try:
-                await self._run(raw, group, "messages")
+                await self._run(raw, group, req, "messages")
             except ClientDisconnected:
                 return Response(status_code=499)
             chunks = self._chat_chunks(group, req, params, head | {"model": model})
             return SSEResponse(_event_stream(chunks, group, "chat"), group.close)
         try:
-            (res,) = await self._collect(raw, group, 1, "messages")
+            (res,) = await self._collect(raw, group, 1, req, "messages")
         except ClientDisconnected:
             return Response(status_code=499)
         choices = []
@@ -336,6 +347,8 @@ async def _event_stream(
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield sse(chunk)
+    except APIError as e:  # e.g. aborted by a shutdown: the client learns why
+        yield sse(e.body())
     except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-stream
         logger.exception("%s stream failed", what)
         yield sse(error_body(f"internal error: {e}", "internal_error"))
@@ -369,9 +382,10 @@ def _total_usage(results: list[PromptResult]) -> dict:
     )
 
 
-def _param_of_engine_error(message: str, prompt_param: str) -> str | None:
-    if message.startswith("max_tokens"):
-        return "max_tokens"
-    if message.startswith("prompt"):
-        return prompt_param
-    return None
+def _engine_error(e: ValueError, req: _Request, prompt_param: str) -> APIError:
+    """An engine rejection as a 400 naming the request field (None when the engine named none)."""
+    if isinstance(e, ParameterError) and e.parameter is not None:
+        if e.parameter == "prompt":
+            return bad_request(str(e), prompt_param)
+        return request_error(e, req.field_names())
+    return bad_request(str(e), None)

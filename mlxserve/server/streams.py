@@ -30,6 +30,32 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
 
 
+class InFlight:
+    """The API calls being served, and whether the server still takes new ones.
+
+    A graceful shutdown first stops taking calls (``start_draining``), then, when its
+    timeout is up, fails the calls still running (``fail_all``).
+    """
+
+    def __init__(self) -> None:
+        self.groups: set[RequestGroup] = set()
+        self.is_draining = False
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def start_draining(self) -> None:
+        """Refuse new calls from now on."""
+        self.is_draining = True
+
+    def fail_all(self, error: BaseException) -> int:
+        """End every call in flight with ``error``; how many there were."""
+        groups = list(self.groups)
+        for group in groups:
+            group.fail(error)
+        return len(groups)
+
+
 class RequestGroup:
     """Engine requests started together; outputs merged as (prompt index, delta output)."""
 
@@ -37,6 +63,7 @@ class RequestGroup:
         self,
         llm: AsyncLLM,
         requests: list[tuple[str, str | None, list[int], SamplingParams]],
+        in_flight: InFlight | None = None,
     ) -> None:
         self._gens = [
             llm.generate(rid, prompt, params, prompt_token_ids=ids)
@@ -45,6 +72,9 @@ class RequestGroup:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._buffer: list[tuple[int, RequestOutput]] = []
+        self._in_flight = in_flight
+        if in_flight is not None:
+            in_flight.groups.add(self)
 
     async def _pump(self, index: int, gen: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -86,8 +116,14 @@ class RequestGroup:
             num_left -= out.finished
             yield index, out
 
+    def fail(self, error: BaseException) -> None:
+        """Make the consumer raise ``error`` now (start() or outputs(), whichever waits)."""
+        self._queue.put_nowait((-1, None, error))
+
     async def close(self) -> None:
         """Abort whatever has not finished (no-op once all have)."""
+        if self._in_flight is not None:
+            self._in_flight.groups.discard(self)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,220 @@
+"""/openapi.json: every request body and response the server sends, as JSON schemas.
+
+The POST routes read their bodies by hand (mlxserve.server.body: size limit, strict JSON,
+null meaning "not given"), so FastAPI cannot see them; this module documents each body from
+its pydantic model, and each response shape from the models below, which exist only for the
+documentation. tests/test_server_schemathesis.py checks real responses against them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+_REF = "#/components/schemas/{model}"
+DESCRIPTION = (
+    "OpenAI-compatible API of mlxserve. Request fields set to null count as not given; "
+    'types are strict ("10" is not an integer, true is not 1).'
+)
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Doc):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(_Doc):
+    """Every error: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(_Doc):
+    cached_tokens: int
+
+
+class Usage(_Doc):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionLogprobsDoc(_Doc):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Doc):
+    index: int
+    text: str
+    logprobs: CompletionLogprobsDoc | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+class CompletionResponse(_Doc):
+    """POST /v1/completions without stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(_Doc):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Doc):
+    content: list[TokenLogprob]
+    refusal: None
+
+
+class AssistantMessage(_Doc):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Doc):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(_Doc):
+    """POST /v1/chat/completions without stream."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TokenizeResponse(_Doc):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Doc):
+    prompt: str
+
+
+class ModelCard(_Doc):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: None
+    max_model_len: int
+
+
+class ModelList(_Doc):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Version(_Doc):
+    version: str
+
+
+def ok(model: type[BaseModel]) -> dict[str, Any]:
+    """A documented 200 JSON response (the route builds its body itself)."""
+    return {"description": "Successful response", "model": model}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "model": ErrorResponse}
+
+
+# What any route may answer besides its success (401 only with --api-key).
+ERRORS = {
+    401: _error("Missing or wrong API key"),
+    500: _error("Internal error; the connection is closed after it"),
+}
+BODY_ERRORS = ERRORS | {
+    400: _error("Invalid request: malformed JSON, an unsupported field or a bad value"),
+    404: _error("Unknown model"),
+    413: _error("Request body larger than --max-request-body-bytes"),
+}
+GENERATE_ERRORS = BODY_ERRORS | {503: _error("The server is shutting down")}
+
+
+def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The responses of a generation route: JSON, or an event stream with stream=true."""
+    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    ok = {"description": "The completion (JSON), or an event stream", "model": model}
+    return {200: ok | {"content": stream}} | GENERATE_ERRORS
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting a JSON request body parsed by hand."""
+    schema = {"$ref": _REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def install_openapi(
+    app: FastAPI, body_models: list[type[BaseModel]], model_names: list[str]
+) -> None:
+    """Serve an /openapi.json that also holds the hand-parsed request bodies' schemas
+    (their ``model`` field: one of the served names)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=DESCRIPTION
+            )
+            _, defs = models_json_schema(
+                [(m, "validation") for m in body_models], ref_template=_REF
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(defs.get("$defs", {}))
+            for model in body_models:
+                field = components[model.__name__]["properties"].get("model")
+                if field is not None:
+                    field["enum"] = [*model_names, None]
+            _drop_422(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _drop_422(schema: dict[str, Any]) -> None:
+    # FastAPI documents a 422 for path parameters; validation errors here are 400s.
+    for item in schema.get("paths", {}).values():
+        for operation in item.values():
+            operation.get("responses", {}).pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
