@@ -33,6 +33,20 @@ def test_one_shot_answers_with_the_default_model() -> None:
     assert out.stdout.strip() == "The capital of France is Paris."
 
 
+def test_a_greedy_loop_is_stopped_with_a_note() -> None:
+    """Greedy, the default model answers this with one phrase over and over until its 8k
+    context is full (60 s+, before the loop stop); now the answer stops at the loop."""
+    out = run_cli(["Write a haiku about autumn.", "--temperature", "0"], stdin="")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.endswith(
+        "[stopped: the answer repeats itself; /set stop_on_loop off (or --no-stop-on-loop) "
+        "allows it]\n"
+    )
+    phrase = "a leaf's fate is determined, "
+    assert out.stdout.count(phrase) >= 3
+    assert len(out.stdout) < len(out.stdout.split(phrase)[0]) + 20 * len(phrase)
+
+
 def test_piped_stdin_is_the_prompt() -> None:
     out = run_cli(
         ["--max-tokens", "12", "--temperature", "0"], stdin="What is the capital of France?\n"

@@ -97,7 +97,10 @@ def test_a_looping_answer_stops_and_the_history_keeps_one_copy(session_factory) 
     assert reply == decode(full[: loop.keep]) == session.messages[-1]["content"]
     shown, note = out.getvalue().rsplit("\n", 2)[:2]
     assert decode(full).startswith(shown)  # streamed up to the loop, then cut
-    assert note == "[stopped: the answer repeats itself; /set stop_on_loop off allows it]"
+    assert note == (
+        "[stopped: the answer repeats itself; /set stop_on_loop off (or --no-stop-on-loop) "
+        "allows it]"
+    )
     assert not session.engine.has_unfinished_requests()
     # Turned off, the same answer runs to max_tokens, and says so.
     session.set("stop_on_loop", "off")

@@ -41,6 +41,9 @@ CHAT_DEFAULTS: dict[str, float | int | None] = {
 SAMPLING_SETTINGS = (*CHAT_DEFAULTS, "seed")
 INT_SETTINGS = ("top_k", "max_tokens", "seed")
 NONE_WORDS = ("none", "off", "-")
+LOOP_NOTE = (
+    "[stopped: the answer repeats itself; /set stop_on_loop off (or --no-stop-on-loop) allows it]"
+)
 
 
 class ChatSession:
@@ -118,9 +121,7 @@ class ChatSession:
                             self.engine.step()
                         kept = self.engine.tokenizer.decode(token_ids[: loop.keep])
                         parts = [kept]
-                        note = (
-                            "[stopped: the answer repeats itself; /set stop_on_loop off allows it]"
-                        )
+                        note = LOOP_NOTE
                         break
                     if sample.finish_reason == "length":
                         note = self._length_note(len(token_ids))
