@@ -112,8 +112,9 @@ class Terminal:
 
 
 def test_repl_two_turns_clear_ctrl_c_and_exit() -> None:
-    # Room for a long answer to interrupt; short questions end on their own (EOS).
-    term = Terminal(["--max-tokens", "400"])
+    # Room for a long answer to interrupt; short questions end on their own (EOS). Greedy:
+    # the same answers every time.
+    term = Terminal(["--max-tokens", "400", "--temperature", "0"])
     term.expect(">>> ")
     term.send("What is the capital of France?\n")
     answer = term.expect(">>> ")
@@ -123,7 +124,10 @@ def test_repl_two_turns_clear_ctrl_c_and_exit() -> None:
     term.send("/clear\n")
     term.expect("(conversation cleared)")
     term.expect(">>> ")
-    # A long answer, interrupted: the REPL survives and says so.
+    # A long answer, interrupted: the REPL survives and says so. (Not the loop stop.)
+    term.send("/set stop_on_loop off\n")
+    term.expect("stop_on_loop = off")
+    term.expect(">>> ")
     term.send("Write a long story about a dragon.\n")
     time.sleep(2)
     term.send("\x03")
