@@ -27,6 +27,9 @@ from mlxserve.sampling_params import SamplingParams
 # sampling (temperature 0.8, top_k 40, top_p 0.9), and a cap on an answer's length.
 # repetition_penalty stays 1: here it weighs every token of the conversation, prompt
 # included, not Ollama's last 64, and the loop stop below handles degenerate repeats.
+# Measured on the default model (8 questions x 2 seeds, 500 tokens): answers that loop:
+# greedy 6/16, temperature 0.2 + top_p 0.9 (its model card's) 8/16, these 1/16
+# (with repetition_penalty 1.1: 0/16); mean answer 196 tokens.
 CHAT_DEFAULTS: dict[str, float | int | None] = {
     "temperature": 0.8,
     "top_k": 40,
