@@ -33,9 +33,35 @@ def test_mlxserve_bench_runs_on_the_tiny_model(tmp_path: Path, capsys) -> None:
     assert "device: Device(" in capsys.readouterr().out
 
 
-def test_bench_rejects_a_zero_token_count(tmp_path: Path, capsys) -> None:
-    assert main(["bench", "--decode-tokens", "0"]) == 2
-    assert "--decode-tokens must be >= 1, got 0" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--decode-tokens", "0"], "--decode-tokens must be >= 1, got 0"),
+        # was a ZeroDivisionError after the whole offline run
+        (
+            ["--profile-steps", "0"],
+            "--profile-steps must be >= 1 (or --profile-batch 0 for no profile), got 0",
+        ),
+        (["--profile-batch", "-1"], "--profile-batch must be >= 0 (0: no profile), got -1"),
+        (["--batch-sizes", "4", "0"], "--batch-sizes must all be >= 1, got 0"),
+    ],
+)
+def test_bench_rejects_bad_counts_before_loading(flags, message, capsys) -> None:
+    # A MODEL that does not exist: the flags must be refused before any loading.
+    assert main(["bench", "/nonexistent/model.gguf", *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_bench_without_a_profile_skips_it(tmp_path: Path) -> None:
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", str(model_dir), "--decode-tokens", "2", "--prefill-tokens", "4",
+         "--prompt-tokens", "4", "--batch-sizes", "--profile-batch", "0",
+         "--profile-steps", "0", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    assert "profile" not in json.loads(out.read_text())
 
 
 def test_mlxserve_fit_counts_blocks_and_shares_the_prefix() -> None:

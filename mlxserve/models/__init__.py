@@ -129,29 +129,48 @@ def quantize_like_checkpoint(
 def load_weights_strict(
     model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype | None = None
 ) -> None:
-    """Load weights after checking names and shapes; ValueError lists every mismatch."""
+    """Load weights after checking names and shapes.
+
+    A ValueError names the first problem and counts the others by kind, in one line: a
+    config that disagrees with its checkpoint makes every tensor a problem (hundreds).
+    """
     expected = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    problems = []
-    if missing:
-        problems.append("missing weights: " + ", ".join(missing))
-    if unexpected:
-        problems.append("unexpected weights: " + ", ".join(unexpected))
+    problems: list[tuple[str, str]] = []  # (kind, description)
+    problems += [("missing", f"missing weight {n}") for n in sorted(set(expected) - set(weights))]
+    problems += [
+        ("unexpected", f"unexpected weight {n}") for n in sorted(set(weights) - set(expected))
+    ]
     for name in sorted(set(expected) & set(weights)):
         want, got = expected[name], weights[name]
         if tuple(want.shape) != tuple(got.shape):
             problems.append(
-                f"wrong shape for {name}: expected {tuple(want.shape)}, got {tuple(got.shape)}"
+                (
+                    "wrong shape",
+                    f"wrong shape for {name}: expected {tuple(want.shape)}, got {tuple(got.shape)}",
+                )
             )
         elif _is_float(want.dtype) != _is_float(got.dtype):
-            problems.append(f"wrong dtype for {name}: expected {want.dtype}, got {got.dtype}")
+            problems.append(
+                ("wrong dtype", f"wrong dtype for {name}: expected {want.dtype}, got {got.dtype}")
+            )
     if problems:
         kind = type(model).__module__.rsplit(".", 1)[-1]
-        raise ValueError(f"cannot load {kind} weights:\n  " + "\n  ".join(problems))
+        raise ValueError(f"cannot load {kind} weights: {problems[0][1]}{_more(problems[1:])}")
     if dtype is not None:
         weights = {k: v.astype(dtype) if _is_float(v.dtype) else v for k, v in weights.items()}
     model.update(tree_unflatten(list(weights.items())))
+
+
+def _more(problems: list[tuple[str, str]]) -> str:
+    """'' or '; and 694 more problems (690 wrong shape, 4 missing)'."""
+    if not problems:
+        return ""
+    counts: dict[str, int] = {}
+    for kind, _ in problems:
+        counts[kind] = counts.get(kind, 0) + 1
+    parts = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    noun = "problem" if len(problems) == 1 else "problems"
+    return f"; and {len(problems)} more {noun} ({parts})"
 
 
 def _is_float(dtype: mx.Dtype) -> bool:
