@@ -79,11 +79,15 @@ HEADER_FILE = "attention_common.metal"
 
 
 def kernel_dir() -> Path:
-    """Where the .metal files are: the installed package data, else the source tree."""
-    try:
-        return Path(str(importlib.resources.files("mlxserve._metal")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "metal"
+    """Where the .metal files are: the source tree this package sits in, else the package data.
+
+    The source tree comes first: an editable install elsewhere maps ``mlxserve._metal`` to
+    *its* checkout, which would pair this code with another tree's kernels.
+    """
+    source = Path(__file__).resolve().parents[2] / "metal"
+    if (source / HEADER_FILE).is_file():
+        return source
+    return Path(str(importlib.resources.files("mlxserve._metal")))
 
 
 def read_source(file: str) -> str:
