@@ -22,6 +22,7 @@ from mlxserve.models.mlx_lm_adapter import (
     require_mlx_lm,
 )
 from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint
+from tests.paths import ROOT
 from tests.zoo_configs import DROP, MOE, WINDOW, ZOO, config
 
 
@@ -147,7 +148,7 @@ def test_cache_specs_follow_make_cache(tmp_path: Path) -> None:
         ("full_attention", 32),
         ("sliding_window", 16),
     ]
-    with pytest.raises(UnsupportedModelError, match="KV pools differ per layer"):
+    with pytest.raises(UnsupportedModelError, match="its layers need KV pools of different shapes"):
         _ = gemma4.head_dim  # the engine's uniform pool cannot hold it
     _, deepseek = build_case(tmp_path / "c", ZOO["deepseek_v2"])
     assert deepseek.kv_layer_shapes == [(4, 24, 16)] * 2  # K = nope + rope dims, V its own
@@ -220,6 +221,42 @@ def test_mlx_lm_attention_is_untouched_outside_paged_steps() -> None:
         np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
+# ---- the Metal path --------------------------------------------------------------------------
+def test_adapted_model_through_the_metal_kernels(tmp_path: Path) -> None:
+    """gpt-oss (sliding windows, sinks) with the Metal kernels (the emulator on Linux) gives
+    the fallback's logits: prefills longer than the window, then decodes."""
+    from mlxserve import ops
+
+    emulator = None
+    if mx.metal.is_available():
+        factory = None
+    elif sys.platform == "linux":
+        from metal.checker.emulator import Emulator
+
+        emulator = Emulator()
+        factory = emulator.metal_kernel
+    else:
+        pytest.skip("needs the Linux emulator or Metal")
+    _, model = build_case(tmp_path, ZOO["gpt_oss"], seed=3)
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(0, model.vocab_size, n).tolist() for n in (13, 6))
+
+    def run(backend) -> list[np.ndarray]:
+        runner = BlockPoolRunner(model, num_blocks=16, block_size=4)
+        with backend:
+            first = runner.step([("a", a), ("b", b)], all_logits=True)
+            second = runner.step([("a", [7]), ("b", [9])])
+        return [first["a"], first["b"], second["a"], second["b"]]
+
+    got = run(ops.force_backend("metal", factory))
+    want = run(ops.force_backend("fallback"))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+    if emulator is not None:  # 4 layers x (write, attend) x 2 steps, all on the kernels
+        names = [launch["name"] for launch in emulator.launches]
+        assert names.count("paged_prefill") == names.count("paged_decode") == 4
+
+
 # ---- the engine ------------------------------------------------------------------------------
 def test_engine_runs_an_adapted_model(tmp_path: Path) -> None:
     """A gpt-oss checkpoint (sliding window, sinks, MoE) through LLM: the registry falls back
@@ -245,3 +282,13 @@ def test_engine_runs_an_adapted_model(tmp_path: Path) -> None:
             for t, _ in generate_step(mx.array(prompt), oracle, max_tokens=12, sampler=argmax)
         ]
         assert out.outputs[0].token_ids == want
+
+
+def test_readme_lists_the_architectures_the_code_supports() -> None:
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- models-table:start -->\n", "\n<!-- models-table:end -->"
+    table = readme[readme.index(start) + len(start) : readme.index(end)]
+    assert table == mlx_lm_zoo.models_table(), (
+        "README's model table is stale; regenerate it with: python -c 'from "
+        "mlxserve.models.mlx_lm_zoo import models_table; print(models_table())'"
+    )

@@ -241,6 +241,18 @@ def test_recompute_after_preemption(name: str, zoo) -> None:
         assert_matches(z, rid, got[rid], logits[rid], "preempted")
 
 
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_engine_pool_shapes_as_listed(name: str, zoo) -> None:
+    """Exactly the PER_LAYER_POOLS models need pools the engine's uniform KV cache lacks."""
+    model = zoo(name).model
+    shapes = set(model.kv_layer_shapes)
+    uniform = len(shapes) == 1 and all(k == v for _, k, v in shapes)
+    assert uniform == (model.model_type not in mlx_lm_zoo.PER_LAYER_POOLS)
+    if uniform:
+        ((heads, dim, _),) = shapes
+        assert (model.num_kv_heads, model.head_dim) == (heads, dim)
+
+
 def test_sliding_window_cases_exercise_their_window(zoo) -> None:
     """The windowed cases would fail if the window were ignored: the same model with every
     window removed is far from mlx-lm (checked on two families)."""

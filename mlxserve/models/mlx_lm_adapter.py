@@ -270,9 +270,10 @@ class MlxLmModel(nn.Module):
         (heads, k_dim, v_dim), *others = shapes
         if others or k_dim != v_dim:
             raise UnsupportedModelError(
-                f"{self.model_type}: KV pools differ per layer or between K and V "
-                f"({sorted(shapes)} as (kv_heads, k_dim, v_dim)); allocate them with "
-                "KVCache.allocate_for(model, ...), not one uniform (num_kv_heads, head_dim)"
+                f"{self.model_type}: its layers need KV pools of different shapes "
+                f"({sorted(shapes)} as (kv_heads, k_dim, v_dim)), and the engine allocates "
+                "one (num_kv_heads, head_dim) for every layer: not supported there yet "
+                "(KVCache.allocate_for makes per-layer pools)"
             )
         return heads, k_dim
 

@@ -117,6 +117,33 @@ QUANT_METHODS = {  # HF quantization_config.quant_method -> mlx settings (as mlx
 }
 
 
+# Hand-written models stay the default for their model_types; the adapter is tested on them too.
+HAND_WRITTEN = ("llama", "mistral", "opt", "qwen2", "qwen3")
+
+# Their KV pools differ per layer (or K from V): they run on per-layer pools
+# (KVCache.allocate_for), which the engine does not allocate yet.
+PER_LAYER_POOLS = ("deepseek_v2", "gemma4_text", "youtu_llm")
+
+
+def models_table() -> str:
+    """The README's table of architectures (tests/test_mlx_lm_adapter.py keeps them equal)."""
+    rows = ["| model_type | runs through | what its test exercises |", "|---|---|---|"]
+    for model_type in sorted(set(MODEL_TYPES) | set(HAND_WRITTEN)):
+        if model_type in HAND_WRITTEN:
+            path = "mlxserve's model" + (
+                " (adapter tested too)" if model_type in MODEL_TYPES else ""
+            )
+        else:
+            path = "mlx-lm adapter"
+        what = MODEL_TYPES.get(model_type, "full attention, learned positions")
+        if model_type in PER_LAYER_POOLS:
+            what += "; block-pool API only, not the engine yet (per-layer KV pool shapes)"
+        rows.append(f"| `{model_type}` | {path} | {what} |")
+    for model_type, why in sorted(NOT_SUPPORTED.items()):
+        rows.append(f"| `{model_type}` | not supported | {why} |")
+    return "\n".join(rows)
+
+
 def why_not(model_type: str) -> str | None:
     """Why an mlx-lm architecture is not run through the adapter (None: it is, or mlx-lm
     does not know the model_type either)."""
