@@ -311,21 +311,36 @@ class MlxLmModel(nn.Module):
                         else "computes attention outside scaled_dot_product_attention"
                     )
                 )
-        logits = logits[:, 0, :]
-        if logits_indices is not None and not self._selects_rows:
-            logits = logits[logits_indices]
+        logits = logits[:, 0, :]  # (rows, vocab)
+        if logits_indices is not None:
+            if not self._selects_rows:
+                return logits[logits_indices]
+            if logits.shape[0] != logits_indices.shape[0]:
+                raise UnsupportedModelError(
+                    f"{self.model_type}: the LM head got {logits.shape[0]} rows, not the "
+                    f"{logits_indices.shape[0]} selected (its decoder stack is not the "
+                    "module the adapter hooked)"
+                )
         return logits
+
+
+DECODER_NAMES = ("model", "transformer", "language_model", "backbone")
 
 
 def _hook_row_selection(model: nn.Module) -> bool:
     """Keep only the rows whose logits are wanted before the LM head.
 
-    The hidden states come out of the decoder stack (``model.model`` in most mlx-lm files);
-    its class is swapped for a subclass that indexes the rows the step asks for, so the
-    outer model's head (tied or not, soft-capped or scaled) runs on those rows only.
+    The hidden states come out of the decoder stack (``model.model`` in most mlx-lm files,
+    ``model.transformer`` in some); its class is swapped for a subclass that indexes the
+    rows the step asks for, so the outer model's head (tied or not, soft-capped or scaled)
+    runs on those rows only. ``MlxLmModel`` checks the row count it gets back.
     """
-    inner = getattr(model, "model", None)
-    if not isinstance(inner, nn.Module):
+    children = model.children()
+    inner = next(
+        (children[name] for name in DECODER_NAMES if isinstance(children.get(name), nn.Module)),
+        None,
+    )
+    if inner is None:
         return False
     base = type(inner)
     if getattr(base, "_mlxserve_selects_rows", False):  # hooked by an earlier adapter
