@@ -94,6 +94,10 @@ REFUSED = {
         ),
         r"qwen3_next: cache layer 0 \(ArraysCache\): recurrent / linear-attention state",
     ),
+    "plamo3": (
+        config("plamo3", num_hidden_layers=4, window_size=WINDOW, sliding_window_pattern=2),
+        "plamo3: cache layer 0: the model masks a window of 9 tokens but its cache keeps 8",
+    ),
     "gpt_bigcode": (
         {
             "model_type": "gpt_bigcode",
@@ -112,8 +116,9 @@ REFUSED = {
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_what_the_adapter_cannot_run_is_refused_at_load(name: str, tmp_path: Path) -> None:
-    """Attention by hand, MLA latent scores, recurrent state, scalar positions: each is
-    refused with its reason when the model is built, never run wrongly."""
+    """Attention by hand, MLA latent scores, recurrent state, a mask window other than the
+    cache's, scalar positions: each is refused with its reason when the model is built,
+    never run wrongly."""
     cfg, message = REFUSED[name]
     _, path = make_mlx_lm_checkpoint(tmp_path, cfg)
     weights = mx.load(str(path / "model.safetensors"))

@@ -125,8 +125,16 @@ class PagedLayerCache:
         self._step.owners[id(keys)] = self
         return keys, values
 
-    def make_mask(self, n: int, *args, **kwargs) -> None:
-        """No mask: every row is one token, and its context is given by the metadata."""
+    def make_mask(self, n: int, *args, window_size: int | None = None, **kwargs) -> None:
+        """No mask: every row is one token, and its context is given by the metadata.
+
+        A window the model asks for must be the one its cache keeps (what the ops apply).
+        """
+        if window_size is not None and window_size != self.spec.window:
+            raise UnsupportedModelError(
+                f"{self._where}: the model masks a window of {window_size} tokens but its "
+                f"cache keeps {self.spec.window}"
+            )
         return None
 
     def attend(

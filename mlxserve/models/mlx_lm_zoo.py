@@ -104,7 +104,7 @@ NOT_SUPPORTED: dict[str, str] = {
     "qwen3_next": "recurrent gated-delta-net state (not yet: per-request state slots)",
     "qwen3_5": "recurrent gated-delta-net state (not yet: per-request state slots)",
     "llama4": "chunked local attention (ChunkedKVCache) is not supported yet",
-    "plamo3": "mlx-lm masks windows of W + 1 keys at prefill but keeps W at decode",
+    "plamo3": "masks windows of W + 1 tokens at prefill but its cache keeps W at decode",
     "gpt_bigcode": "turns cache.offset into a Python int (positions must be per token)",
 }
 
