@@ -8,7 +8,9 @@ dequantized); one runs mlxserve's hand-written model, the other mlx-lm's class f
 model_type through mlxserve.models.mlx_lm_adapter. Each round measures both (alternating
 which goes first) with ``mlxserve bench``'s offline runs: single-stream decode (128 tokens
 after a 32-token prompt), prefill of 512 tokens, and batch 32 x 32 tokens. Greedy tokens of
-both are compared first. Prints one table per round and the adapter / hand-written ratios.
+both are compared first, then the model forward alone is timed: decode steps at batch 1 and
+32, interleaved (min and median; on a loaded machine this says more than the end-to-end
+rounds). Prints one table per round and the adapter / hand-written ratios.
 """
 
 from __future__ import annotations
@@ -80,10 +82,42 @@ def same_greedy_tokens(engines: dict, num_prompts: int = 4, max_tokens: int = 24
     return all(r == first for r in rest)
 
 
+def step_times(models: dict, batch: int, num_steps: int, context: int = 32) -> dict:
+    """Decode-step times (s) of each model, interleaved: ``batch`` requests at ``context``
+    cached tokens each, one new token each, over a block pool as the runner builds it."""
+    import mlx.core as mx
+
+    from mlxserve.models import KVCache
+    from mlxserve.ops import AttentionMetadata
+
+    bs = 16
+    blocks_per_req = -(-(context + 1) // bs)
+    tables = [[1 + i * blocks_per_req + j for j in range(blocks_per_req)] for i in range(batch)]
+    md = AttentionMetadata.build([1] * batch, [context + 1] * batch, tables, bs)
+    ids = mx.array([7] * batch, dtype=mx.int32)
+    positions = mx.array([context] * batch, dtype=mx.int32)
+    rows = mx.arange(batch, dtype=mx.int32)
+    caches = {
+        name: KVCache.allocate_for(m, 1 + batch * blocks_per_req, bs, mx.float32)
+        for name, m in models.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(num_steps + 2):
+        for name, model in models.items():
+            cache = caches[name]
+            t0 = time.perf_counter()
+            logits = model(ids, positions, md, cache, rows)
+            mx.eval(logits, cache.keys, cache.values)
+            if i >= 2:  # the first two build and warm up
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="default: the embedded SmolLM2 GGUF")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20, help="decode steps per model, step timing")
     args = p.parse_args(argv)
 
     import mlx.core as mx
@@ -96,6 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hand-written: {type(hand.model).__module__}; adapter: {type(adapted.model).__name__}")
     engines = {"hand-written": make_engine(hand), "adapter": make_engine(adapted)}
     print(f"greedy tokens identical: {same_greedy_tokens(engines)}")
+    models = {name: loaded.model for name, loaded in (("hand-written", hand), ("adapter", adapted))}
+    print(f"\ndecode step, model forward + eval only (min / median of {args.steps}, interleaved)")
+    print(f"{'batch':6s} {'hand-written ms':>16s} {'adapter ms':>11s} {'ratio (min)':>12s}")
+    for batch in (1, 32):
+        t = step_times(models, batch, args.steps)
+        h, a = sorted(t["hand-written"]), sorted(t["adapter"])
+        print(
+            f"{batch:<6d} {h[0] * 1e3:7.1f} / {h[len(h) // 2] * 1e3:6.1f} "
+            f"{a[0] * 1e3:5.1f} / {a[len(a) // 2] * 1e3:5.1f} {a[0] / h[0]:12.2f}"
+        )
     spec = OfflineSpec(batch_sizes=(32,))
     keys = ("decode_tok_s", "prefill_tok_s", "batch32_tok_s")
     for r in range(args.rounds):
