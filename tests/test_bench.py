@@ -100,3 +100,16 @@ def test_one_row_matmuls_through_the_gemv_shim_match_numpy() -> None:
     xs = rng.standard_normal((3, 40)).astype(np.float32)
     got = mx.array(xs) @ mx.array(w).T
     np.testing.assert_allclose(np.array(got), xs @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_bench_times_both_paths_on_the_same_weights(tmp_path: Path) -> None:
+    from bench.adapter_vs_handwritten import step_times
+    from mlxserve.loader.local import read_model_dir
+    from mlxserve.models import build_model, mlx_lm_zoo
+
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    config, weights = read_model_dir(model_dir)
+    models = {"hand": build_model(config, weights), "adapter": mlx_lm_zoo.build(config, weights)}
+    times = step_times(models, batch=3, num_steps=2)
+    assert {k: len(v) for k, v in times.items()} == {"hand": 2, "adapter": 2}
+    assert all(t > 0 for v in times.values() for t in v)
