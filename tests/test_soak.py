@@ -21,8 +21,8 @@ import pytest
 from tests.server_harness import start_server
 from tests.soak_harness import SoakConfig, run_soak, summary_line
 
-# A burst (~20 s on 2 idle cores), 5 s of warm-up, 35 s of load: a minute of load.
-CONFIG = SoakConfig(clients=16, warmup=5.0, duration=35.0, seed=11)
+# A burst (~15-20 s on 2 idle cores), 5 s of warm-up, 30 s of load: ~a minute of load.
+CONFIG = SoakConfig(clients=16, warmup=5.0, duration=30.0, seed=11)
 
 
 @pytest.fixture(scope="module")
