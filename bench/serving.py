@@ -207,18 +207,22 @@ class BackgroundStreams:
     engine's context limit) is sent again at once, so every engine stays loaded."""
 
     def __init__(self, c: httpx.AsyncClient, prompts: list[str], max_tokens: int) -> None:
-        self.requests: list[list[float]] = []  # token arrival times, one list per request
+        # Token arrival times: per stream, one list per request sent.
+        self.streams: list[list[list[float]]] = [[] for _ in prompts]
         self.num_restarts = 0
-        self._current: list[list[float]] = [[] for _ in prompts]  # each stream's open request
         self._tasks = [
             asyncio.create_task(self._run(c, i, body(p, max_tokens))) for i, p in enumerate(prompts)
         ]
 
+    @property
+    def requests(self) -> list[list[float]]:
+        """Token arrival times of every request sent, one list per request."""
+        return [times for stream in self.streams for times in stream]
+
     async def _run(self, c: httpx.AsyncClient, index: int, request: dict) -> None:
         while True:
             times: list[float] = []
-            self.requests.append(times)
-            self._current[index] = times
+            self.streams[index].append(times)
             try:
                 await _stream(c, request, times)
             except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
@@ -226,23 +230,19 @@ class BackgroundStreams:
             self.num_restarts += 1
             await asyncio.sleep(0)  # let the other tasks run even if nothing above waited
 
-    async def wait_decoding(self, timeout_s: float = 1800) -> float:
-        """Wait until every stream has streamed a token; the time the last one did."""
+    async def wait_tokens(self, count: int, since: float = 0.0, timeout_s: float = 1800) -> float:
+        """Wait until every stream has streamed count tokens after since; the time of the
+        last of those tokens."""
         deadline = time.perf_counter() + timeout_s
-        firsts: list[float | None] = [None] * len(self._tasks)
         while True:
-            # Polled from each stream's open request (a restart only delays the wait).
-            firsts = [
-                f if f is not None else (cur[0] if cur else None)
-                for f, cur in zip(firsts, self._current, strict=True)
-            ]
-            if all(f is not None for f in firsts):
-                return max(firsts)  # type: ignore[type-var]
+            nth = [_nth_after(stream, since, count) for stream in self.streams]
+            if all(t is not None for t in nth):
+                return max(nth)  # type: ignore[type-var]
             for task in self._tasks:
                 if task.done():
                     task.result()  # re-raise what stopped it
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"streams not all decoding after {timeout_s} s")
+                raise TimeoutError(f"streams did not all stream {count} tokens in {timeout_s} s")
             await asyncio.sleep(0.05)
 
     def all_alive(self) -> bool:
@@ -258,6 +258,11 @@ class BackgroundStreams:
                 raise RuntimeError(f"a background stream failed: {result!r}")
 
 
+def _nth_after(stream: list[list[float]], since: float, count: int) -> float | None:
+    later = [t for times in stream for t in times if t > since]
+    return later[count - 1] if len(later) >= count else None
+
+
 async def under_load(
     url: str,
     stream_prompts: list[str],
@@ -268,17 +273,18 @@ async def under_load(
 ) -> dict[str, float]:
     """Streams decode; prompts arrive gap_s apart; measured while the arrivals are served.
 
-    Once every stream decodes, gap_s of decode-only baseline, then the arrivals. The
-    window opens when the first arrival is sent and closes when the last one is answered
-    (all its tokens); the streams keep decoding through it, for every engine. Stream
-    ITLs inside the window (p99 / p50: stalls caused by prefill), the arrivals' TTFT
-    (starvation of prefill by decoding).
+    Once every stream decodes: a decode-only baseline (gap_s, and at least 3 gaps per
+    stream), then the arrivals. The window opens when the first arrival is sent and
+    closes when the last one is answered (all its tokens); the streams keep decoding
+    through it, for every engine. Stream ITLs inside the window (p99 / p50: stalls caused
+    by prefill), the arrivals' TTFT (starvation of prefill by decoding).
     """
     async with client(url, len(stream_prompts) + len(arrivals)) as c:
         await one_request(c, body("Warm up.", 4))
         streams = BackgroundStreams(c, stream_prompts, stream_max_tokens)
-        decoding = await streams.wait_decoding()
-        await asyncio.sleep(gap_s)
+        decoding = await streams.wait_tokens(1)
+        # Decode-only baseline: gap_s, and at least 3 gaps of every stream.
+        await asyncio.gather(asyncio.sleep(gap_s), streams.wait_tokens(3, since=decoding))
         t0 = time.perf_counter()
         tasks = []
         for i, prompt in enumerate(arrivals):

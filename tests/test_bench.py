@@ -105,7 +105,7 @@ def test_background_streams_restart_when_an_engine_ends_them() -> None:
         transport = httpx.MockTransport(handler)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             streams = BackgroundStreams(c, ["a", "b"], max_tokens=3)
-            await streams.wait_decoding(timeout_s=30)
+            await streams.wait_tokens(1, timeout_s=30)
             while streams.num_restarts < 6:
                 await asyncio.sleep(0.01)
             assert streams.all_alive()
