@@ -399,7 +399,7 @@ def test_prefill_gets_half_the_budget_beside_more_decodes_than_the_budget():
         assert decodes == [(f"d{i}", 1) for i in range(12)] and out.num_decodes == 12
         assert layout(out)[12:] == [("p", start, n)]
         assert out.total_num_scheduled_tokens == 12 + n
-    assert p.num_output_tokens == 1 and sched.num_waiting == 1  # q: still no seat
+    assert p.num_output_tokens == 1 and len(sched.waiting) == 1  # q: still no seat
     run_to_completion(sched, model)
     for r in [*decoders, p, q]:
         assert r.output_token_ids == oracle(r, sched), r.request_id

@@ -162,7 +162,7 @@ def test_every_decode_runs_and_prefill_gets_its_share_each_step(scenario):
             continue
         decodes = {r.request_id for r in sched.running if r.num_tokens - r.num_computed_tokens == 1}
         work = sum(r.num_tokens - r.num_computed_tokens for r in sched.running) - len(decodes)
-        seats = max_num_seqs - sched.num_running
+        seats = max_num_seqs - len(sched.running)
         work += sum(r.num_tokens for r in list(sched.waiting)[:seats])
         share = max(budget - len(decodes), -(-budget // 2))
         out = step(sched, model)
