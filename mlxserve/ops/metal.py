@@ -86,6 +86,12 @@ KERNELS = {
     ),
 }
 HEADER_FILE = "attention_common.metal"
+# attention paths -> the kernels each launches
+PATH_KERNELS = {
+    "decode": "paged_decode",
+    "split": "paged_decode_split+paged_decode_reduce",
+    "prefill": "paged_prefill",
+}
 
 
 def kernel_dir() -> Path:
@@ -124,6 +130,7 @@ class MetalKernels:
         self.config = config or MetalConfig()
         self._kernels: dict[str, Callable[..., list[mx.array]]] = {}
         self._constants: dict[tuple, mx.array] = {}
+        self.self_tests: dict[str, object] = {}  # variant -> ops.selftest.SelfTestResult
 
     def kernel(self, name: str) -> Callable[..., list[mx.array]]:
         """The kernel object for `name`, built on first use."""
@@ -185,10 +192,12 @@ class MetalKernels:
         window: int | None = None,
         sinks: mx.array | None = None,  # (num_heads,)
         token: mx.array | None = None,
+        path: str | None = None,
     ) -> mx.array:  # (num_tokens, num_heads, head_dim)
         """Decode-only batches use the decode kernel (split-K for long contexts), mixed ones
         the varlen prefill kernel; `token` is write_kv's ordering token, if the pools were
-        just written. `window` and `sinks` as in ops.paged_attention."""
+        just written. `window` and `sinks` as in ops.paged_attention. `path` forces one of
+        PATHS (the self-test), else attention_path() picks it."""
         _check_pool(k_cache, v_cache)
         reason = unsupported_reason(q, k_cache, v_cache)
         if reason is not None:
@@ -217,7 +226,8 @@ class MetalKernels:
             ("WINDOW", window or 0),
         ]
         threads = num_simd * 32
-        if md.num_decodes < md.num_reqs:
+        path = path or self.attention_path(md, num_kv_heads, window)
+        if path == "prefill":
             tq = max(1, self.config.rows_per_tile // gqa)
             num_tiles = md.num_reqs + -(-num_tokens // tq) + 1
             (out,) = self.kernel("paged_prefill")(
@@ -228,7 +238,7 @@ class MetalKernels:
                 threadgroup=(threads, 1, 1),
                 template=[*base, ("USE_SINKS", use_sinks), ("TQ", tq)],
             )
-        elif self._use_split(md, num_kv_heads, window):
+        elif path == "split":
             out = self._split_decode(
                 common, scale_arr, sinks, use_sinks, token, base, md, q.shape, threads
             )
@@ -243,12 +253,44 @@ class MetalKernels:
             )
         return out if out.dtype == out_dtype else out.astype(out_dtype)
 
-    def _use_split(self, md: AttentionMetadata, num_kv_heads: int, window: int | None) -> bool:
+    def attention_path(self, md: AttentionMetadata, num_kv_heads: int, window: int | None) -> str:
+        """Which of PATHS attends this batch: prefill kernel for batches with prefill chunks,
+        split-K decode for few long contexts, else the decode kernel."""
+        if md.num_decodes < md.num_reqs:
+            return "prefill"
         cfg = self.config
         attended = min(md.max_decode_context_len, window or md.max_decode_context_len)
-        return (
-            md.num_reqs * num_kv_heads < cfg.split_max_groups and attended >= cfg.split_min_context
-        )
+        if md.num_reqs * num_kv_heads < cfg.split_max_groups and attended >= cfg.split_min_context:
+            return "split"
+        return "decode"
+
+    def attention_variant(
+        self,
+        path: str,
+        dtype: mx.Dtype,
+        head_dim: int,
+        block_size: int,
+        gqa: int,
+        window: int | None,
+        use_sinks: bool,
+    ) -> str:
+        """The kernel(s) and template arguments `path` launches for these shapes, as text:
+        what the self-test verifies once (ops/selftest.py) and what its warning names."""
+        num_simd = max(self.config.num_simd, -(-head_dim // 32))
+        args = [
+            f"T={_dtype_name(dtype)}",
+            f"HEAD_DIM={head_dim}",
+            f"BLOCK_SIZE={block_size}",
+            f"GQA={gqa}",
+            f"NUM_SIMD={num_simd}",
+            f"WINDOW={window or 0}",
+            f"USE_SINKS={str(use_sinks).lower()}",
+        ]
+        if path == "prefill":
+            args.append(f"TQ={max(1, self.config.rows_per_tile // gqa)}")
+        if path == "split":
+            args.append(f"PARTITION_SIZE={self.config.partition_size}")
+        return f"{PATH_KERNELS[path]}<{', '.join(args)}>"
 
     def _split_decode(
         self, common, scale_arr, sinks, use_sinks, token, base, md, q_shape, threads
@@ -282,6 +324,15 @@ class MetalKernels:
             template=[t, dim, ("PARTITION_SIZE", part), window, ("USE_SINKS", use_sinks)],
         )
         return out
+
+
+def write_variant(dtype: mx.Dtype) -> str:
+    """The write kernel's variant for pools of `dtype` (its only template argument)."""
+    return f"write_kv<T={_dtype_name(dtype)}>"
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
 
 
 def unsupported_reason(q: mx.array, k_cache: mx.array, v_cache: mx.array) -> str | None:
