@@ -86,6 +86,11 @@ KERNELS = {
     ),
 }
 HEADER_FILE = "attention_common.metal"
+# MLX binds inputs of fewer elements as `constant`, others as `device`: a different source.
+# Metadata inputs are padded to this size, so a kernel's source never changes with the batch
+# (before MLX 0.32 a changed source under the same kernel name evicted the compiled pipeline,
+# and the self-test must verify the very source the batches run).
+MIN_DEVICE_ELEMENTS = 8
 # attention paths -> the kernels each launches
 PATH_KERNELS = {
     "decode": "paged_decode",
@@ -131,6 +136,7 @@ class MetalKernels:
         self._kernels: dict[str, Callable[..., list[mx.array]]] = {}
         self._constants: dict[tuple, mx.array] = {}
         self.self_tests: dict[str, object] = {}  # variant -> ops.selftest.SelfTestResult
+        self._bound: dict[str, tuple[object, tuple]] = {}  # padded metadata, by kind
 
     def kernel(self, name: str) -> Callable[..., list[mx.array]]:
         """The kernel object for `name`, built on first use."""
@@ -153,6 +159,14 @@ class MetalKernels:
             self._constants[key] = mx.array([value] if vector else value, dtype=dtype)
         return self._constants[key]
 
+    def _device_bound(self, kind: str, key: object, make: Callable[[], tuple]) -> tuple:
+        """make()'s padded inputs, reused while `key` (the step's metadata, shared by every
+        layer) is the same object: one pad per step, not per layer."""
+        last = self._bound.get(kind)
+        if last is None or last[0] is not key:
+            last = self._bound[kind] = (key, make())
+        return last[1]
+
     # ---- write_kv ---------------------------------------------------------------------
     def write_kv(
         self,
@@ -170,8 +184,9 @@ class MetalKernels:
         _check_pool(k_cache, v_cache)
         num_tokens, num_kv_heads, head_dim = keys.shape
         row = num_kv_heads * head_dim
+        (slots,) = self._device_bound("slots", slot_mapping, lambda: (_at_least_8(slot_mapping),))
         (token,) = self.kernel("write_kv")(
-            inputs=[keys, values, slot_mapping, k_cache, v_cache],
+            inputs=[keys, values, slots, k_cache, v_cache],
             output_shapes=[(1,)],
             output_dtypes=[mx.int32],
             grid=(row, num_tokens, 1),
@@ -216,7 +231,10 @@ class MetalKernels:
             sinks = self._constant(0.0, mx.float32, vector=True)
         elif sinks.dtype != mx.float32:
             sinks = sinks.astype(mx.float32)
-        common = [q, k_cache, v_cache, md.block_tables, md.context_lens]
+        block_tables, context_lens, query_start_loc = self._device_bound(
+            "md", md, lambda: _metadata_inputs(md)
+        )
+        common = [q, k_cache, v_cache, block_tables, context_lens]
         base = [
             ("T", k_cache.dtype),
             ("HEAD_DIM", head_dim),
@@ -231,7 +249,7 @@ class MetalKernels:
             tq = max(1, self.config.rows_per_tile // gqa)
             num_tiles = md.num_reqs + -(-num_tokens // tq) + 1
             (out,) = self.kernel("paged_prefill")(
-                inputs=[*common, md.query_start_loc, scale_arr, sinks, token],
+                inputs=[*common, query_start_loc, scale_arr, sinks, token],
                 output_shapes=[q.shape],
                 output_dtypes=[k_cache.dtype],
                 grid=(threads * num_kv_heads, num_tiles, 1),
@@ -301,12 +319,14 @@ class MetalKernels:
         # Partitions: enough for the longest context, rounded up to a power of two so the
         # partial buffers keep their shape while contexts grow.
         num_parts = 1 << max(0, (-(-md.max_decode_context_len // part) - 1).bit_length())
+        # Unused rows keep the partials >= 8 elements: the reduce binds them as `device`.
+        rows = max(num_tokens, -(-MIN_DEVICE_ELEMENTS // (num_heads * num_parts)))
         partial_out, partial_max, partial_sum = self.kernel("paged_decode_split")(
             inputs=[*common, scale_arr, token],
             output_shapes=[
-                (num_tokens, num_heads, num_parts, head_dim),
-                (num_tokens, num_heads, num_parts),
-                (num_tokens, num_heads, num_parts),
+                (rows, num_heads, num_parts, head_dim),
+                (rows, num_heads, num_parts),
+                (rows, num_heads, num_parts),
             ],
             output_dtypes=[mx.float32, mx.float32, mx.float32],
             grid=(threads * num_kv_heads, num_tokens, num_parts),
@@ -316,7 +336,7 @@ class MetalKernels:
         width = -(-head_dim // 32) * 32
         t, dim, window = base[0], base[1], base[5]
         (out,) = self.kernel("paged_decode_reduce")(
-            inputs=[partial_out, partial_max, partial_sum, md.context_lens, sinks],
+            inputs=[partial_out, partial_max, partial_sum, common[4], sinks],
             output_shapes=[q_shape],
             output_dtypes=[t[1]],
             grid=(width, num_heads, num_tokens),
@@ -324,6 +344,27 @@ class MetalKernels:
             template=[t, dim, ("PARTITION_SIZE", part), window, ("USE_SINKS", use_sinks)],
         )
         return out
+
+
+def _at_least_8(a: mx.array, fill: int | None = 0) -> mx.array:
+    """`a` (1-D) padded to 8 entries with `fill` (None: its last value) if it is shorter."""
+    if a.size >= MIN_DEVICE_ELEMENTS:
+        return a
+    pad = mx.full((MIN_DEVICE_ELEMENTS - a.size,), 0, dtype=a.dtype)
+    if fill is None:
+        pad = mx.broadcast_to(a[-1:], pad.shape)
+    return mx.concatenate([a, pad])
+
+
+def _metadata_inputs(md: AttentionMetadata) -> tuple[mx.array, mx.array, mx.array]:
+    """(block_tables, context_lens, query_start_loc) as the kernels take them: each with
+    >= 8 elements, so MLX always binds them as `device` (see MIN_DEVICE_ELEMENTS)."""
+    tables = md.block_tables
+    num_reqs, width = tables.shape
+    if tables.size < MIN_DEVICE_ELEMENTS:  # wider rows of null blocks: width is only a stride
+        extra = -(-MIN_DEVICE_ELEMENTS // num_reqs) - width
+        tables = mx.concatenate([tables, mx.zeros((num_reqs, extra), dtype=tables.dtype)], 1)
+    return tables, _at_least_8(md.context_lens), _at_least_8(md.query_start_loc, fill=None)
 
 
 def write_variant(dtype: mx.Dtype) -> str:
