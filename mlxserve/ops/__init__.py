@@ -35,7 +35,7 @@ __all__ = [
     "check_kernels",
     "force_backend",
     "kernel_backend",
-    "kernel_self_tests",
+    "metal_kernels",
     "paged_attention",
     "use_kernels",
     "write_kv",
@@ -231,10 +231,9 @@ def _self_test_mode() -> str | None:
     return _override[-1].self_test if _override else "fallback"
 
 
-def kernel_self_tests() -> list[selftest.SelfTestResult]:
-    """Self-test results of the kernel variants used so far (``mlxserve doctor``)."""
-    kernels = _metal()
-    return list(kernels.self_tests.values()) if kernels is not None else []
+def metal_kernels() -> MetalKernels | None:
+    """The Metal kernels the ops use right now, or None when they use the fallback."""
+    return _metal()
 
 
 def _check_window(window: int | None) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from mlxserve.ops import fallback
 from mlxserve.ops.metadata import AttentionMetadata
-from mlxserve.ops.metal import MetalKernels, write_variant
+from mlxserve.ops.metal import PATH_KERNELS, MetalKernels, write_variant
 
 logger = logging.getLogger("mlxserve")
 
@@ -83,6 +83,35 @@ def write_ok(kernels: MetalKernels, dtype: mx.Dtype, mode: str | None) -> bool:
     if mode is None:
         return True
     return _verified(kernels, write_variant(dtype), lambda: _test_write(kernels, dtype), mode)
+
+
+def run_all(
+    kernels: MetalKernels,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    gqa: int,
+    window: int | None = None,
+    use_sinks: bool = False,
+) -> list[SelfTestResult]:
+    """Self-test (or recall) every variant a model of these shapes uses: the write and each
+    attention path (``mlxserve doctor``). Failures are logged as on first use."""
+    variants = [(write_variant(dtype), lambda: _test_write(kernels, dtype))]
+    for path in PATH_KERNELS:
+        variant = kernels.attention_variant(
+            path, dtype, head_dim, block_size, gqa, window, use_sinks
+        )
+        variants.append(
+            (
+                variant,
+                lambda path=path: _test_attention(
+                    kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
+                ),
+            )
+        )
+    for variant, test in variants:
+        _verified(kernels, variant, test, "fallback")
+    return [kernels.self_tests[variant] for variant, _ in variants]
 
 
 def _verified(kernels: MetalKernels, variant: str, test: Callable[[], str], mode: str) -> bool:
