@@ -119,3 +119,23 @@ def test_kernel_self_tests_are_reported_per_variant() -> None:
         if name != "paged_decode":
             assert line.endswith(": ok"), line
     assert doctor.kernel_lines(None, mx.float16, 64, 16, 3)[0].startswith("self-tests: not run")
+
+
+def test_a_failed_self_test_makes_the_exit_status_1(monkeypatch, capsys) -> None:
+    """The whole command in-process, its kernels a broken emulated prefill (CI on a Mac
+    relies on the status)."""
+    if sys.platform != "linux":
+        pytest.skip("the Metal emulator runs on Linux")
+    from metal.checker.emulator import Emulator
+    from mlxserve import ops
+    from mlxserve.cli.main import build_parser
+    from mlxserve.ops.metal import MetalKernels
+    from tests.test_metal_selftest import broken
+
+    kernels = MetalKernels(broken(Emulator(), "paged_prefill", "wrong"))
+    monkeypatch.setattr(ops, "metal_kernels", lambda: kernels)
+    args = build_parser().parse_args(["doctor", "--num-blocks", "65"])
+    assert doctor.run_doctor(args) == 1
+    out = capsys.readouterr().out
+    assert "self-test:  paged_prefill<T=float32, HEAD_DIM=64" in out
+    assert out.count(": FAILED") == 1

@@ -3,7 +3,8 @@
 Platform and OS, MLX (and whether it is in the supported range), the Metal device (name,
 GPU cores, memory, recommended working set), which attention kernels run and each kernel
 variant's self-test, the BLAS under MLX's CPU backend, and the memory plan an engine with
-these flags would start with (the model is loaded as `serve` would load it).
+these flags would start with (the model is loaded as `serve` would load it). Exit status 1
+when a kernel variant failed its self-test, so CI on a Mac can run it.
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ def add_doctor_command(sub: argparse._SubParsersAction) -> None:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    """Print the report; exit status 1 when a kernel variant failed its self-test (CI)."""
     config = engine_config(args, args.model or args.model_flag)
+    failed = False
     for line in report(config):
         print(line, flush=True)  # line by line: the system facts show before the model loads
-    return 0
+        failed |= line.startswith("self-test:") and ": FAILED" in line
+    return 1 if failed else 0
 
 
 def report(config: EngineConfig) -> Iterator[str]:
