@@ -28,6 +28,9 @@ MODEL_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
 KNOWLEDGE_CUTOFF = "2024-06"
 REASONING_EFFORTS = ("low", "medium", "high")
 CHANNELS = ("analysis", "commentary", "final")
+# The vocabulary's markers of the format (o200k_harmony): a tokenizer that has them all speaks
+# harmony, so its chats are rendered here rather than by its Jinja template.
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 
 
 def _message(header: str, body: str, end: str = "<|end|>") -> str:

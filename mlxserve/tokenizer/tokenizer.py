@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -12,6 +13,7 @@ from tokenizers import Tokenizer as Backend
 from mlxserve.gguf_file import read_gguf_metadata
 from mlxserve.tokenizer.chat_template import ChatTemplate, make_environment
 from mlxserve.tokenizer.gguf_vocab import build_gguf_vocab
+from mlxserve.tokenizer.harmony import HARMONY_TOKENS, MODEL_IDENTITY, render_harmony
 from mlxserve.tokenizer.hf_dir import read_hf_dir
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -61,6 +63,10 @@ class Tokenizer:
             eos.add(eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.chat_templates = chat_template
+        # "harmony": gpt-oss's vocabulary; chats go through the harmony renderer (checked
+        # against openai-harmony), not the Jinja template. Set to "jinja" to use the template.
+        harmony = all(backend.token_to_id(t) is not None for t in HARMONY_TOKENS)
+        self.chat_format = "harmony" if harmony else "jinja"
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         for key, token_id in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
             if token_id is not None and key not in self.special_tokens:
@@ -252,7 +258,24 @@ class Tokenizer:
         continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
-        """Render `messages` (OpenAI-style dicts) to the prompt text with the model's template."""
+        """Render `messages` (OpenAI-style dicts) to the prompt text with the model's template.
+
+        A harmony tokenizer (gpt-oss) renders with the harmony renderer unless a template is
+        passed; ``reasoning_effort``, ``current_date`` and ``model_identity`` are its options.
+        """
+        if self.chat_format == "harmony" and chat_template is None:
+            if continue_final_message:
+                raise ValueError(
+                    "continue_final_message is not supported by the harmony chat format"
+                )
+            return render_harmony(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                reasoning_effort=extra.get("reasoning_effort") or "medium",
+                current_date=extra.get("current_date") or datetime.date.today().isoformat(),
+                model_identity=extra.get("model_identity") or MODEL_IDENTITY,
+            )
         source = self.get_chat_template(chat_template, tools)
         compiled = self._compiled.get(source)
         if compiled is None:
