@@ -17,6 +17,7 @@ conventions per architecture (an implementation independent of mlxserve's loader
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,7 @@ def write_llamacpp_gguf(
     hf: dict[str, np.ndarray],
     qtypes: dict[str, QT] | None = None,
     extra_metadata: dict[str, Any] | None = None,
+    stub_vocab: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write HF checkpoint weights of ``config`` as llama.cpp's converter would.
 
@@ -141,6 +143,7 @@ def write_llamacpp_gguf(
     default is F32 (MXFP4 experts stay MXFP4, as the converter keeps them). Returns the
     float weights a correct reader must produce for the non-MXFP4 tensors (HF checkpoint
     names with experts merged, HF row order): gguf's dequantization of the bytes written.
+    ``stub_vocab`` adds a vocabulary, so llama.cpp can load the file.
     """
     expected: dict[str, np.ndarray] = {}
     model_type = config["model_type"]
@@ -151,6 +154,8 @@ def write_llamacpp_gguf(
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, num_layers)
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, config, arch)
+    if stub_vocab:
+        _write_stub_vocab(writer, config["vocab_size"])
     for key, value in (extra_metadata or {}).items():
         writer.add_float32(key, value) if isinstance(value, float) else writer.add_uint32(
             key, value
@@ -277,6 +282,10 @@ def _write_metadata(writer: gguf.GGUFWriter, c: dict[str, Any], arch: str) -> No
         writer.add_rope_dimension_count(int(c.get("partial_rotary_factor", 1.0) * head_dim))
         writer.add_sliding_window(c.get("sliding_window") or 0)
         if (scaling := c.get("rope_scaling")) is not None:  # generate_extra_tensors
+            orig = c["original_max_position_embeddings"]
+            scale = c["max_position_embeddings"] / orig
+            factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+            writer.add_rope_scaling_attn_factors(factor)  # llama.cpp needs it; mlx-lm derives it
             writer.add_tensor(
                 "rope_factors_long.weight", np.array(scaling["long_factor"], np.float32)
             )
@@ -286,3 +295,18 @@ def _write_metadata(writer: gguf.GGUFWriter, c: dict[str, Any], arch: str) -> No
     if arch == "gpt-oss":
         writer.add_sliding_window(c["sliding_window"])
         writer.add_expert_feed_forward_length(c["intermediate_size"])
+
+
+def _write_stub_vocab(writer: gguf.GGUFWriter, size: int) -> None:
+    """A byte-level BPE vocabulary of ``size`` tokens that each decode to whole UTF-8 text
+    (so llama-server reports a log-prob per token): what llama.cpp needs to load a file;
+    callers pass token ids, never text."""
+    tokens = ["\u0120", "\u0120\u0120", *(f"<t{i}>" for i in range(size - 4)), "<s>", "</s>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (size - 2) + [3, 3])
+    writer.add_token_merges(["\u0120 \u0120"])  # llama.cpp refuses a BPE vocab without merges
+    writer.add_bos_token_id(size - 2)
+    writer.add_eos_token_id(size - 1)
+    writer.add_add_bos_token(False)

@@ -41,7 +41,8 @@ YARN = {
 CASES: dict[str, dict[str, Any]] = {
     "qwen3moe": ZOO["qwen3_moe"],
     "qwen2moe": ZOO["qwen2_moe"],
-    "olmoe": ZOO["olmoe"],
+    # OLMoE is multi-head (llama.cpp's OLMoE has no GQA: its k_norm spans all heads)
+    "olmoe": ZOO["olmoe"] | {"num_key_value_heads": ZOO["olmoe"]["num_attention_heads"]},
     "mixtral": ZOO["mixtral"],
     "gemma3": config(
         "gemma3_text",
@@ -75,13 +76,14 @@ QUANTIZED = {
 
 
 def oracle_and_gguf(
-    name: str, case: dict[str, Any], tmp_path: Path, qtypes=None, quantize=None
+    name: str, case: dict[str, Any], tmp_path: Path, qtypes=None, quantize=None, **options: Any
 ) -> tuple[Any, Path]:
     """The mlx-lm oracle and its GGUF file; with ``qtypes`` the oracle's weights become
     gguf's dequantization of the quantized bytes written (so equal logits mean exact)."""
     model, _ = make_mlx_lm_checkpoint(tmp_path / "ref", case, seed=11, quantize=quantize)
     path = tmp_path / f"{name}.gguf"
-    written = write_llamacpp_gguf(path, case, hf_checkpoint(case["model_type"], model), qtypes)
+    hf = hf_checkpoint(case["model_type"], model)
+    written = write_llamacpp_gguf(path, case, hf, qtypes, **options)
     if qtypes:
         stacked = (
             "block_sparse_moe.switch_mlp" if case["model_type"] == "mixtral" else "mlp.switch_mlp"
