@@ -1,7 +1,8 @@
-"""The GGUF files of tests/test_loader_gguf_families.py through llama.cpp: a second oracle.
+"""GGUF files as tests/test_loader_gguf_families.py writes them, through llama.cpp: a 2nd oracle.
 
 The tests write each family's tiny random model as llama.cpp's converter does
-(tests/gguf_llamacpp.py) and check mlxserve's loader against mlx-lm on the HF weights.
+(tests/gguf_llamacpp.py) and check mlxserve's loader against mlx-lm on the HF weights
+(this script repeats that check, for the llama, qwen2 and qwen3 files too).
 This script asks llama.cpp, the reference reader of GGUF, whether it reads those files as
 the same model: each file (with a stub vocabulary added) is served by llama-server, and its
 greedy tokens and their log-probs are compared with mlx-lm's. Where the tokens part,
@@ -33,7 +34,19 @@ import numpy as np  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from bench.peers.llamacpp import bin_dir  # noqa: E402
-from tests.test_loader_gguf_families import CASES, MXFP4_EXPERTS, oracle_and_gguf  # noqa: E402
+from mlxserve.loader import load_model  # noqa: E402
+from tests.model_helpers import mlx_lm_chunk_logits  # noqa: E402
+from tests.test_loader_gguf_families import (  # noqa: E402
+    CASES,
+    MXFP4_EXPERTS,
+    TOKENS,
+    oracle_and_gguf,
+    paged_logits,
+)
+from tests.zoo_configs import ZOO  # noqa: E402
+
+# The architectures mlxserve's own models run (tested against mlx-lm elsewhere) join them.
+CASES = CASES | {name: ZOO[name] for name in ("llama", "qwen2", "qwen3")}
 
 PROMPTS = ((1, 5), (2, 23), (3, 12))  # (seed, length): shorter and longer than the windows
 STEPS = 10
@@ -97,6 +110,8 @@ def check(name: str, workdir: Path) -> str:
     """One case: 'equal' or where and how llama.cpp and mlx-lm part."""
     quantize = MXFP4_EXPERTS if name == "gpt-oss" else None
     oracle, path = oracle_and_gguf(name, CASES[name], workdir, quantize=quantize, stub_vocab=True)
+    loaded = load_model(str(path), skip_tokenizer_init=True)
+    ours = np.abs(paged_logits(loaded.model) - mlx_lm_chunk_logits(oracle, [TOKENS])[0]).max()
     notes, compared, worst = [], 0, 0.0
     for seed, length in PROMPTS:
         prompt = np.random.default_rng(seed).integers(3, 250, length).tolist()
@@ -122,15 +137,17 @@ def check(name: str, workdir: Path) -> str:
         probe = llamacpp(path, prefix, 1, n_probs=1)
         top = probe["tokens"][0]
         top_logprob = f" ({probe['completion_probabilities'][0]['logprob']:.4f})"
+        tie = " (a tie)" if logprobs[want[k]] - logprobs[got[k]] < 1e-3 else ""
         notes.append(
-            f"prompt of {length}: parts at token {k} (llama.cpp {got[k]}, mlx-lm {want[k]}, "
+            f"prompt of {length}{tie}: parts at token {k} (llama.cpp {got[k]}, mlx-lm {want[k]}, "
             f"mlx-lm's margin {logprobs[want[k]] - logprobs[got[k]]:.4f} nats); llama.cpp's "
             f"prefill of the prefix: top {top}{top_logprob}, mlx-lm: {want[k]} "
             f"({logprobs[want[k]]:.4f})"
         )
+    head = f"mlxserve's logits on the file within {ours:.1e} of mlx-lm's; llama.cpp: "
     if notes:
-        return "; ".join(notes)
-    return f"equal ({compared} tokens; their log-probs differ by at most {worst:.1e})"
+        return head + "; ".join(notes)
+    return head + f"equal ({compared} tokens; their log-probs differ by at most {worst:.1e})"
 
 
 def argmax(logits: mx.array) -> mx.array:

@@ -32,6 +32,9 @@ from tests.gguf_helpers import close_gguf, encode_tensor, llamacpp_permute, llam
 
 # model_type -> (GGUF arch, converter permutes Q/K, norm shift)
 ARCHS = {
+    "llama": ("llama", True, 0.0),
+    "qwen2": ("qwen2", False, 0.0),
+    "qwen3": ("qwen3", False, 0.0),
     "qwen3_moe": ("qwen3moe", False, 0.0),
     "qwen2_moe": ("qwen2moe", False, 0.0),
     "olmoe": ("olmoe", False, 0.0),
