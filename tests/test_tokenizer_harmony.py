@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
 
+from mlxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from mlxserve.tokenizer.harmony import render_harmony
 from mlxserve.tokenizer.harmony_parser import HarmonyDelta, HarmonyParser
 from tests.harmony_oracle import load_encoding
@@ -260,20 +263,17 @@ def test_output_outside_the_format_is_content() -> None:
     assert HarmonyParser().parse("just text").content == "just text"
 
 
-# ---- a gpt-oss GGUF's tokenizer: the prompt and output `mlxserve serve` handles -------------
+# ---- gpt-oss's tokenizers (GGUF, directory): the prompt and output `mlxserve serve` handles ----
 SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>"]
 SPECIALS += ["<|start|>", "<|end|>", "<|message|>", "<|call|>"]
+BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())
 
 
 @pytest.fixture(scope="module")
-def gguf_tok():
+def gguf_tok() -> Tokenizer:
     """A gpt-oss-shaped GGUF vocabulary (llama.cpp's keys): the 256 byte tokens, no merges,
     and o200k_harmony's special tokens, all CONTROL as the converter writes them."""
-    from tokenizers import pre_tokenizers
-
-    from mlxserve.tokenizer import Tokenizer
-
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + SPECIALS
+    tokens = BYTES + SPECIALS
     meta = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-4o",
@@ -287,36 +287,55 @@ def gguf_tok():
     return Tokenizer.from_gguf_metadata(meta)
 
 
-def test_gguf_chat_is_rendered_in_harmony(enc, gguf_tok) -> None:
+@pytest.fixture(scope="module")
+def dir_tok() -> Tokenizer:
+    """The same as a tokenizer.json (special added tokens) with gpt-oss's generation_config
+    eos ids (<|return|>, <|endoftext|>, <|call|>)."""
+    backend = Backend(models.BPE({t: i for i, t in enumerate(BYTES)}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIALS])
+    eos = [backend.token_to_id(t) for t in ("<|return|>", "<|endoftext|>", "<|call|>")]
+    return Tokenizer(backend, eos_token_id=eos[0], extra_eos_token_ids=eos[1:])
+
+
+@pytest.mark.parametrize("kind", ["gguf_tok", "dir_tok"])
+def test_chat_is_rendered_in_harmony(enc, request, kind: str) -> None:
     """The server's chat rendering (apply_chat_template, chat_template_kwargs as options) of a
     gpt-oss vocabulary is openai-harmony's prompt, with the same special tokens."""
+    tok = request.getfixturevalue(kind)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     kwargs = {"reasoning_effort": "low", "current_date": "2025-06-28"}
-    text = gguf_tok.apply_chat_template(messages, tools=[WEATHER], **kwargs)
+    text = tok.apply_chat_template(messages, tools=[WEATHER], **kwargs)
     system = h.SystemContent.new().with_reasoning_effort(h.ReasoningEffort.LOW)
     system = system.with_conversation_start_date("2025-06-28")
     want = oracle_text(enc, [user("Hi")], system, [WEATHER], "Be brief.")
     assert text == want
-    ids = gguf_tok.encode_rendered_chat(text)
-    specials = [gguf_tok.id_to_token(i) for i in ids if i >= 256]
+    ids = tok.encode_rendered_chat(text)
+    specials = [tok.id_to_token(i) for i in ids if i >= 256]
     oracle_ids = enc.encode(want, allowed_special="all")
     assert specials == [enc.decode([i]) for i in oracle_ids if i >= 199998]
     # a template passed explicitly (--chat-template) is used instead
-    assert gguf_tok.apply_chat_template(messages, chat_template="{{ 'x' }}") == "x"
+    assert tok.apply_chat_template(messages, chat_template="{{ 'x' }}") == "x"
     with pytest.raises(ValueError, match="continue_final_message"):
-        gguf_tok.apply_chat_template(messages, continue_final_message=True)
+        tok.apply_chat_template(messages, continue_final_message=True)
 
 
+@pytest.mark.parametrize("kind", ["gguf_tok", "dir_tok"])
 @pytest.mark.parametrize("name", ["answer", "tool_call"])
-def test_gguf_output_keeps_its_channels(enc, gguf_tok, name: str) -> None:
+def test_output_keeps_its_channels(enc, request, kind: str, name: str) -> None:
     """As llama.cpp: <|end|> does not stop a gpt-oss generation, <|return|> / <|call|> do, and
-    the decoded output (special tokens skipped, as served) keeps the harmony headers, so
-    the parser recovers what openai-harmony parses from the whole completion."""
-    ids = gguf_tok.encode(COMPLETIONS[name] + "<|endoftext|>", add_special_tokens=False)
-    ends = [i for i, t in enumerate(ids) if t in gguf_tok.eos_token_ids]
-    assert [gguf_tok.id_to_token(ids[i]) for i in ends][0] in ("<|return|>", "<|call|>")
-    served = gguf_tok.decode(ids[: ends[0]], skip_special_tokens=True)  # the stop token cut
-    assert "<|endoftext|>" not in gguf_tok.decode(ids, skip_special_tokens=True)
+    the decoded output (special tokens skipped, as served; streamed as the server streams
+    it) keeps the harmony headers, so the parser recovers what openai-harmony parses."""
+    tok = request.getfixturevalue(kind)
+    ids = tok.encode(COMPLETIONS[name] + "<|endoftext|>", add_special_tokens=False)
+    ends = [i for i, t in enumerate(ids) if t in tok.eos_token_ids]
+    assert tok.id_to_token(ids[ends[0]]) in ("<|return|>", "<|call|>")
+    output = ids[: ends[0]]  # the stop token is cut
+    served = tok.decode(output, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.step([i]) for i in output) + detok.flush() == served
+    assert "<|endoftext|>" not in tok.decode(ids, skip_special_tokens=True)
     got, want = HarmonyParser().parse(served), oracle_parse(enc, COMPLETIONS[name])
     assert (got.content, got.reasoning_content) == (want.content, want.reasoning_content)
     assert [(c.name, c.arguments) for c in got.tool_calls] == want.tool_calls

@@ -8,8 +8,7 @@ Two vocab types are supported:
   become "▁", a "▁" is prepended to each text segment when ``add_space_prefix``, unknown
   characters fall back to ``<0xXX>`` byte tokens.
 CONTROL / UNKNOWN tokens are special (parsed out of text, skipped by ``skip_special_tokens``);
-USER_DEFINED tokens are parsed out of text but decoded as text, as llama.cpp does (it decodes
-gpt-oss's harmony markers as text too, and <|end|> does not end a gpt-oss generation).
+USER_DEFINED tokens are parsed out of text but decoded as text, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -121,9 +120,6 @@ _EOG_TEXTS = frozenset(
     ]
 )
 
-# Control tokens llama.cpp always decodes as text (its gpt-oss fix): the harmony headers.
-_ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-
 
 @dataclass(frozen=True)
 class GGUFVocab:
@@ -201,7 +197,7 @@ def build_gguf_vocab(meta: Mapping[str, Any], source: str = "GGUF metadata") -> 
         raise ValueError(f"{source}: tokenizer.ggml.tokens is missing or empty")
     n = len(tokens)
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-    types = list(_array(meta, "tokenizer.ggml.token_type", n, source) or [NORMAL] * n)
+    types = _array(meta, "tokenizer.ggml.token_type", n, source) or [NORMAL] * n
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         if tok in vocab:
@@ -228,12 +224,6 @@ def build_gguf_vocab(meta: Mapping[str, Any], source: str = "GGUF metadata") -> 
     )
     add_eos = bool(_get(meta, "tokenizer.ggml.add_eos_token", False)) and eos_id is not None
 
-    # gpt-oss (llama.cpp's workaround): <|end|> closes a message, not the generation, and the
-    # harmony markers are decoded as text, so an output keeps its channels for a parser.
-    harmony = {"<|return|>", "<|call|>", "<|end|>"} <= vocab.keys()
-    for text in _ALWAYS_RENDERED + (("<|end|>",) if harmony else ()):
-        if text in vocab:
-            types[vocab[text]] = USER_DEFINED
     # Special tokens are matched in raw text before normalization, longest first (llama.cpp order).
     added = [
         AddedToken(tokens[i], special=types[i] != USER_DEFINED, normalized=False)
@@ -242,14 +232,14 @@ def build_gguf_vocab(meta: Mapping[str, Any], source: str = "GGUF metadata") -> 
     ]
     backend.add_tokens(added)
     eog = {i for i in (eos_id, eot_id, eom_id) if i is not None}
-    eog |= {vocab[t] for t in _EOG_TEXTS if t in vocab}
-    if harmony:
-        eog.discard(vocab["<|end|>"])
+    found = {vocab[t] for t in _EOG_TEXTS if t in vocab}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= vocab.keys():
+        found.discard(vocab["<|end|>"])  # gpt-oss: <|end|> closes a message, not the generation
     return GGUFVocab(
         backend=backend,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
-        eos_token_ids=frozenset(eog),
+        eos_token_ids=frozenset(eog | found),
         pad_token_id=pad_id,
         unk_token_id=unk_id,
         add_bos_token=add_bos,

@@ -31,6 +31,9 @@ CHANNELS = ("analysis", "commentary", "final")
 # The vocabulary's markers of the format (o200k_harmony): a tokenizer that has them all speaks
 # harmony, so its chats are rendered here rather than by its Jinja template.
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+# The ones a reply keeps when special tokens are skipped (as llama.cpp decodes gpt-oss): the
+# message headers and ends between its messages, which the output parser reads.
+HARMONY_TEXT_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
 
 
 def _message(header: str, body: str, end: str = "<|end|>") -> str:

@@ -13,7 +13,12 @@ from tokenizers import Tokenizer as Backend
 from mlxserve.gguf_file import read_gguf_metadata
 from mlxserve.tokenizer.chat_template import ChatTemplate, make_environment
 from mlxserve.tokenizer.gguf_vocab import build_gguf_vocab
-from mlxserve.tokenizer.harmony import HARMONY_TOKENS, MODEL_IDENTITY, render_harmony
+from mlxserve.tokenizer.harmony import (
+    HARMONY_TEXT_TOKENS,
+    HARMONY_TOKENS,
+    MODEL_IDENTITY,
+    render_harmony,
+)
 from mlxserve.tokenizer.hf_dir import read_hf_dir
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -72,10 +77,12 @@ class Tokenizer:
             if token_id is not None and key not in self.special_tokens:
                 self.special_tokens[key] = self.id_to_token(token_id) or ""
         added = backend.get_added_tokens_decoder()
-        # Exactly the ids the backend drops when decoding with skip_special_tokens=True.
-        self.all_special_ids: frozenset[int] = frozenset(
-            i for i, tok in added.items() if tok.special
-        )
+        # The ids decode(skip_special_tokens=True) drops: the backend's special tokens, but a
+        # harmony reply keeps its headers (llama.cpp's gpt-oss rule; a GGUF vocab applies it).
+        special = {i for i, tok in added.items() if tok.special}
+        if harmony:
+            special -= {backend.token_to_id(t) for t in HARMONY_TEXT_TOKENS}
+        self.all_special_ids: frozenset[int] = frozenset(special)
         # Explicit flags (GGUF metadata, tokenizer_config.json) decide BOS/EOS; otherwise the
         # backend's post-processor does, and the flags describe what it does.
         self._manual_bos_eos = add_bos_token is not None or add_eos_token is not None
@@ -186,7 +193,9 @@ class Tokenizer:
         of ids is a prefix of the text of all ids (once its last character is complete).
         """
         ids = list(token_ids)
-        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.all_special_ids]
+        text = self.backend.decode(ids, skip_special_tokens=False)
         if self._byte_fallback and REPLACEMENT_CHAR in text:
             return self._decode_byte_runs(ids, skip_special_tokens)
         return text
