@@ -24,7 +24,9 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.loader import LoadedModel, load_model
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.utils import uses_gpu
+from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
+from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
 
 logger = logging.getLogger("mlxserve")
@@ -85,6 +87,10 @@ class LLMEngine:
             num_blocks=config.num_blocks,
         )
         logger.info(self.plan.describe(config.max_num_seqs))
+        # On Metal: keep weights + pool resident, cap the buffer cache to the plan's slack.
+        metal_memory.configure(
+            tree_bytes(loaded.model.parameters()), self.plan.kv_bytes, config.memory_fraction
+        )
         self.max_model_len = self.plan.max_model_len
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens),
