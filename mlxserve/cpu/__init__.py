@@ -128,21 +128,22 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
 class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose ``as_linear`` (tied output layers) runs in the kernels.
 
-    Lookups come out in ``out_dtype`` (the model's activation dtype), whatever the
-    scales' dtype: 16-bit scales must not turn the hidden states 16-bit.
+    Lookups are computed in float32 and come out in ``out_dtype`` (the model's
+    activation dtype), whatever the scales' dtype: 16-bit scales must not turn the hidden
+    states 16-bit.
     """
 
     out_dtype: mx.Dtype = mx.float32
 
     def __call__(self, x: mx.array) -> mx.array:
+        # The gathered rows' scales in float32: MLX dequantizes in the scales' dtype.
         return mx.dequantize(
             self["weight"][x],
-            self["scales"][x],
-            self["biases"][x],
+            self["scales"][x].astype(mx.float32),
+            self["biases"][x].astype(mx.float32),
             self.group_size,
             self.bits,
-            dtype=self.out_dtype,
-        )
+        ).astype(self.out_dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_matmul(
