@@ -146,10 +146,13 @@ def _recorded_variants() -> list:
                 (4, mixed_requests(16)),
                 (8, decode_requests(16)[:2] * 5),
             ):
-                case = Case(requests, 16, gqa, head_dim, dtype)
-                inp = make_inputs(case)
-                for config in (None, MetalConfig(partition_size=29, split_min_context=1)):
-                    run_case(inp, dtype, metal_backend(rec.metal_kernel, config))
+                cases = [Case(requests, 16, gqa, head_dim, dtype)]
+                if head_dim == 64:  # sliding window and sinks (constant / device bound)
+                    cases.append(Case(requests, 16, gqa, head_dim, dtype, window=5, sinks=True))
+                for case in cases:
+                    inp = make_inputs(case)
+                    for config in (None, MetalConfig(partition_size=29, split_min_context=1)):
+                        run_case(inp, dtype, metal_backend(rec.metal_kernel, config))
     return rec.variants
 
 
@@ -219,6 +222,7 @@ def test_every_kernel_compiles_with_gxx_and_clang_address_spaces() -> None:
     sigs = "".join(g.signature for g in variants)
     assert "const constant int32_t* context_lens" in sigs
     assert "const device int32_t* context_lens" in sigs
+    assert "const constant float* sinks" in sigs and "const device float* sinks" in sigs
     build.static_check(variants, modes=("emulate",))
     require_clang()
     build.static_check(variants, modes=("as_check",))

@@ -15,6 +15,7 @@ from mlxserve.models import (
     build_model,
     get_model_class,
     llama,
+    mlx_lm_zoo,
     qwen3,
     supported_model_types,
 )
@@ -55,9 +56,16 @@ def last_logits(model: nn.Module, tokens: list[int]) -> np.ndarray:
 
 
 def test_registry() -> None:
-    assert supported_model_types() == ["llama", "mistral", "opt", "qwen2", "qwen3"]
+    hand_written = ["llama", "mistral", "opt", "qwen2", "qwen3"]
+    assert set(hand_written) < set(supported_model_types())
+    assert set(supported_model_types()) - set(hand_written) == set(mlx_lm_zoo.MODEL_TYPES) - {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+    }
     assert get_model_class("mistral") == (llama.Model, llama.ModelArgs)
-    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt5'; supported: llama, "):
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt5'; supported: .*\bllama, "):
         get_model_class("gpt5")
     with pytest.raises(ValueError, match="unsupported model_type 'gpt5'"):
         build_model({**CONFIG, "model_type": "gpt5"}, {})

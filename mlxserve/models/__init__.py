@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxserve.models import llama, opt, qwen2, qwen3
+from mlxserve.models import llama, mlx_lm_zoo, opt, qwen2, qwen3
 from mlxserve.models.base import KVCache
 
 __all__ = ["KVCache", "build_model", "get_model_class", "supported_model_types"]
@@ -30,19 +30,27 @@ DEFAULT_QUANT = {"group_size": 64, "bits": 4, "mode": "affine"}
 
 
 def supported_model_types() -> list[str]:
-    """HF ``model_type`` values mlxserve can run."""
-    return sorted(MODEL_MODULES)
+    """HF ``model_type`` values mlxserve can run (hand-written, or mlx-lm's through the
+    adapter: mlxserve.models.mlx_lm_zoo)."""
+    return sorted(set(MODEL_MODULES) | set(mlx_lm_zoo.MODEL_TYPES))
 
 
 def get_model_class(model_type: str) -> tuple[type[nn.Module], type]:
     """(Model, ModelArgs) for an HF ``model_type``."""
     module = MODEL_MODULES.get(model_type)
     if module is None:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; "
-            f"supported: {', '.join(supported_model_types())}"
-        )
+        raise ValueError(unsupported_message(model_type))
     return module.Model, module.ModelArgs
+
+
+def unsupported_message(model_type: str) -> str:
+    """Why ``model_type`` cannot be loaded (mlx-lm's reason when it has the architecture)."""
+    why = mlx_lm_zoo.why_not(model_type)
+    return (
+        f"unsupported model_type {model_type!r}"
+        + (f" ({why})" if why else "")
+        + (f"; supported: {', '.join(supported_model_types())}")
+    )
 
 
 def build_model(
@@ -59,6 +67,9 @@ def build_model(
     model_type = config.get("model_type")
     if model_type is None:
         raise ValueError("model config has no 'model_type'")
+    if model_type not in MODEL_MODULES and model_type in mlx_lm_zoo.MODEL_TYPES:
+        # mlx-lm's class through the adapter; hand-written models stay the default.
+        return mlx_lm_zoo.build(config, weights, dtype, load_weights_strict)
     model_cls, args_cls = get_model_class(model_type)
     config = dict(config)
     if "tie_word_embeddings" not in config:
