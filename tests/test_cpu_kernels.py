@@ -37,12 +37,12 @@ def isa(request):
 
 
 def dequantize_np(wq: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int):
-    """MLX's affine format unpacked by hand in float64 (value k: bits (k * bits) % 32 of
-    word k * bits // 32, times its group's scale, plus its bias)."""
-    words = np.array(wq).astype(np.uint64)
-    shifts = np.arange(32 // bits, dtype=np.uint64) * np.uint64(bits)
-    q = (words[..., None] >> shifts) & np.uint64((1 << bits) - 1)
-    q = q.reshape(words.shape[0], -1).astype(np.float64)
+    """MLX's affine format unpacked by hand in float64: each row of uint32 words is a
+    little-endian bit stream, value k at bits [k * bits, (k + 1) * bits), times its group's
+    scale, plus its bias."""
+    raw = np.ascontiguousarray(np.array(wq).astype("<u4")).view(np.uint8)  # (n, words * 4)
+    stream = np.unpackbits(raw, axis=1, bitorder="little")  # (n, K * bits)
+    q = stream.reshape(raw.shape[0], -1, bits).astype(np.float64) @ (2.0 ** np.arange(bits))
     s = np.repeat(np.array(scales.astype(mx.float32), np.float64), group, axis=1)
     b = np.repeat(np.array(biases.astype(mx.float32), np.float64), group, axis=1)
     return q * s + b
@@ -61,8 +61,8 @@ def problem(m: int, k: int, n: int, bits: int, group: int, scale_dtype=mx.float3
 
 
 def test_the_hand_unpacking_oracle_agrees_with_mlx_dequantize() -> None:
-    for bits, group in [(4, 32), (8, 64)]:
-        w = mx.random.normal((6, 128))
+    for bits, group in [(2, 32), (3, 64), (4, 32), (5, 32), (6, 128), (8, 64)]:
+        w = mx.random.normal((6, 256))
         wq, s, b = mx.quantize(w, group_size=group, bits=bits)
         mine = dequantize_np(wq, s, b, group, bits)
         theirs = np.array(mx.dequantize(wq, s, b, group_size=group, bits=bits), np.float64)
@@ -88,6 +88,14 @@ def test_kernels_match_dequantize_then_matmul(isa: str, bits: int, group: int) -
         assert_close(cpu.quantized_matmul(x, wq, s, b, group, bits), want, mag)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_other_bit_widths_match_dequantize_then_matmul(isa: str, bits: int) -> None:
+    # The GGUF loader makes 5-bit layers (Q5_0, Q5_1, Q5_K); mlx-community ships 2/3/6.
+    for m, k, n, group in [(1, 96, 7, 32), (3, 128, 10, 64), (12, 256, 9, 128), (40, 64, 5, 32)]:
+        x, (wq, s, b), want, mag = problem(m, k, n, bits, group, seed=m + bits)
+        assert_close(cpu.quantized_matmul(x, wq, s, b, group, bits), want, mag)
+
+
 @pytest.mark.parametrize("scale_dtype", [mx.float16, mx.bfloat16])
 def test_16_bit_scales_and_biases_are_read_as_stored(isa: str, scale_dtype) -> None:
     for m, k, n in [(1, 96, 11), (4, 64, 3), (20, 128, 25)]:
@@ -96,7 +104,8 @@ def test_16_bit_scales_and_biases_are_read_as_stored(isa: str, scale_dtype) -> N
 
 
 def test_agrees_with_mlx_quantized_matmul_and_group_128() -> None:
-    for m, bits, group in [(1, 4, 128), (40, 8, 128), (3, 4, 64)]:
+    cases = [(1, 4, 128), (40, 8, 128), (3, 4, 64), (1, 5, 32), (17, 3, 64), (2, 6, 32)]
+    for m, bits, group in cases + [(9, 2, 128)]:
         x, (wq, s, b), _, mag = problem(m, 256, 19, bits, group, seed=bits + m)
         want = np.array(mx.quantized_matmul(x, wq, s, b, True, group, bits), np.float64)
         assert_close(cpu.quantized_matmul(x, wq, s, b, group, bits), want, mag)
@@ -148,7 +157,7 @@ def test_lazy_and_inside_mx_compile() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"bits": 3}, "bits must be 4 or 8"),
+        ({"bits": 7}, "bits must be 2, 3, 4, 5, 6 or 8"),
         ({"group_size": 48}, "group_size must be a multiple of 32"),
         ({"x": mx.zeros((2, 65))}, "last dimension must be 64"),
         ({"scales": mx.zeros((5, 1))}, "scales and biases must have shape"),
@@ -164,16 +173,24 @@ def test_bad_arguments_are_refused_naming_the_problem(kwargs: dict, message: str
 
 
 def test_use_kernels_swaps_supported_layers_and_keeps_the_others() -> None:
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64), nn.Linear(64, 64))
-    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p != "layers.2")
-    model.layers[1] = nn.QuantizedLinear.from_linear(nn.Linear(32, 64), group_size=32, bits=5)
+    nn.quantize(model, group_size=32, bits=5, class_predicate=lambda p, m: p != "layers.2")
+    model.layers[1] = nn.QuantizedLinear.from_linear(nn.Linear(32, 64), 32, 4, mode="mxfp4")
+    experts = QuantizedSwitchLinear(64, 32, num_experts=2, group_size=32, bits=4)
+    experts.scales = experts.scales.astype(mx.bfloat16)
+    model.layers.append(experts)
     x = mx.random.normal((3, 64))
-    want = model(x)
+    want = model.layers[2](model.layers[1](model.layers[0](x)))
     assert cpu.use_kernels(model) == 1
     kinds = [type(layer).__name__ for layer in model.layers]
-    assert kinds == ["CpuQuantizedLinear", "QuantizedLinear", "Linear"]
-    assert model.layers[1].scales.dtype == mx.float32  # MLX's own path: float32 scales
-    np.testing.assert_allclose(np.array(model(x)), np.array(want), rtol=1e-4, atol=1e-4)
+    assert kinds == ["CpuQuantizedLinear", "QuantizedLinear", "Linear", "QuantizedSwitchLinear"]
+    assert model.layers[1].scales.dtype == mx.uint8  # mxfp4's own scales, untouched
+    # MLX's own CPU quantized ops get float32 scales (~10x faster than 16-bit ones).
+    assert experts.scales.dtype == mx.float32
+    got = model.layers[2](model.layers[1](model.layers[0](x)))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
 def test_quantized_embedding_lookups_keep_the_activation_dtype() -> None:

@@ -3,14 +3,16 @@
 MLX's CPU ``quantized_matmul`` runs at ~2 GFLOP/s (far less with 16-bit scales), so on
 the CPU mlxserve used to dequantize small models to float32 and stream 4-8x more bytes
 per token through BLAS. These kernels (csrc/qmm*.c, see qmm.h) read MLX's
-affine-quantized weights directly (4 and 8 bits, groups of 32/64/128, float32, float16
-or bfloat16 scales and biases) and dequantize in registers, with AVX-512 / AVX2 / NEON
-paths chosen at run time and the work spread over the cores. Quantized layers then stay
-quantized in memory.
+affine-quantized weights directly (2, 3, 4, 5, 6 and 8 bits, groups of 32/64/128,
+float32, float16 or bfloat16 scales and biases) and dequantize in registers, with
+AVX-512 / AVX2 / NEON paths chosen at run time and the work spread over the cores.
+Quantized layers then stay quantized in memory.
 
 The MLX extension is compiled on first use (build.py: a C/C++ compiler, Python headers
-and nanobind are needed) and cached; without them everything falls back to the previous
-path, and :func:`status` says why.
+and nanobind are needed; ``python -m mlxserve.cpu`` builds it ahead) and cached; when it
+cannot be built or loaded, one warning says why and everything takes the previous path
+(quantized layers dequantized for BLAS, or MLX's quantized_matmul); :func:`status` says
+which.
 
     MLXSERVE_CPU_KERNELS=auto (default)  build (once) and use them for quantized layers
     MLXSERVE_CPU_KERNELS=off             never (MLX's quantized_matmul or dequantized)
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _state: dict[str, object] = {"module": None, "reason": "not attempted", "path": None}
 _OFF = ("off", "0", "no", "false", "none")
+BITS = (2, 3, 4, 5, 6, 8)  # every affine width MLX quantizes to
 
 
 def _module() -> ModuleType | None:
@@ -43,7 +46,8 @@ def _module() -> ModuleType | None:
         _state["reason"] = "MLXSERVE_CPU_KERNELS=off"
         return None
     try:
-        path = build.build(log=logger.info)
+        # A warning: the first start waits for the compiler, and should say why.
+        path = build.build(log=logger.warning)
         module = build.load(path)
         threads = os.environ.get("MLXSERVE_CPU_THREADS", "").strip()
         if threads:
@@ -158,7 +162,7 @@ def supports(module: nn.Module) -> bool:
     scales = module.get("scales")
     return (
         getattr(module, "mode", "affine") == "affine"
-        and module.bits in (4, 8)
+        and module.bits in BITS
         and module.group_size % 32 == 0
         and "biases" in module
         and scales is not None
@@ -166,13 +170,25 @@ def supports(module: nn.Module) -> bool:
     )
 
 
+def _float32_scales(module: nn.Module) -> None:
+    """16-bit scales and biases of a quantized layer (packed uint32 weight) to float32."""
+    weight = module.get("weight")
+    if not isinstance(weight, mx.array) or weight.dtype != mx.uint32:
+        return
+    for name in ("scales", "biases"):
+        value = module.get(name)
+        if isinstance(value, mx.array) and value.dtype in (mx.float16, mx.bfloat16):
+            setattr(module, name, value.astype(mx.float32))
+
+
 def use_kernels(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
     """Route ``model``'s supported quantized layers through the kernels; how many.
 
     ``dtype``: the activations' (what embedding lookups return).
 
-    Quantized layers the kernels cannot run get float32 scales and biases (MLX's CPU
-    quantized matmul is ~10x slower with 16-bit ones).
+    Quantized layers the kernels cannot run (other modes, MoE experts' switch layers)
+    get float32 scales and biases: MLX's CPU quantized ops are ~10x slower with 16-bit
+    ones.
     """
     if not available():
         return 0
@@ -181,10 +197,7 @@ def use_kernels(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
         if isinstance(m, (CpuQuantizedLinear, CpuQuantizedEmbedding)):
             continue
         if not supports(m):
-            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                m.scales = m.scales.astype(mx.float32)
-                if "biases" in m:
-                    m.biases = m.biases.astype(mx.float32)
+            _float32_scales(m)
             continue
         cls = CpuQuantizedLinear if isinstance(m, nn.QuantizedLinear) else CpuQuantizedEmbedding
         new = cls.__new__(cls)  # the same parameters and settings, a different __call__

@@ -78,7 +78,7 @@ const char *mlxserve_qmm_isa_name(int isa) {
 }
 
 int mlxserve_qmm(const qmm_problem *p) {
-    if ((p->bits != 4 && p->bits != 8) || p->group_size < 32 || p->group_size % 32 ||
+    if (p->bits < 2 || p->bits > 8 || p->bits == 7 || p->group_size < 32 || p->group_size % 32 ||
         p->K % p->group_size || p->M < 0 || p->N < 0 || p->scale_type < QMM_F32 ||
         p->scale_type > QMM_BF16)
         return -1;

@@ -34,8 +34,8 @@ typedef struct {
     int group_size, bits, scale_type;
 } qmm_problem;
 
-/* 0 on success; -1 for an unsupported problem (bits not 4/8, group size not a multiple
- * of 32, K not a multiple of the group size). */
+/* 0 on success; -1 for an unsupported problem (bits not 2, 3, 4, 5, 6 or 8, group size
+ * not a multiple of 32, K not a multiple of the group size). */
 int mlxserve_qmm(const qmm_problem *p);
 
 /* The instruction set in use; force one (returns 0, or -1 if this CPU/build lacks it);

@@ -120,10 +120,14 @@ void check(bool ok, const std::string& what) {
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits) {
-  check(bits == 4 || bits == 8, "bits must be 4 or 8, got " + std::to_string(bits));
+  check(bits >= 2 && bits <= 8 && bits != 7,
+        "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   check(group_size >= 32 && group_size % 32 == 0,
         "group_size must be a multiple of 32, got " + std::to_string(group_size));
   check(w.dtype() == mx::uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
+  check(static_cast<int64_t>(w.shape(1)) * 32 % bits == 0,
+        "w's row of " + std::to_string(w.shape(1)) + " words is not whole " +
+            std::to_string(bits) + "-bit values");
   const int64_t k = static_cast<int64_t>(w.shape(1)) * 32 / bits;
   check(x.ndim() >= 1 && x.shape(-1) == k,
         "x's last dimension must be " + std::to_string(k) + " (w holds that many values)");

@@ -5,7 +5,8 @@
  *   vzero vload vstore vfma(a, b, c) = a * b + c, vset1, vsum (horizontal add)
  *   deq4(p, q)         16 bytes = 32 4-bit values -> 32 / VW vectors, in the order
  *                      perm4() gives (low nibbles of VW bytes, then their high nibbles)
- *   deq8(p, q)         32 bytes = 32 8-bit values -> 32 / VW vectors, in order
+ *   deq8(p, q)         32 bytes = 32 8-bit values -> 32 / VW vectors, in order (2-, 3-,
+ *                      5- and 6-bit values are unpacked to bytes first, see unpack_bits)
  *   cvt_f16(s, n, d)   n float16 -> float32
  *   QMM_ENTRY          the exported function's name
  *   MV_ROWS            most rows of x the GEMV keeps in registers
@@ -36,11 +37,27 @@ static void block_order(int bits, int *idx) {
         for (int i = 0; i < BLOCK; i++) idx[i] = i;
 }
 
+/* 32 values of 2, 3, 5 or 6 bits (a little-endian bit stream: 8 values in every `bits`
+ * bytes) -> 32 bytes, in order. */
+static inline void unpack_bits(const uint8_t *p, int bits, uint8_t *out) {
+    const uint64_t mask = (1u << bits) - 1;
+    for (int g = 0; g < 4; g++) {
+        uint64_t v = 0;
+        memcpy(&v, p + g * bits, (size_t)bits); /* little-endian hosts only (x86, arm64) */
+        for (int j = 0; j < 8; j++) out[g * 8 + j] = (uint8_t)((v >> (j * bits)) & mask);
+    }
+}
+
 static inline void deq(int bits, const uint8_t *p, vf *q) {
-    if (bits == 4)
+    if (bits == 4) {
         deq4(p, q);
-    else
+    } else if (bits == 8) {
         deq8(p, q);
+    } else {
+        uint8_t u[BLOCK];
+        unpack_bits(p, bits, u);
+        deq8(u, q);
+    }
 }
 
 /* `count` scales or biases from element `first` on, as float32: the weights' own array
