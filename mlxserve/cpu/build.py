@@ -65,6 +65,7 @@ def _inputs() -> tuple[str, dict[str, str]]:
         "mlx_lib": str(mlx_root / "lib"),
         "nanobind": str(Path(nanobind.include_dir()).parent),
         "python_include": sysconfig.get_paths()["include"],
+        "nanobind_version": nanobind.__version__,
     }
     if not (Path(paths["mlx_include"]) / "mlx" / "array.h").exists():
         raise BuildError(f"this mlx wheel ships no C++ headers ({paths['mlx_include']})")
@@ -91,8 +92,13 @@ def module_name(tag: str) -> str:
     return f"_mlxserve_qmm_{tag}"
 
 
+def _compilers() -> tuple[str, str]:
+    """The C and C++ compilers ($CC / $CXX, else the usual names on PATH)."""
+    return _tool("CC", "cc", "gcc", "clang"), _tool("CXX", "c++", "g++", "clang++")
+
+
 def _compile_all(paths: dict[str, str], name: str, work: Path, out: Path) -> None:
-    cc, cxx = _tool("CC", "cc", "gcc", "clang"), _tool("CXX", "c++", "g++", "clang++")
+    cc, cxx = _compilers()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     nb = Path(paths["nanobind"])
     jobs: list[list[str]] = []
@@ -106,11 +112,15 @@ def _compile_all(paths: dict[str, str], name: str, work: Path, out: Path) -> Non
         objects.append(obj)
     nb_flags = ["-I", str(nb / "include"), "-I", str(nb / "ext" / "robin_map" / "include")]
     nb_flags += ["-I", paths["python_include"], "-fvisibility=hidden", "-fPIC", "-O2", "-std=c++20"]
-    nb_obj = work / "nanobind.o"
-    jobs.append(
-        [cxx, *nb_flags, "-DNB_BUILD", "-DNB_COMPACT_ASSERTIONS", "-fno-strict-aliasing"]
-        + ["-c", str(nb / "src" / "nb_combined.cpp"), "-o", str(nb_obj)]
-    )
+    # nanobind's runtime takes most of the build and changes only with nanobind, Python
+    # and the compiler: it is kept apart in the cache, so a new mlxserve rebuilds in seconds.
+    nb_cmd = [cxx, *nb_flags, "-DNB_BUILD", "-DNB_COMPACT_ASSERTIONS", "-fno-strict-aliasing"]
+    nb_cmd += ["-c", str(nb / "src" / "nb_combined.cpp")]
+    nb_key = hashlib.sha256("\0".join([*nb_cmd, paths["nanobind_version"]]).encode())
+    nb_obj = cache_dir() / f"nanobind-{nb_key.hexdigest()[:16]}.o"
+    nb_staged = work / "nanobind.o"
+    if not nb_obj.exists():
+        jobs.append([*nb_cmd, "-o", str(nb_staged)])
     ext_obj = work / "qmm_ext.o"
     jobs.append(
         [cxx, *nb_flags, "-DNB_DOMAIN=mlx", f"-DMLXSERVE_EXT_NAME={name}"]
@@ -118,6 +128,8 @@ def _compile_all(paths: dict[str, str], name: str, work: Path, out: Path) -> Non
         + ["-o", str(ext_obj)]
     )
     _run_parallel(jobs)
+    if not nb_obj.exists():
+        os.replace(nb_staged, nb_obj)  # atomic, as the extension itself
     link = [cxx, "-shared", "-o", str(out), str(ext_obj), str(nb_obj), *map(str, objects)]
     link += ["-L", paths["mlx_lib"], "-lmlx", f"-Wl,-rpath,{paths['mlx_lib']}", "-lpthread"]
     _run_parallel([link])
@@ -159,13 +171,14 @@ def build(log=None) -> Path:
     out = cache_dir() / f"{module_name(tag)}{suffix}"
     if out.exists():
         return out
+    _compilers()  # no compiler: say so before announcing a build
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".lock-{tag}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same one
         if out.exists():
             return out
         if log is not None:
-            log(f"compiling mlxserve's CPU kernels once (~1 minute) into {out.parent}")
+            log(f"compiling mlxserve's CPU kernels once (~30 s; cached in {out.parent})")
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             staged = Path(tmp) / out.name
             _compile_all(paths, module_name(tag), Path(tmp), staged)

@@ -201,7 +201,9 @@ def load_model(
         config, weights = read_model_dir(source.path)
         defaults = generation_config.from_model_dir(source.path)
     act_dtype = resolve_dtype(dtype, config)
-    kernels = not uses_gpu() and cpu_dequantize is not True and cpu.available()
+    # Only a quantized model on the CPU needs the kernels (built on first use).
+    quantized = any(name.endswith(".scales") for name in weights)
+    kernels = quantized and not uses_gpu() and cpu_dequantize is not True and cpu.available()
     try:
         net = build_model(config, cast_weights(weights, act_dtype, keep_scales=kernels))
     except ValueError as e:
