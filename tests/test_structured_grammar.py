@@ -182,13 +182,12 @@ def test_end_tokens_are_allowed_only_when_the_grammar_can_end(compiler, tokenize
 def test_a_grammar_can_start_after_a_token_sequence(compiler, tokenizer) -> None:
     from mlxserve.structured_output.grammar import StructuredOutputRequest
 
-    end_think = tuple(tokenizer.encode(" over", add_special_tokens=False))
     grammar = compiler.compile(StructuredOutputsParams(choice=["no"]))
-    state = StructuredOutputRequest(grammar, end_think).new_state(frozenset({0}))
-    for t in tokenizer.encode("The quick", add_special_tokens=False):
+    state = StructuredOutputRequest(grammar, b"</think>").new_state(frozenset({0}))
+    # The trigger spread over several tokens of the output.
+    assert len(tokenizer.encode("</think>", add_special_tokens=False)) > 1
+    for t in tokenizer.encode("The quick </think>", add_special_tokens=False):
         assert not state.is_active and len(mask_of(state)) == VOCAB_SIZE  # free text
-        state.accept(t)
-    for t in end_think:
         state.accept(t)
     assert state.is_active
     assert mask_of(state) == {t for t in range(VOCAB_SIZE) if tokenizer.decode([t]) in ("n", "no")}

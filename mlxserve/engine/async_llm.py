@@ -66,13 +66,14 @@ class AsyncLLM:
         prompt: str | list[int] | None,
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
-        grammar_starts_after: tuple[int, ...] | None = None,
+        grammar_starts_after: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request; closing the iterator early aborts the request.
 
         A structured-outputs constraint is compiled here, in a worker thread, so that a
         large schema never stalls the engine thread (nor other requests' steps); an
-        invalid one raises ParameterError before anything is queued.
+        invalid one raises ParameterError before anything is queued. With
+        ``grammar_starts_after`` (e.g. "</think>") it applies after that text only.
         """
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running")

@@ -157,11 +157,12 @@ class LLMEngine:
             raise
 
     def compile_structured_output(
-        self, params: SamplingParams, starts_after: tuple[int, ...] | None = None
+        self, params: SamplingParams, starts_after: str | None = None
     ) -> StructuredOutputRequest | None:
         """The compiled constraint of ``params`` (None without one); ParameterError if it
         is invalid or cannot be combined with the other params. Thread-safe: call it off
-        the engine thread for large schemas."""
+        the engine thread for large schemas. ``starts_after``: the constraint applies only
+        to the output after this text (e.g. "</think>" for a reasoning model)."""
         so = params.structured_outputs
         if so is None:
             return None
@@ -172,7 +173,8 @@ class LLMEngine:
                     "request ends when its grammar does",
                     parameter=name,
                 )
-        return StructuredOutputRequest(self.grammars.compile(so), starts_after)
+        trigger = starts_after.encode() if starts_after else None
+        return StructuredOutputRequest(self.grammars.compile(so), trigger)
 
     def _check_token_ids(self, parameter: str, token_ids: list[int]) -> None:
         vocab = self.vocab_size

@@ -12,6 +12,7 @@
     </tool_call>
 
 Values are typed by the tool's JSON schema (``days`` is an integer there, so 3, not "3").
+A block holding Hermes-style JSON instead is read too (it is what a forced call writes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import re
 from typing import Any
 
 from mlxserve.parsers.base import MarkedCallParser
+from mlxserve.parsers.hermes import HermesToolParser
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -34,6 +36,8 @@ class Qwen3CoderToolParser(MarkedCallParser):
     end_marker = "</tool_call>"
 
     def parse_calls(self, body: str) -> list[tuple[str, str]] | None:
+        if body.lstrip().startswith("{"):  # Hermes-style JSON (what a forced call writes)
+            return HermesToolParser.parse_calls(self, body)
         calls = []
         for function in _FUNCTION.finditer(body):
             name = function.group(1).strip()

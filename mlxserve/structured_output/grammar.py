@@ -40,13 +40,13 @@ def bitmask_words(vocab_size: int) -> int:
 class Grammar:
     """A compiled, checked constraint; immutable, shared by the requests that use it."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int, description: str):
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer):
         self._matcher = matcher  # never advanced: each state starts from a deep copy
-        self.eos_token_id = eos_token_id
-        self.description = description
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token
 
     def new_state(
-        self, end_token_ids: frozenset[int], starts_after: tuple[int, ...] | None = None
+        self, end_token_ids: frozenset[int], starts_after: bytes | None = None
     ) -> GrammarState:
         """A fresh state for one engine request (see GrammarState)."""
         return GrammarState(self, self._matcher.deep_copy(), end_token_ids, starts_after)
@@ -57,8 +57,8 @@ class GrammarState:
 
     ``end_token_ids`` are the tokens that end the request (its eos and stop token ids):
     they are allowed exactly when the grammar can end, and never fed to the grammar.
-    With ``starts_after`` (e.g. the tokens of ``</think>``) the output is free until that
-    token sequence has been generated; the grammar applies to what follows it.
+    With ``starts_after`` (e.g. ``b"</think>"``) the output is free until that text has
+    been generated; the grammar applies from the token after the one that completes it.
     """
 
     __slots__ = ("grammar", "matcher", "end_token_ids", "_trigger", "_tail")
@@ -68,13 +68,13 @@ class GrammarState:
         grammar: Grammar,
         matcher: llguidance.LLMatcher,
         end_token_ids: frozenset[int],
-        starts_after: tuple[int, ...] | None,
+        starts_after: bytes | None,
     ) -> None:
         self.grammar = grammar
         self.matcher = matcher
         self.end_token_ids = end_token_ids
-        self._trigger = tuple(starts_after) if starts_after else None
-        self._tail: list[int] = []
+        self._trigger = starts_after or None
+        self._tail = b""  # the output's last bytes while waiting for the trigger
 
     @property
     def is_active(self) -> bool:
@@ -89,10 +89,10 @@ class GrammarState:
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token; ValueError if the grammar rejects it."""
         if self._trigger is not None:
-            self._tail.append(token_id)
-            if tuple(self._tail[-len(self._trigger) :]) == self._trigger:
+            tail = self._tail + self.grammar.tokenizer.decode_bytes([token_id])
+            if self._trigger in tail:
                 self._trigger = None
-                self._tail = []
+            self._tail = tail[-len(self._trigger or b"") :] if self._trigger else b""
             return
         if token_id in self.end_token_ids or self.matcher.is_stopped():
             return  # the request ends here (a pipelined step may still sample once more)
@@ -205,16 +205,16 @@ class GrammarCompiler:
             raise ParameterError(
                 f"the {field} cannot match anything: no text can start it", parameter=parameter
             )
-        return Grammar(matcher, tok.eos_token, f"{kind}")
+        return Grammar(matcher, tok)
 
 
 class StructuredOutputRequest:
     """What an engine request carries about its constraint: the grammar, and from where
-    in the output it applies (``starts_after``: a token sequence, e.g. ``</think>``)."""
+    in the output it applies (``starts_after``: a text, e.g. ``b"</think>"``)."""
 
     __slots__ = ("grammar", "starts_after")
 
-    def __init__(self, grammar: Grammar, starts_after: tuple[int, ...] | None = None) -> None:
+    def __init__(self, grammar: Grammar, starts_after: bytes | None = None) -> None:
         self.grammar = grammar
         self.starts_after = starts_after
 

@@ -23,7 +23,8 @@ class StructuredOutputsParams:
     ``json`` is a JSON schema as a dict, a JSON string, or a pydantic model class. The
     options shape JSON output: ``disable_any_whitespace`` (compact, no free whitespace),
     ``disable_additional_properties`` (objects without ``additionalProperties`` get
-    ``false``), ``whitespace_pattern`` (a regex for the whitespace between tokens).
+    ``false``), ``whitespace_pattern`` (a regex for the whitespace between two tokens;
+    default: up to 64 spaces, tabs and newlines).
     Whether the schema or grammar is supported is checked when the request is added
     (a ParameterError naming the problem), since that needs the model's tokenizer.
     """

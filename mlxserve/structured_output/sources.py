@@ -10,17 +10,21 @@ from llguidance.gbnf_to_lark import any_to_lark
 from mlxserve.exceptions import ParameterError
 from mlxserve.structured_output.params import StructuredOutputsParams
 
+# Whitespace allowed between two JSON tokens: enough for pretty-printing (a newline and
+# deep indentation), bounded so that a small model cannot loop on newlines forever.
+DEFAULT_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,64}"
+
 
 def grammar_text(params: StructuredOutputsParams, parameter: str) -> str:
     """llguidance's grammar definition for params (JSON schema, regex, Lark...)."""
     kind = params.kind
     if kind in ("json", "json_object"):
-        schema = map_schemas(params.schema, _ascii_patterns)
+        schema = json_schema_for_grammar(params.schema)
         if params.disable_additional_properties:
-            schema = map_schemas(schema, _close_object)
+            schema = close_objects(schema)
         options: dict = {"whitespace_flexible": not params.disable_any_whitespace}
-        if params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
+        if not params.disable_any_whitespace:
+            options["whitespace_pattern"] = params.whitespace_pattern or DEFAULT_WHITESPACE
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except (ValueError, TypeError) as e:
@@ -30,6 +34,11 @@ def grammar_text(params: StructuredOutputsParams, parameter: str) -> str:
     lark = lark_of(params)
     assert lark is not None
     return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def json_schema_for_grammar(schema: dict) -> dict:
+    """A JSON schema as the grammar reads it: its regexes with ASCII \\d and \\w."""
+    return map_schemas(schema, _ascii_patterns)
 
 
 def lark_of(params: StructuredOutputsParams) -> str | None:
@@ -118,6 +127,11 @@ def _ascii_patterns(schema: dict) -> dict:
         props = schema["patternProperties"]
         schema["patternProperties"] = {ascii_classes(k): v for k, v in props.items()}
     return schema
+
+
+def close_objects(schema: dict) -> dict:
+    """``schema`` with ``additionalProperties: false`` wherever an object leaves it unset."""
+    return map_schemas(schema, _close_object)
 
 
 def _close_object(schema: dict) -> dict:

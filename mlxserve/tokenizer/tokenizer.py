@@ -243,6 +243,16 @@ class Tokenizer:
             )
         return templates
 
+    def compiled_chat_template(
+        self, chat_template: str | None = None, tools: Sequence[Any] | None = None
+    ) -> ChatTemplate:
+        """The template get_chat_template picks, compiled (once)."""
+        source = self.get_chat_template(chat_template, tools)
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = self._compiled[source] = ChatTemplate(source, self._env)
+        return compiled
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -253,10 +263,7 @@ class Tokenizer:
         **extra: Any,
     ) -> str:
         """Render `messages` (OpenAI-style dicts) to the prompt text with the model's template."""
-        source = self.get_chat_template(chat_template, tools)
-        compiled = self._compiled.get(source)
-        if compiled is None:
-            compiled = self._compiled[source] = ChatTemplate(source, self._env)
+        compiled = self.compiled_chat_template(chat_template, tools)
         return compiled.render(
             messages,
             add_generation_prompt=add_generation_prompt,
