@@ -12,9 +12,8 @@ import pytest
 
 from mlxserve.exceptions import ParameterError
 from mlxserve.parsers.tool_grammar import call_grammar
-from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from mlxserve.sampling_params import StructuredOutputsParams
 from mlxserve.server.chat_tools import ChatFeatures, ReplyFormatter
-from mlxserve.server.errors import APIError
 from mlxserve.server.protocol import ChatCompletionRequest
 from mlxserve.structured_output.grammar import GrammarCompiler
 from mlxserve.tokenizer import Tokenizer
@@ -65,6 +64,14 @@ def request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(body)
 
 
+def plan_of(features: ChatFeatures, req: ChatCompletionRequest, params=None):
+    """What the chat endpoint asks of ChatFeatures for ``req``."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    params = params if params is not None else req.sampling_params()
+    parallel = req.parallel_tool_calls is not False
+    return features.plan(req.template_messages(), tools, req.tool_choice_name(), parallel, params)
+
+
 def test_a_template_without_tools_gets_them_in_the_system_message(tokenizer) -> None:
     features = ChatFeatures(tokenizer)
     assert (features.native_tools, features.tool_parser, features.reasoning) == (
@@ -80,7 +87,7 @@ def test_a_template_without_tools_gets_them_in_the_system_message(tokenizer) -> 
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": "24 C"},
     ]
-    plan = features.plan(request(messages=messages, tools=[WEATHER]), SamplingParams())
+    plan = plan_of(features, request(messages=messages, tools=[WEATHER]))
     text = tokenizer.apply_chat_template(plan.messages, tools=plan.tools)
     assert text.startswith("<|im_start|>system\nYou can call functions.")
     assert json.dumps(WEATHER) in text
@@ -89,7 +96,7 @@ def test_a_template_without_tools_gets_them_in_the_system_message(tokenizer) -> 
         "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n24 C\n</tool_response>" in text
     )
     # No tools and no calls: the messages go to the template untouched.
-    plain = features.plan(request(), SamplingParams())
+    plain = plan_of(features, request())
     assert plain.messages == request().template_messages() and plain.tool_parser is None
 
 
@@ -100,12 +107,12 @@ def test_a_template_with_tools_renders_them_itself(qwen_like) -> None:
     call = {"id": "c", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
     messages = [{"role": "assistant", "content": "", "tool_calls": [call]}]
-    plan = features.plan(request(messages=messages, tools=[WEATHER]), SamplingParams())
+    plan = plan_of(features, request(messages=messages, tools=[WEATHER]))
     text = qwen_like.apply_chat_template(plan.messages, tools=plan.tools)
     # Arguments handed to the template as an object, not a JSON string in a string.
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
     assert "<tools>" + json.dumps(WEATHER) in text
-    none = features.plan(request(tools=[WEATHER], tool_choice="none"), SamplingParams())
+    none = plan_of(features, request(tools=[WEATHER], tool_choice="none"))
     assert none.tools is None and none.tool_parser is None  # left out, not parsed
 
 
@@ -124,10 +131,9 @@ def test_a_template_with_tools_renders_them_itself(qwen_like) -> None:
     ],
 )
 def test_tool_choice_that_cannot_be_honoured_is_a_400(tokenizer, fields, param) -> None:
-    req = request(**fields)
-    with pytest.raises(APIError) as e:
-        ChatFeatures(tokenizer).plan(req, req.sampling_params())
-    assert e.value.status == 400 and e.value.param == param
+    with pytest.raises(ParameterError) as e:
+        plan_of(ChatFeatures(tokenizer), request(**fields))
+    assert e.value.parameter == param
 
 
 @pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3_json", "mistral"])
@@ -191,7 +197,7 @@ REPLY = (
 @pytest.mark.parametrize("parallel", [True, False])
 def test_streamed_deltas_add_up_to_the_message(qwen_like, parallel) -> None:
     req = request(tools=[WEATHER, CLOCK], parallel_tool_calls=parallel)
-    plan = ChatFeatures(qwen_like).plan(req, req.sampling_params())
+    plan = plan_of(ChatFeatures(qwen_like), req)
     whole = ReplyFormatter(plan, "<|im_start|>assistant\n")
     message = whole.message(REPLY)
     assert message["reasoning_content"] == "The user wants the weather."
@@ -227,3 +233,18 @@ def test_streamed_deltas_add_up_to_the_message(qwen_like, parallel) -> None:
             (c["function"]["name"], c["function"]["arguments"]) for c in calls
         ]
         assert reply.finish_reason("stop") == "tool_calls"
+
+
+def test_a_constraint_applies_after_the_reasoning_unless_the_prompt_closed_it(qwen_like) -> None:
+    req = request(guided_choice=["yes", "no"])
+    plan = plan_of(ChatFeatures(qwen_like), req)
+    params = req.sampling_params()
+    assert plan.grammar_starts_after("<|im_start|>assistant\n", params) == "</think>"
+    assert plan.grammar_starts_after("assistant\n<think>\n", params) == "</think>"
+    closed = "assistant\n<think>\n\n</think>\n\n"  # enable_thinking=false
+    assert plan.grammar_starts_after(closed, params) is None
+    free = request()
+    assert (
+        plan_of(ChatFeatures(qwen_like), free).grammar_starts_after("x", free.sampling_params())
+        is None
+    )

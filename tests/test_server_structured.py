@@ -181,6 +181,14 @@ def test_every_constraint_in_a_batch_of_32_streamed_or_not_n_1_and_3(server) -> 
     assert [results[i] for i in (4, 9, 13)] == alone
 
 
+def test_completions_take_the_same_constraints(client) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="Call me at ", max_tokens=12, temperature=0,
+        extra_body={"guided_regex": REGEX},
+    )  # fmt: skip
+    assert out.choices[0].finish_reason == "stop" and re.fullmatch(REGEX, out.choices[0].text)
+
+
 def test_sdk_parse_with_a_pydantic_model_streamed_and_not(client) -> None:
     messages = ask("Give the name, country and population in millions of Rome.")
     out = client.chat.completions.parse(
@@ -281,8 +289,11 @@ def test_a_two_turn_tool_loop_through_the_chat_template(server, client) -> None:
 
 
 # -------------------------------------------------------------------- LangChain
-def test_langchain_structured_output_and_bound_tools(server) -> None:
+def test_langchain_structured_output_and_bound_tools(server, monkeypatch) -> None:
     from langchain_openai import ChatOpenAI
+
+    for var in ("LANGCHAIN_TRACING_V2", "LANGSMITH_TRACING", "OPENAI_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)  # no tracing upload: only the local server
 
     llm = ChatOpenAI(
         base_url=server.url + "/v1", api_key=KEY, model=MODEL, temperature=0,

@@ -4,8 +4,9 @@
                                      else read from the chat template; Hermes for templates
                                      without tools), which reasoning parser (--reasoning-parser,
                                      else <think> in the template)
-    ChatFeatures.plan(req) -> ChatPlan   per request: messages and tools for the template, the
-                                     grammar of a forced call, how to parse the reply
+    ChatFeatures.plan(...) -> ChatPlan   per request, in API-neutral terms (plain messages,
+                                     tools, a tool_choice name): messages and tools for the
+                                     template, the grammar of a forced call, how to parse
 
 tool_choice: "none" (tools are left out of the prompt, the reply is not parsed for calls),
 "auto" (the default with tools: the reply is parsed), "required" and a named function (a
@@ -18,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from mlxserve.exceptions import ParameterError
 from mlxserve.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
@@ -29,7 +31,6 @@ from mlxserve.parsers.reasoning import THINK_END, ReasoningParser, prompt_opens_
 from mlxserve.parsers.tool_grammar import call_grammar
 from mlxserve.parsers.tool_prompt import FALLBACK_PARSER, fallback_messages, native_messages
 from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
-from mlxserve.server.errors import bad_request
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -107,44 +108,52 @@ class ChatFeatures:
             return fallback_messages(messages, tools), None
         return messages, None
 
-    def plan(self, req, params: SamplingParams) -> ChatPlan:
-        """Messages, tools and parsing for ``req``; a forced call's grammar goes into
-        ``params.structured_outputs``. 400 for a tool_choice that cannot be honoured."""
-        messages = req.template_messages()
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-        parallel = req.parallel_tool_calls is not False
+    def plan(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        tool_choice: str | None,
+        parallel_tool_calls: bool,
+        params: SamplingParams,
+    ) -> ChatPlan:
+        """Messages, tools and parsing for one chat request, whatever API it came in by.
+
+        ``tools`` are OpenAI function tools (``{"type": "function", "function": {...}}``);
+        ``tool_choice`` is "none", "auto", "required" or a function's name (None: "auto"
+        with tools). A forced call's grammar goes into ``params.structured_outputs``.
+        ParameterError (parameter "tool_choice") for a choice that cannot be honoured.
+        """
+        choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
         if choice != "none" and not tools:
-            raise bad_request(f"tool_choice {_describe(choice)} needs tools", "tool_choice")
+            raise ParameterError(f"tool_choice {choice!r} needs tools", parameter="tool_choice")
         functions = [t["function"] for t in tools]
-        if not isinstance(choice, str):  # a named function
-            functions = [f for f in functions if f["name"] == choice.function.name]
+        if choice not in ("none", "auto", "required"):  # a named function
+            functions = [f for f in functions if f["name"] == choice]
             if not functions:
                 names = ", ".join(repr(t["function"]["name"]) for t in tools)
-                raise bad_request(
-                    f"tool_choice names the function {choice.function.name!r}, which is not "
-                    f"in tools ({names})",
-                    "tool_choice",
+                raise ParameterError(
+                    f"tool_choice names the function {choice!r}, which is not in tools ({names})",
+                    parameter="tool_choice",
                 )
         use_tools = tools if choice != "none" else []
         parser = self.tool_parser if use_tools else None
         if choice not in ("none", "auto"):
             if parser is None:
-                raise bad_request(
+                raise ParameterError(
                     "tool_choice cannot be enforced: the model's chat template renders tools "
                     "in a format mlxserve does not know; start the server with "
                     f"--tool-call-parser ({', '.join(TOOL_PARSERS)})",
-                    "tool_choice",
+                    parameter="tool_choice",
                 )
             if params.structured_outputs is not None:
-                raise bad_request(
+                raise ParameterError(
                     "tool_choice that forces a call cannot be combined with another output "
                     "constraint (response_format, structured_outputs, guided_*)",
-                    "tool_choice",
+                    parameter="tool_choice",
                 )
             # "required": one call or more (parallel_tool_calls allowing); a named
             # function: exactly one call of it, as OpenAI's forced function.
-            several = parallel and choice == "required"
+            several = parallel_tool_calls and choice == "required"
             grammar = call_grammar(parser, functions, several, self._special_ids.get)
             params.structured_outputs = StructuredOutputsParams(grammar=grammar)
         if parser is not None and TOOL_PARSERS[parser].needs_special_tokens:
@@ -155,13 +164,9 @@ class ChatFeatures:
             template_tools,
             parser,
             use_tools or None,
-            parallel,
+            parallel_tool_calls,
             self.reasoning,
         )
-
-
-def _describe(choice: Any) -> str:
-    return repr(choice) if isinstance(choice, str) else f"(function {choice.function.name!r})"
 
 
 class ReplyFormatter:

@@ -295,6 +295,11 @@ class ChatCompletionRequest(_SamplingFields):
         """The messages as the chat template sees them."""
         return [m.to_template() for m in self.messages]
 
+    def tool_choice_name(self) -> str | None:
+        """tool_choice as "none" / "auto" / "required" / a function's name (None: unset)."""
+        choice = self.tool_choice
+        return choice if isinstance(choice, str) or choice is None else choice.function.name
+
 
 class TokenizeRequest(_Strict):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""

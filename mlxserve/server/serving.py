@@ -266,7 +266,16 @@ class OpenAIServing:
         model = self.check_model(req.model)
         params = req.sampling_params()
         req.log_ignored(() if req.tools else ("parallel_tool_calls",))
-        plan = self.features.plan(req, params)
+        try:
+            plan = self.features.plan(
+                req.template_messages(),
+                [t.model_dump(exclude_none=True) for t in req.tools or []],
+                req.tool_choice_name(),
+                req.parallel_tool_calls is not False,
+                params,
+            )
+        except ParameterError as e:
+            raise request_error(e, {}) from None
         text, ids = await run_in_threadpool(self._render_chat, req, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         starts_after = plan.grammar_starts_after(text, params)
