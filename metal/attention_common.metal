@@ -12,11 +12,13 @@
 #define MLXS_NEG_BIG (-1.0e30f)
 
 // Online-softmax attention of ROWS query rows over tokens t_begin, t_begin + t_step, ...
-// below t_end of one request. Row r sees tokens [0, limit[r]); a row with limit 0 is unused.
+// below t_end of one request. Row r sees tokens [start[r], limit[r]) (start > 0 only under a
+// sliding window); a row with limit 0 is unused.
 // q holds this lane's dims of each row, already multiplied by the softmax scale.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, typename KV, typename Table>
 inline void paged_attend(
     thread const float (&q)[ROWS][MLXS_DIMS_PER_LANE(HEAD_DIM)],
+    thread const int (&start)[ROWS],
     thread const int (&limit)[ROWS],
     KV k_cache,
     KV v_cache,
@@ -51,7 +53,7 @@ inline void paged_attend(
       v[i] = d < HEAD_DIM ? static_cast<float>(v_row[d]) : 0.0f;
     }
     for (int r = 0; r < ROWS; ++r) {
-      if (t >= limit[r]) {  // same t and r on every lane: uniform within the simdgroup
+      if (t >= limit[r] || t < start[r]) {  // same t, r on every lane: uniform in the simdgroup
         continue;
       }
       float partial = 0.0f;
@@ -131,4 +133,19 @@ inline float merge_row(
   row_max = mx;
   row_sum = sum;
   return out;
+}
+
+// The first context token a query at position `pos` sees: 0, or under a sliding window of
+// WINDOW tokens (WINDOW > 0) the oldest of the last WINDOW positions.
+template <int WINDOW>
+inline int window_first(int pos) {
+  return WINDOW > 0 ? metal::max(pos + 1 - WINDOW, 0) : 0;
+}
+
+// Final output of one row from its unnormalized output o, softmax max and denominator,
+// with an attention sink: a logit that joins the denominator only (gpt-oss).
+inline float with_sink(float o, float row_max, float row_sum, float sink) {
+  const float m = metal::max(row_max, sink);
+  const float f = metal::exp(row_max - m);
+  return o * f / (row_sum * f + metal::exp(sink - m));
 }

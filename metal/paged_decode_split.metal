@@ -3,7 +3,8 @@
 // [p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE) of the context and writes an unnormalized
 // partial output with its softmax max and sum; paged_decode_reduce.metal combines them.
 //
-// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD (as paged_decode.metal), PARTITION_SIZE.
+// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD, WINDOW (as paged_decode.metal),
+//   PARTITION_SIZE. Under a window, partitions wholly before it are skipped (not written).
 // Inputs: q, k_cache, v_cache, block_tables, context_lens, scale (as paged_decode.metal).
 // Outputs (float32): partial_out (num_tokens, num_heads, num_partitions, HEAD_DIM),
 //   partial_max and partial_sum (num_tokens, num_heads, num_partitions). Only partitions that
@@ -36,8 +37,13 @@ if (t_first >= ctx) {
   return;
 }
 const int t_end = metal::min(ctx, t_first + PARTITION_SIZE);
+const int t_begin = metal::max(t_first, window_first<WINDOW>(ctx - 1));
+if (t_begin >= t_end) {
+  return;
+}
 
 float qr[GQA][DPL];
+int start[GQA];
 int limit[GQA];
 for (int r = 0; r < GQA; ++r) {
   const int64_t q_off = (int64_t(req) * num_heads + kv_head * GQA + r) * HEAD_DIM;
@@ -46,14 +52,15 @@ for (int r = 0; r < GQA; ++r) {
     qr[r][i] = d < HEAD_DIM ? static_cast<float>(q[q_off + d]) * scale : 0.0f;
   }
   limit[r] = t_end;
+  start[r] = t_begin;
 }
 
 float m[GQA];
 float l[GQA];
 float acc[GQA][DPL];
 paged_attend<T, HEAD_DIM, BLOCK_SIZE, GQA>(
-    qr, limit, k_cache, v_cache, block_tables + int64_t(req) * max_blocks, kv_head,
-    num_kv_heads, t_first + int(simd), t_end, NUM_SIMD, lane, m, l, acc);
+    qr, start, limit, k_cache, v_cache, block_tables + int64_t(req) * max_blocks, kv_head,
+    num_kv_heads, t_begin + int(simd), t_end, NUM_SIMD, lane, m, l, acc);
 
 publish_stats<GQA, NUM_SIMD>(m, l, tg_stats, simd, lane);
 for (int r = 0; r < GQA; ++r) {

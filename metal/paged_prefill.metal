@@ -7,11 +7,12 @@
 // all of them. Request i has ceil(query_len_i / TQ) tiles, numbered in request order; tiles
 // past the last request zero the padding rows (bucketing) after the real tokens.
 //
-// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD (as paged_decode.metal), TQ.
+// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD, WINDOW, USE_SINKS (as paged_decode.metal),
+//   TQ.
 // Inputs: q (num_tokens, num_heads, HEAD_DIM); k_cache, v_cache (num_blocks, BLOCK_SIZE,
 //   num_kv_heads, HEAD_DIM); block_tables (num_reqs, max_blocks) int32; context_lens
 //   (num_reqs,) int32, cached + new tokens; query_start_loc (num_reqs + 1,) int32;
-//   scale () float32.
+//   scale () float32; sinks (num_heads,) float32, read only with USE_SINKS.
 // Output: out (num_tokens, num_heads, HEAD_DIM).
 // Grid: (NUM_SIMD * 32 * num_kv_heads, num_tiles, 1) with num_tiles at least
 //   num_reqs + ceil(num_tokens / TQ); threadgroup (NUM_SIMD * 32, 1, 1).
@@ -67,11 +68,13 @@ const int req_q_len = query_start_loc[req + 1] - req_q_begin;
 // Query token `first + j` sits at sequence position ctx - req_q_len + (first + j - req_q_begin).
 const int first_pos = ctx - req_q_len + (first - req_q_begin);
 float qr[ROWS][DPL];
+int start[ROWS];
 int limit[ROWS];
 for (int r = 0; r < ROWS; ++r) {
   const int j = r / GQA;
   const int g = r % GQA;
   limit[r] = j < count ? first_pos + j + 1 : 0;
+  start[r] = window_first<WINDOW>(first_pos + j);
   const int64_t q_off = (int64_t(first + j) * num_heads + kv_head * GQA + g) * HEAD_DIM;
   for (int i = 0; i < DPL; ++i) {
     const int d = int(lane) + 32 * i;
@@ -83,8 +86,9 @@ float m[ROWS];
 float l[ROWS];
 float acc[ROWS][DPL];
 paged_attend<T, HEAD_DIM, BLOCK_SIZE, ROWS>(
-    qr, limit, k_cache, v_cache, block_tables + int64_t(req) * max_blocks, kv_head,
-    num_kv_heads, int(simd), first_pos + count, NUM_SIMD, lane, m, l, acc);
+    qr, start, limit, k_cache, v_cache, block_tables + int64_t(req) * max_blocks, kv_head,
+    num_kv_heads, window_first<WINDOW>(first_pos) + int(simd), first_pos + count, NUM_SIMD,
+    lane, m, l, acc);
 
 publish_stats<ROWS, NUM_SIMD>(m, l, tg_stats, simd, lane);
 for (int r = 0; r < count * GQA; ++r) {
@@ -95,7 +99,9 @@ for (int r = 0; r < count * GQA; ++r) {
   const int j = r / GQA;
   const int g = r % GQA;
   if (tid < uint(HEAD_DIM)) {
+    const float y = USE_SINKS ? with_sink(o, row_max, row_sum, sinks[kv_head * GQA + g])
+                              : o / row_sum;
     out[(int64_t(first + j) * num_heads + kv_head * GQA + g) * HEAD_DIM + tid] =
-        static_cast<T>(o / row_sum);
+        static_cast<T>(y);
   }
 }

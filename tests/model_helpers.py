@@ -164,9 +164,7 @@ class BlockPoolRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.cache = KVCache.allocate(
-            model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, dtype
-        )
+        self.cache = KVCache.allocate_for(model, num_blocks, block_size, dtype)
         # Block 0 is the null block; the rest are handed out in a shuffled order so
         # block tables are never contiguous.
         rng = np.random.default_rng(seed)
@@ -226,6 +224,16 @@ class BlockPoolRunner:
         self.free_blocks.extend(reversed(self.block_tables.pop(request_id)))
         self.num_computed.pop(request_id)
 
+    def fork_prefix(self, source: str, request_id: str, num_tokens: int) -> None:
+        """A prefix-cache hit: ``request_id`` starts with ``source``'s first ``num_tokens``
+        (whole blocks) already computed, in ``source``'s own blocks.
+
+        No reference counts here: free at most one of the two requests.
+        """
+        assert num_tokens % self.block_size == 0 and num_tokens <= self.num_computed[source]
+        self.block_tables[request_id] = self.block_tables[source][: num_tokens // self.block_size]
+        self.num_computed[request_id] = num_tokens
+
 
 def greedy_generate(
     runner: BlockPoolRunner,
@@ -252,5 +260,52 @@ def greedy_generate(
         for rid, logits in runner.step(work).items():
             rows[rid].append(logits)
             tokens[rid].append(int(np.argmax(logits)))
+        step += 1
+    return tokens, {rid: np.stack(r) for rid, r in rows.items()}
+
+
+def greedy_generate_budgeted(
+    runner: BlockPoolRunner,
+    prompts: dict[str, list[int]],
+    num_tokens: int,
+    budget: int,
+    preempt_at: dict[str, int] | None = None,
+) -> tuple[dict[str, list[int]], dict[str, np.ndarray]]:
+    """Greedy decoding under a per-step token budget, as the scheduler runs it.
+
+    Each step, decodes go first (one token each), then prefill chunks in request order take
+    what is left of ``budget``, so prompts longer than the budget are chunked and chunks share
+    steps with decodes. ``preempt_at[request_id]`` = a step at whose start that request is
+    preempted: its blocks are freed and its prompt plus the tokens generated so far are
+    recomputed (the scheduler's recompute preemption).
+    Returns each request's tokens and the (num_tokens, vocab) logits they came from.
+    """
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    rows: dict[str, list[np.ndarray]] = {rid: [] for rid in prompts}
+    computed = dict.fromkeys(prompts, 0)  # tokens of prompt + output in the pool
+    step = 0
+    while any(len(t) < num_tokens for t in tokens.values()):
+        for rid, at in (preempt_at or {}).items():
+            if at == step and computed[rid]:
+                runner.free(rid)
+                computed[rid] = 0
+        live = [rid for rid in prompts if len(tokens[rid]) < num_tokens]
+        seqs = {rid: prompts[rid] + tokens[rid] for rid in live}
+        decodes = [rid for rid in live if len(seqs[rid]) - computed[rid] == 1]
+        work = [(rid, seqs[rid][-1:]) for rid in decodes[:budget]]
+        left = budget - len(work)
+        for rid in live:
+            todo = len(seqs[rid]) - computed[rid]
+            if rid in decodes or left <= 0:
+                continue
+            n = min(todo, left)
+            work.append((rid, seqs[rid][computed[rid] : computed[rid] + n]))
+            left -= n
+        out = runner.step(work)
+        for rid, chunk in work:
+            computed[rid] += len(chunk)
+            if computed[rid] == len(seqs[rid]):  # the chunk reached the end: sample
+                rows[rid].append(out[rid])
+                tokens[rid].append(int(np.argmax(out[rid])))
         step += 1
     return tokens, {rid: np.stack(r) for rid, r in rows.items()}

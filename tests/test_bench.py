@@ -33,9 +33,35 @@ def test_mlxserve_bench_runs_on_the_tiny_model(tmp_path: Path, capsys) -> None:
     assert "device: Device(" in capsys.readouterr().out
 
 
-def test_bench_rejects_a_zero_token_count(tmp_path: Path, capsys) -> None:
-    assert main(["bench", "--decode-tokens", "0"]) == 2
-    assert "--decode-tokens must be >= 1, got 0" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--decode-tokens", "0"], "--decode-tokens must be >= 1, got 0"),
+        # was a ZeroDivisionError after the whole offline run
+        (
+            ["--profile-steps", "0"],
+            "--profile-steps must be >= 1 (or --profile-batch 0 for no profile), got 0",
+        ),
+        (["--profile-batch", "-1"], "--profile-batch must be >= 0 (0: no profile), got -1"),
+        (["--batch-sizes", "4", "0"], "--batch-sizes must all be >= 1, got 0"),
+    ],
+)
+def test_bench_rejects_bad_counts_before_loading(flags, message, capsys) -> None:
+    # A MODEL that does not exist: the flags must be refused before any loading.
+    assert main(["bench", "/nonexistent/model.gguf", *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_bench_without_a_profile_skips_it(tmp_path: Path) -> None:
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", str(model_dir), "--decode-tokens", "2", "--prefill-tokens", "4",
+         "--prompt-tokens", "4", "--batch-sizes", "--profile-batch", "0",
+         "--profile-steps", "0", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    assert "profile" not in json.loads(out.read_text())
 
 
 def test_mlxserve_fit_counts_blocks_and_shares_the_prefix() -> None:
@@ -74,3 +100,58 @@ def test_one_row_matmuls_through_the_gemv_shim_match_numpy() -> None:
     xs = rng.standard_normal((3, 40)).astype(np.float32)
     got = mx.array(xs) @ mx.array(w).T
     np.testing.assert_allclose(np.array(got), xs @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_bench_times_both_paths_on_the_same_weights(tmp_path: Path) -> None:
+    from bench.adapter_vs_handwritten import step_times
+    from mlxserve.loader.local import read_model_dir
+    from mlxserve.models import build_model, mlx_lm_zoo
+
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    config, weights = read_model_dir(model_dir)
+    models = {"hand": build_model(config, weights), "adapter": mlx_lm_zoo.build(config, weights)}
+    times = step_times(models, batch=3, num_steps=2)
+    assert {k: len(v) for k, v in times.items()} == {"hand": 2, "adapter": 2}
+    assert all(t > 0 for v in times.values() for t in v)
+
+
+def test_window_itls_keeps_gaps_within_one_request_ending_in_the_window() -> None:
+    from bench.serving import window_itls
+
+    requests = [[1.0, 2.0, 4.0, 7.0], [7.5, 8.0], [9.0]]
+    # Gaps ending at 2, 4, 7 (first request), 8 (second); 7 -> 7.5 is a restart, not a gap.
+    assert window_itls(requests, 0.0, 100.0) == [1.0, 2.0, 3.0, 0.5]
+    assert window_itls(requests, 3.0, 7.0) == [2.0, 3.0]
+    assert window_itls(requests, 7.1, 8.5) == [0.5]
+
+
+def test_background_streams_restart_when_an_engine_ends_them() -> None:
+    import asyncio
+
+    import httpx
+
+    from bench.serving import BackgroundStreams
+
+    sent: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        events = [{"choices": [{"text": f"t{i}"}]} for i in range(3)]  # ends after 3 tokens
+        lines = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=lines, headers={"content-type": "text/event-stream"})
+
+    async def run() -> BackgroundStreams:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            streams = BackgroundStreams(c, ["a", "b"], max_tokens=3)
+            await streams.wait_tokens(1, timeout_s=30)
+            while streams.num_restarts < 6:
+                await asyncio.sleep(0.01)
+            assert streams.all_alive()
+            await streams.stop()
+        return streams
+
+    streams = asyncio.run(run())
+    assert streams.num_restarts >= 6 and {b["prompt"] for b in sent} == {"a", "b"}
+    assert all(b["ignore_eos"] and b["max_tokens"] == 3 for b in sent)
+    assert all(len(times) == 3 for times in streams.requests[:6])

@@ -11,9 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from mlxserve.cli.chat import ChatSession, split_model_and_prompt
+from mlxserve.cli.chat import ChatSession
 from mlxserve.config import EngineConfig
 from mlxserve.sampling_params import SamplingParams
 from tests.engine_helpers import make_tiny_model_dir
@@ -29,13 +27,30 @@ def run_cli(args: list[str], stdin: str | None = None) -> subprocess.CompletedPr
 
 
 def test_one_shot_answers_with_the_default_model() -> None:
-    out = run_cli(["What is the capital of France?", "--max-tokens", "12"], stdin="")
+    args = ["What is the capital of France?", "--max-tokens", "12", "--temperature", "0"]
+    out = run_cli(args, stdin="")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "The capital of France is Paris."
 
 
+def test_a_greedy_loop_is_stopped_with_a_note() -> None:
+    """Greedy, the default model answers this with one phrase over and over until its 8k
+    context is full (60 s+, before the loop stop); now the answer stops at the loop."""
+    out = run_cli(["Write a haiku about autumn.", "--temperature", "0"], stdin="")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.endswith(
+        "[stopped: the answer repeats itself; /set stop_on_loop off (or --no-stop-on-loop) "
+        "allows it]\n"
+    )
+    phrase = "a leaf's fate is determined, "
+    assert out.stdout.count(phrase) >= 3
+    assert len(out.stdout) < len(out.stdout.split(phrase)[0]) + 20 * len(phrase)
+
+
 def test_piped_stdin_is_the_prompt() -> None:
-    out = run_cli(["--max-tokens", "12"], stdin="What is the capital of France?\n")
+    out = run_cli(
+        ["--max-tokens", "12", "--temperature", "0"], stdin="What is the capital of France?\n"
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
@@ -97,8 +112,9 @@ class Terminal:
 
 
 def test_repl_two_turns_clear_ctrl_c_and_exit() -> None:
-    # Room for a long answer to interrupt; short questions end on their own (EOS).
-    term = Terminal(["--max-tokens", "400"])
+    # Room for a long answer to interrupt; short questions end on their own (EOS). Greedy:
+    # the same answers every time.
+    term = Terminal(["--max-tokens", "400", "--temperature", "0"])
     term.expect(">>> ")
     term.send("What is the capital of France?\n")
     answer = term.expect(">>> ")
@@ -108,7 +124,10 @@ def test_repl_two_turns_clear_ctrl_c_and_exit() -> None:
     term.send("/clear\n")
     term.expect("(conversation cleared)")
     term.expect(">>> ")
-    # A long answer, interrupted: the REPL survives and says so.
+    # A long answer, interrupted: the REPL survives and says so. (Not the loop stop.)
+    term.send("/set stop_on_loop off\n")
+    term.expect("stop_on_loop = off")
+    term.expect(">>> ")
     term.send("Write a long story about a dragon.\n")
     time.sleep(2)
     term.send("\x03")
@@ -144,16 +163,33 @@ def test_chat_session_keeps_history_and_clears_it(tmp_path: Path) -> None:
     assert session.messages == [{"role": "system", "content": "Be brief."}]
 
 
-@pytest.mark.parametrize(
-    "words,flag,expected",
-    [
-        (["hello there"], None, (None, "hello there")),
-        (["org/model", "hi"], None, ("org/model", "hi")),
-        (["what is 1 + 1?"], None, (None, "what is 1 + 1?")),
-        (["hi"], "x.gguf", ("x.gguf", "hi")),
-        (["./nowhere/model.gguf", "hi"], None, ("./nowhere/model.gguf", "hi")),
-        ([], None, (None, None)),
-    ],
-)
-def test_model_or_prompt_first_word(words, flag, expected) -> None:
-    assert split_model_and_prompt(words, flag) == expected
+def test_repl_on_a_terminal_multiline_settings_and_ctrl_d(tmp_path: Path) -> None:
+    """The model's generation_config under the flags (shown by /set), a triple-quoted
+    block, an unknown command answered, and Ctrl-D leaving the shell a fresh line."""
+    _, model_dir = make_tiny_model_dir(tmp_path / "m", seed=5)
+    (model_dir / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95}')
+    term = Terminal([str(model_dir), "--max-tokens", "3", "--top-k", "7", "--num-blocks", "64"])
+    term.expect(">>> ")
+    term.send("/set\n")
+    table = term.expect(">>> ")
+    for row in [
+        "temperature          0.6      (model)",
+        "top_p                0.95     (model)",
+        "top_k                7        (flag)",
+        "max_tokens           3        (flag)",
+        "min_p                0.0      (default)",
+    ]:
+        assert row in table
+    term.send('"""\n')
+    term.expect("... ")
+    term.send("two\n")
+    term.expect("... ")
+    term.send('lines"""\n')
+    term.expect("[stopped at max_tokens=3;")
+    term.expect(">>> ")
+    term.send("/nope\n")
+    term.expect("unknown command '/nope': /help lists the commands")
+    term.expect(">>> ")
+    term.send("\x04")  # Ctrl-D
+    assert term.wait() == 0
+    assert term.buffer == "\r\n"  # the newline after the prompt (the pty adds the \r)

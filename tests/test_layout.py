@@ -182,7 +182,8 @@ def test_only_the_cli_imports_the_cli_and_sub_commands_never_import_main() -> No
 
 
 def test_leaf_modules_import_nothing_from_the_package() -> None:
-    for leaf in ("mlxserve.utils", "mlxserve.blas", "mlxserve.gguf_file", "mlxserve.exceptions"):
+    leaves = ("utils", "blas", "gguf_file", "exceptions", "repetition")
+    for leaf in (f"mlxserve.{name}" for name in leaves):
         assert internal_imports(leaf) == set(), leaf
 
 

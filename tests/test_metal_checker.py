@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal.checker import build
+from metal.checker import build, toolchain
 from metal.checker.cases import (
     Case,
     decode_requests,
@@ -143,17 +146,66 @@ def _recorded_variants() -> list:
                 (4, mixed_requests(16)),
                 (8, decode_requests(16)[:2] * 5),
             ):
-                case = Case(requests, 16, gqa, head_dim, dtype)
-                inp = make_inputs(case)
-                for config in (None, MetalConfig(partition_size=29, split_min_context=1)):
-                    run_case(inp, dtype, metal_backend(rec.metal_kernel, config))
+                cases = [Case(requests, 16, gqa, head_dim, dtype)]
+                if head_dim == 64:  # sliding window and sinks (constant / device bound)
+                    cases.append(Case(requests, 16, gqa, head_dim, dtype, window=5, sinks=True))
+                for case in cases:
+                    inp = make_inputs(case)
+                    for config in (None, MetalConfig(partition_size=29, split_min_context=1)):
+                        run_case(inp, dtype, metal_backend(rec.metal_kernel, config))
     return rec.variants
 
 
-def test_clang_is_available() -> None:
-    """CI must have the address-space checker; it is never skipped."""
+def require_clang() -> None:
+    """Skip a clang check, saying why, when no fit clang exists; CI (MLXSERVE_REQUIRE_CLANG=1,
+    set by .ci/run) and an explicit MLXSERVE_CLANG make that a failure instead."""
     tc = build.find_toolchain()
-    assert tc.clang is not None, tc.clang_missing_reason
+    if tc.clang is None:
+        if os.environ.get("MLXSERVE_REQUIRE_CLANG") or os.environ.get("MLXSERVE_CLANG"):
+            pytest.fail(tc.clang_missing_reason)
+        pytest.skip(tc.clang_missing_reason)
+
+
+def test_clang_is_available() -> None:
+    """CI must have the address-space checker: there, a missing clang fails this test."""
+    require_clang()
+    assert build.find_toolchain().clang is not None
+
+
+def fake_clang(path: Path, name: str, accepts: bool) -> None:
+    """An executable `name` in `path` that passes or fails any compile like an unfit clang."""
+    script = (
+        "exit 0" if accepts else "echo 'x.h:72:9: error: _Float16 is not supported' >&2; exit 1"
+    )
+    exe = path / name
+    exe.write_text(f"#!/bin/sh\n{script}\n")
+    exe.chmod(0o755)
+
+
+def test_clang_search_probes_the_shim_and_says_what_it_tried(tmp_path, monkeypatch) -> None:
+    """Each clang found is tried on the shim: an unfit one (Debian 12's clang-14 rejects
+    _Float16) is passed over for a fit one; with none fit, the reason lists what failed."""
+    monkeypatch.delenv("MLXSERVE_CLANG", raising=False)
+    monkeypatch.setenv("MLXSERVE_CXX", shutil.which("g++") or "g++")
+    monkeypatch.setattr(toolchain.importlib.util, "find_spec", lambda name: None)  # no ziglang
+    both, unfit_only = tmp_path / "both", tmp_path / "unfit"
+    for d in (both, unfit_only):
+        d.mkdir()
+        fake_clang(d, "clang", accepts=False)
+    fake_clang(both, "clang-18", accepts=True)
+    monkeypatch.setenv("PATH", str(both))
+    assert build.find_toolchain().clang == [str(both / "clang-18")]
+    monkeypatch.setenv("PATH", str(unfit_only))
+    tc = build.find_toolchain()
+    assert tc.clang is None
+    assert tc.clang_missing_reason == (
+        f"no clang fit for the address-space check ({unfit_only}/clang: _Float16 is not "
+        f"supported); {toolchain.INSTALL_HINT}"
+    )
+    monkeypatch.setenv("MLXSERVE_CLANG", str(unfit_only / "clang"))
+    assert build.find_toolchain().clang_missing_reason == (
+        f"MLXSERVE_CLANG='{unfit_only}/clang' cannot check the shim: _Float16 is not supported"
+    )
 
 
 def test_every_kernel_compiles_with_gxx_and_clang_address_spaces() -> None:
@@ -170,7 +222,10 @@ def test_every_kernel_compiles_with_gxx_and_clang_address_spaces() -> None:
     sigs = "".join(g.signature for g in variants)
     assert "const constant int32_t* context_lens" in sigs
     assert "const device int32_t* context_lens" in sigs
-    build.static_check(variants)
+    assert "const constant float* sinks" in sigs and "const device float* sinks" in sigs
+    build.static_check(variants, modes=("emulate",))
+    require_clang()
+    build.static_check(variants, modes=("as_check",))
 
 
 def _mutated_variant(file: str, old: str, new: str):
@@ -198,6 +253,7 @@ def _mutated_variant(file: str, old: str, new: str):
 def test_clang_rejects_an_address_space_error() -> None:
     """Dropping `device` from a pointer into the pool is an error for Apple's compiler; g++
     alone would accept it, the clang address-space mode does not."""
+    require_clang()
     variants = _mutated_variant(
         "write_kv.metal", "device T* k_pool = const_cast<device T*>", "T* k_pool = const_cast<T*>"
     )
@@ -224,9 +280,12 @@ def test_clang_rejects_an_address_space_error() -> None:
         ),
     ],
 )
-def test_static_check_reports_the_kernel_line(old, new, message) -> None:
+@pytest.mark.parametrize("mode", ["emulate", "as_check"])
+def test_static_check_reports_the_kernel_line(old, new, message, mode) -> None:
+    if mode == "as_check":
+        require_clang()
     with pytest.raises(build.CompileError, match=message):
-        build.static_check(_mutated_variant("write_kv.metal", old, new))
+        build.static_check(_mutated_variant("write_kv.metal", old, new), modes=(mode,))
 
 
 # ---- emulator semantics ------------------------------------------------------------------

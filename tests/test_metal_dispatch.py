@@ -206,6 +206,15 @@ def test_export_a_forward_through_the_metal_path(tmp_path, query_lens, context_l
 
 
 # ---- packaging ----------------------------------------------------------------------------
+def test_kernels_come_from_the_source_tree_of_the_code(monkeypatch, tmp_path) -> None:
+    """An editable install of another checkout maps mlxserve._metal to *its* kernels; a
+    source tree must use its own metal/ (else kernel edits are silently not tested)."""
+    from mlxserve.ops import metal
+
+    monkeypatch.setattr(metal.importlib.resources, "files", lambda name: tmp_path)
+    assert metal.kernel_dir() == ROOT / "metal"
+
+
 def test_kernel_sources_ship_in_the_package(tmp_path) -> None:
     """setup.py maps metal/*.metal into mlxserve._metal; the checker stays out."""
     import shutil

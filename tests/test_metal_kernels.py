@@ -32,21 +32,41 @@ HEAD_DIMS = [64, 80, 96, 128]
 BLOCK_SIZES = [8, 16, 32]
 GQA = [1, 3, 4, 8]
 SWEEP = list(itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES, GQA))
+# Sliding windows (within a block, across blocks, longer than every context) and attention
+# sinks: (dtype, head_dim, block_size, gqa, window, sinks).
+VARIANTS = [
+    ("float32", 64, 8, 1, 1, False),
+    ("float32", 64, 8, 4, 5, False),
+    ("float16", 80, 8, 3, 11, True),
+    ("bfloat16", 64, 16, 4, 3, True),
+    ("float32", 128, 16, 8, 17, False),
+    ("float32", 96, 8, 2, None, True),
+    ("float16", 64, 32, 1, 1000, True),
+]
 
 
-def paths(dtype: str, head_dim: int, block_size: int, gqa: int, seed: int):
+def paths(
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    gqa: int,
+    seed: int,
+    window: int | None = None,
+    sinks: bool = False,
+):
     """(name, case, config, kernels that must run) for the three kernel paths."""
     dec = decode_requests(block_size)
+    variant = {"window": window, "sinks": sinks}
     return [
         (
             "decode",
-            Case(dec, block_size, gqa, head_dim, dtype, pad_tokens=1, seed=seed),
+            Case(dec, block_size, gqa, head_dim, dtype, pad_tokens=1, seed=seed, **variant),
             None,
             {"write_kv", "paged_decode"},
         ),
         (
             "split",
-            Case(dec, block_size, gqa, head_dim, dtype, pad_tokens=1, seed=seed + 1),
+            Case(dec, block_size, gqa, head_dim, dtype, pad_tokens=1, seed=seed + 1, **variant),
             split_config(block_size),
             {"write_kv", "paged_decode_split", "paged_decode_reduce"},
         ),
@@ -60,6 +80,7 @@ def paths(dtype: str, head_dim: int, block_size: int, gqa: int, seed: int):
                 dtype,
                 pad_tokens=2,
                 seed=seed + 2,
+                **variant,
             ),
             None,
             {"write_kv", "paged_prefill"},
@@ -73,8 +94,9 @@ def emulator() -> Emulator:
     if sys.platform != "linux":
         pytest.skip("the Metal emulator runs on Linux")
     rec = Recorder()
-    for params in SWEEP:
-        for _, case, config, _ in paths(*params, seed=0):
+    sweeps = [(*p, 0) for p in SWEEP] + [(*v[:4], 0, *v[4:]) for v in VARIANTS]
+    for params in sweeps:
+        for _, case, config, _ in paths(*params):
             run(make_inputs(case), case.dtype, metal_backend(rec.metal_kernel, config))
     build.compile_variants(rec.variants)
     return Emulator()
@@ -101,6 +123,16 @@ def test_kernels_match_fallback(kernels, dtype, head_dim, block_size, gqa) -> No
         if emu:
             ran = {launch["name"] for launch in emu.launches[before:]}
             assert ran == expected, (name, ran)
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size,gqa,window,sinks", VARIANTS)
+def test_window_and_sinks_match_fallback(
+    kernels, dtype, head_dim, block_size, gqa, window, sinks
+) -> None:
+    factory, _ = kernels
+    seed = head_dim * 100 + block_size * 10 + gqa + 7
+    for _, case, config, _ in paths(dtype, head_dim, block_size, gqa, seed, window, sinks):
+        check(case, metal_backend(factory, config))
 
 
 def test_write_kv_updates_the_pool_in_place(kernels) -> None:

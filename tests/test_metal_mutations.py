@@ -40,6 +40,7 @@ class Mutation:
     new: str
     paths: tuple[str, ...]  # decode | split | prefill
     caught_by: str  # mismatch | nan | race | divergence | fault
+    windowed: bool = False  # run the case with a sliding window and attention sinks
 
 
 HEADER = "attention_common.metal"
@@ -119,6 +120,52 @@ MUTATIONS = [
         "v[i] = d < HEAD_DIM - 8 ?",
         ALL,
         "mismatch",
+    ),
+    # sliding window and attention sinks
+    Mutation(
+        "attention: window one token too wide",
+        HEADER,
+        "max(pos + 1 - WINDOW, 0)",
+        "max(pos - WINDOW, 0)",
+        ALL,
+        "mismatch",
+        windowed=True,
+    ),
+    Mutation(
+        "attention: sink left out of the denominator",
+        HEADER,
+        "(row_sum * f + metal::exp(sink - m))",
+        "(row_sum * f)",
+        ALL,
+        "mismatch",
+        windowed=True,
+    ),
+    Mutation(
+        "decode: every head takes its group's first sink",
+        "paged_decode.metal",
+        "sinks[kv_head * GQA + r]",
+        "sinks[kv_head * GQA]",
+        ("decode",),
+        "mismatch",
+        windowed=True,
+    ),
+    Mutation(
+        "prefill: every head takes its group's first sink",
+        "paged_prefill.metal",
+        "sinks[kv_head * GQA + g]",
+        "sinks[kv_head * GQA]",
+        ("prefill",),
+        "mismatch",
+        windowed=True,
+    ),
+    Mutation(
+        "reduce: reads the partitions the window skipped",
+        "paged_decode_reduce.metal",
+        "const int p_first = window_first<WINDOW>(context_lens[row] - 1) / PARTITION_SIZE;",
+        "const int p_first = 0;",
+        ("split",),
+        "nan",
+        windowed=True,
     ),
     # decode
     Mutation(
@@ -254,9 +301,10 @@ MUTATIONS = [
 ]
 
 
-def _case(path: str) -> tuple[Case, object]:
+def _case(path: str, windowed: bool = False) -> tuple[Case, object]:
     requests = mixed_requests(BS) if path == "prefill" else decode_requests(BS)
-    case = Case(requests, BS, gqa=2, head_dim=80, dtype="float32", pad_tokens=2, seed=3)
+    variant = {"window": 5, "sinks": True} if windowed else {}
+    case = Case(requests, BS, gqa=2, head_dim=80, dtype="float32", pad_tokens=2, seed=3, **variant)
     return case, split_config(BS) if path == "split" else None
 
 
@@ -276,10 +324,10 @@ def _factory(emu: Emulator, mutation: Mutation | None):
     return factory
 
 
-def _outcome(path: str, mutation: Mutation | None) -> str:
+def _outcome(path: str, mutation: Mutation | None, windowed: bool = False) -> str:
     """How the checker judges the kernels: 'ok' or the kind of failure."""
     emu = Emulator(schedules=("forward", "reverse"), timeout_s=20.0)
-    case, config = _case(path)
+    case, config = _case(path, windowed or (mutation is not None and mutation.windowed))
     try:
         check(case, metal_backend(_factory(emu, mutation), config))
     except KernelError as e:
@@ -296,9 +344,10 @@ def _outcome(path: str, mutation: Mutation | None) -> str:
     return "ok"
 
 
+@pytest.mark.parametrize("windowed", [False, True], ids=["plain", "window+sinks"])
 @pytest.mark.parametrize("path", ["decode", "split", "prefill"])
-def test_unmutated_kernels_pass(path) -> None:
-    assert _outcome(path, None) == "ok"
+def test_unmutated_kernels_pass(path, windowed) -> None:
+    assert _outcome(path, None, windowed) == "ok"
 
 
 @pytest.mark.parametrize(

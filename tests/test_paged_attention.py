@@ -12,22 +12,34 @@ from mlxserve.ops import AttentionMetadata
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3}
 
 
-def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+def dense_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    window: int | None = None,
+    sinks: np.ndarray | None = None,
+) -> np.ndarray:
     """Causal attention of the last q_len positions over a contiguous sequence.
 
-    q: (q_len, H, D); k, v: (ctx, KVH, D). Written per head with explicit loops.
+    q: (q_len, H, D); k: (ctx, KVH, D); v: (ctx, KVH, Dv). Written per head with explicit
+    loops. ``window``: the query at position p sees positions p - window + 1 .. p.
+    ``sinks``: (H,) logits that count in the softmax denominator only.
     """
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
-    out = np.zeros(q.shape, dtype=np.float64)
+    out = np.zeros((q_len, num_heads, v.shape[-1]), dtype=np.float64)
     for h in range(num_heads):
         kh, vh = k[:, h // group].astype(np.float64), v[:, h // group].astype(np.float64)
         for t in range(q_len):
-            visible = ctx - q_len + t + 1
-            s = kh[:visible] @ q[t, h].astype(np.float64) * scale
-            p = np.exp(s - s.max())
-            out[t, h] = (p / p.sum()) @ vh[:visible]
+            end = ctx - q_len + t + 1
+            begin = 0 if window is None else max(0, end - window)
+            s = kh[begin:end] @ q[t, h].astype(np.float64) * scale
+            m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            p = np.exp(s - m)
+            denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+            out[t, h] = (p / denom) @ vh[begin:end]
     return out
 
 
@@ -38,6 +50,7 @@ def make_case(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    v_head_dim: int | None = None,
 ):
     """Random sequences placed in a pool through shuffled block tables."""
     blocks_per_req = [-(-ctx // block_size) for _, ctx in requests]
@@ -48,7 +61,8 @@ def make_case(
         rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32) for _, ctx in requests
     ]
     seqs_v = [
-        rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32) for _, ctx in requests
+        rng.standard_normal((ctx, num_kv_heads, v_head_dim or head_dim)).astype(np.float32)
+        for _, ctx in requests
     ]
     qs = [
         rng.standard_normal((q_len, num_heads, head_dim)).astype(np.float32)
@@ -57,10 +71,12 @@ def make_case(
     return tables, num_blocks, seqs_k, seqs_v, qs
 
 
-def run_paged(requests, tables, num_blocks, seqs_k, seqs_v, qs, block_size, dtype, scale):
+def run_paged(
+    requests, tables, num_blocks, seqs_k, seqs_v, qs, block_size, dtype, scale, **variant
+):
     num_kv_heads, head_dim = seqs_k[0].shape[1:]
     k_pool = np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
-    v_pool = np.full_like(k_pool, np.nan)
+    v_pool = np.full((*k_pool.shape[:3], seqs_v[0].shape[-1]), np.nan, np.float32)
     # Cached prefix goes straight into the pool; the new tokens go through write_kv.
     new_k, new_v = [], []
     for (q_len, ctx), table, k, v in zip(requests, tables, seqs_k, seqs_v, strict=True):
@@ -82,7 +98,7 @@ def run_paged(requests, tables, num_blocks, seqs_k, seqs_v, qs, block_size, dtyp
         md.slot_mapping,
     )
     out = ops.paged_attention(
-        mx.array(np.concatenate(qs)).astype(dtype), k_cache, v_cache, md, scale
+        mx.array(np.concatenate(qs)).astype(dtype), k_cache, v_cache, md, scale, **variant
     )
     return np.array(out.astype(mx.float32))
 
@@ -139,3 +155,60 @@ def test_write_kv_updates_only_its_slots() -> None:
     assert flat_k[3].tolist() == [1, 2, 3] and flat_k[6].tolist() == [4, 5, 6]
     assert np.count_nonzero(flat_k) == 6
     assert np.array(v).reshape(8, 3)[6].tolist() == [-4, -5, -6]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 40, None])
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["nosinks", "sinks"])
+def test_window_and_sinks_match_dense(block_size: int, window: int | None, use_sinks) -> None:
+    """Sliding windows smaller than, equal to and larger than blocks and contexts, with and
+    without attention sinks; decodes (gathering only the window's blocks) and prefills."""
+    rng = np.random.default_rng(block_size * 100 + (window or 0) * 2 + use_sinks)
+    num_kv_heads, gqa, head_dim = 2, 3, 16
+    num_heads = num_kv_heads * gqa
+    requests = lengths_for(block_size) + [(1, 3 * block_size + 5)]
+    requests = sorted(requests, key=lambda r: r[0] != 1)  # decodes first
+    tables, num_blocks, ks, vs, qs = make_case(
+        rng, block_size, requests, num_heads, num_kv_heads, head_dim
+    )
+    sinks = (2 * rng.standard_normal(num_heads)).astype(np.float32) if use_sinks else None
+    scale = head_dim**-0.5
+    variant = {"window": window, "sinks": None if sinks is None else mx.array(sinks)}
+    got = run_paged(
+        requests, tables, num_blocks, ks, vs, qs, block_size, mx.float32, scale, **variant
+    )
+    want = np.concatenate(
+        [dense_attention(q, k, v, scale, window, sinks) for q, k, v in zip(qs, ks, vs, strict=True)]
+    )
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_window_changes_the_output() -> None:
+    """The window cases above would pass vacuously if the window were ignored."""
+    rng = np.random.default_rng(1)
+    requests = [(1, 13), (5, 12)]
+    tables, num_blocks, ks, vs, qs = make_case(rng, 4, requests, 4, 2, 16)
+    full = run_paged(requests, tables, num_blocks, ks, vs, qs, 4, mx.float32, 0.25)
+    windowed = run_paged(requests, tables, num_blocks, ks, vs, qs, 4, mx.float32, 0.25, window=3)
+    assert np.abs(full - windowed).max(axis=(1, 2)).min() > 1e-2  # every token changes
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_k_and_v_head_sizes_may_differ(window: int | None) -> None:
+    """MLA-style layers cache keys of one head size and values of another."""
+    rng = np.random.default_rng(3)
+    requests = [(1, 9), (1, 2), (6, 6), (3, 11)]
+    tables, num_blocks, ks, vs, qs = make_case(rng, 4, requests, 4, 4, 24, v_head_dim=16)
+    got = run_paged(requests, tables, num_blocks, ks, vs, qs, 4, mx.float32, 0.2, window=window)
+    assert got.shape == (sum(q for q, _ in requests), 4, 16)
+    want = np.concatenate(
+        [dense_attention(q, k, v, 0.2, window) for q, k, v in zip(qs, ks, vs, strict=True)]
+    )
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_window_must_be_positive() -> None:
+    k = mx.zeros((2, 4, 1, 8))
+    md = AttentionMetadata.build([1], [1], [[1]], 4)
+    with pytest.raises(ValueError, match="window must be >= 1 token, got 0"):
+        ops.paged_attention(mx.zeros((1, 1, 8)), k, k, md, 1.0, window=0)

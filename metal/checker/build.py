@@ -14,18 +14,15 @@ Compiled libraries are cached by content hash in ``$MLXSERVE_METAL_CACHE`` (defa
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from metal.checker.signature import Generated
+from metal.checker.toolchain import CLANG_FLAGS, CompileError, find_toolchain
 
 CHECKER_DIR = Path(__file__).resolve().parent
 KERNEL_DIR = CHECKER_DIR.parent
@@ -34,15 +31,6 @@ RUNTIME = CHECKER_DIR / "emu_runtime.cpp"
 
 GXX_FLAGS = ["-std=c++20", "-O0", "-fPIC", "-shared", "-w", "-fno-exceptions"]
 RUNTIME_FLAGS = ["-std=c++20", "-O2", "-fPIC", "-shared", "-Wall"]
-CLANG_FLAGS = [
-    "-cc1",
-    "-fsyntax-only",
-    "-std=c++14",
-    "-triple",
-    "x86_64-unknown-linux-gnu",
-    "-Wno-unknown-attributes",
-    "-Werror",
-]
 
 # Offsets of the thread attributes in the per-thread id block (emu_runtime.cpp, ids_for).
 ATTR_OFFSETS = {
@@ -76,44 +64,6 @@ _TG_DECL = re.compile(
 _INSTANTIATION_ATTRS = re.compile(
     r"^template \[\[host_name\(\"[^\"]*\"\)\]\] \[\[kernel\]\] ", re.M
 )
-
-
-class CompileError(RuntimeError):
-    """A kernel failed to compile; the message carries the compiler's diagnostics."""
-
-
-@dataclass(frozen=True)
-class Toolchain:
-    gxx: list[str]
-    clang: list[str] | None  # None: no clang found
-
-    @property
-    def clang_missing_reason(self) -> str:
-        return (
-            "no clang for the address-space check: install the test extra "
-            "(`pip install -e .[test]` brings the PyPI package ziglang, which contains clang), "
-            "or `apt-get install clang`, or set MLXSERVE_CLANG"
-        )
-
-
-def find_toolchain() -> Toolchain:
-    """g++ from $MLXSERVE_CXX or PATH; clang from $MLXSERVE_CLANG, the ziglang package (a
-    recent clang, brought by the test extra), or PATH. The shim needs clang >= 17 (x86
-    _Float16 and __bf16 arithmetic): Debian 12's clang-14 is too old."""
-    gxx = os.environ.get("MLXSERVE_CXX") or shutil.which("g++")
-    if not gxx:
-        raise CompileError("g++ not found: the Metal checker needs g++ (C++20)")
-    clang: list[str] | None = None
-    if os.environ.get("MLXSERVE_CLANG"):
-        clang = os.environ["MLXSERVE_CLANG"].split()
-    elif importlib.util.find_spec("ziglang") is not None:
-        clang = [sys.executable, "-m", "ziglang", "clang"]  # `-cc1` needs no zig cache
-    else:
-        for name in ("clang++", "clang"):
-            if shutil.which(name):
-                clang = [shutil.which(name)]
-                break
-    return Toolchain([gxx], clang)
 
 
 def cache_dir() -> Path:
@@ -282,18 +232,24 @@ def compile_variants(variants: list[Generated], jobs: int | None = None) -> None
             fut.result()
 
 
-def static_check(variants: list[Generated], jobs: int | None = None) -> None:
-    """Compile every variant with g++ (C++20) and with clang in address-space mode.
+def static_check(
+    variants: list[Generated],
+    jobs: int | None = None,
+    modes: tuple[str, ...] = ("emulate", "as_check"),
+) -> None:
+    """Compile every variant with g++ (C++20, mode 'emulate') and with clang in
+    address-space mode ('as_check').
 
-    Raises CompileError naming the kernel file and line of the first failure.
+    Raises CompileError naming the kernel file and line of the first failure, or saying
+    why there is no clang for 'as_check'.
     """
     tc = find_toolchain()
-    if tc.clang is None:
+    if "as_check" in modes and tc.clang is None:
         raise CompileError(tc.clang_missing_reason)
     work = []
     tmpdir = cache_dir() / "static-check"
     tmpdir.mkdir(exist_ok=True)
-    for mode in ("emulate", "as_check"):
+    for mode in modes:
         for k in range(0, len(variants), 16):
             chunk = variants[k : k + 16]
             tu = translation_unit(chunk, mode)

@@ -36,6 +36,8 @@ class Case:
     num_kv_heads: int = 2
     pad_tokens: int = 0  # bucketing padding rows after the real tokens
     seed: int = 0
+    window: int | None = None  # sliding window (tokens)
+    sinks: bool = False  # per-head attention sinks
 
 
 def decode_requests(block_size: int) -> tuple[tuple[int, int], ...]:
@@ -59,6 +61,8 @@ class Inputs:
     k_pool: np.ndarray  # (num_blocks, block_size, num_kv_heads, head_dim), before the write
     v_pool: np.ndarray
     scale: float
+    window: int | None = None
+    sinks: np.ndarray | None = None  # (num_heads,) float32
 
 
 def make_inputs(case: Case) -> Inputs:
@@ -99,6 +103,9 @@ def make_inputs(case: Case) -> Inputs:
         k_pool=k_pool,
         v_pool=v_pool,
         scale=hd**-0.5,
+        window=case.window,
+        # Sinks around the scores' scale, so they matter without swamping them.
+        sinks=(2 * rng.standard_normal(heads)).astype(np.float32) if case.sinks else None,
     )
 
 
@@ -123,6 +130,8 @@ def run(
             v_cache,
             inp.md,
             inp.scale,
+            window=inp.window,
+            sinks=None if inp.sinks is None else mx.array(inp.sinks),
         )
         mx.eval(out, k_cache, v_cache)
     return to_numpy(out), to_numpy(k_cache), to_numpy(v_cache)

@@ -229,10 +229,29 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=bench_command)
 
 
-def bench_command(args: argparse.Namespace) -> int:
+def check_bench_flags(args: argparse.Namespace) -> None:
+    """Every count a flag gives, checked before the model loads (one clear error line)."""
+
+    def flag(name: str) -> str:
+        return f"--{name.replace('_', '-')}"
+
     for name in ("prompt_tokens", "decode_tokens", "prefill_tokens", "batch_tokens"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"{flag(name)} must be >= 1, got {getattr(args, name)}")
+    bad = [n for n in args.batch_sizes if n < 1]
+    if bad:
+        raise ValueError(f"--batch-sizes must all be >= 1, got {bad[0]}")
+    if args.profile_batch < 0:
+        raise ValueError(f"--profile-batch must be >= 0 (0: no profile), got {args.profile_batch}")
+    if args.profile_batch and args.profile_steps < 1:
+        raise ValueError(
+            f"--profile-steps must be >= 1 (or --profile-batch 0 for no profile), "
+            f"got {args.profile_steps}"
+        )
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    check_bench_flags(args)
     spec = OfflineSpec(
         prompt_tokens=args.prompt_tokens,
         decode_tokens=args.decode_tokens,

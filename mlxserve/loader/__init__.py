@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxserve.blas import fast_blas
-from mlxserve.loader import hub
+from mlxserve.loader import generation_config, hub
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.loader.local import read_model_dir
 from mlxserve.models import dequantize_model, quantized_bytes_as_float
@@ -54,6 +54,9 @@ class LoadedModel:
     config: dict
     source: ModelSource
     dtype: mx.Dtype
+    # The model's own sampling defaults (generation_config.json or GGUF general.sampling.*),
+    # as SamplingParams fields; front-ends decide whether to use them.
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -186,8 +189,10 @@ def load_model(
         config, weights, meta = load_gguf(source.path, keep_float=gguf_keep_float)
         if not skip_tokenizer_init and tok is None:
             tok = _load_tokenizer(source, meta)
+        defaults = generation_config.from_gguf_metadata(meta, str(source.path))
     else:
         config, weights = read_model_dir(source.path)
+        defaults = generation_config.from_model_dir(source.path)
     act_dtype = resolve_dtype(dtype, config)
     try:
         net = build_model(config, cast_weights(weights, act_dtype))
@@ -202,7 +207,7 @@ def load_model(
             act_dtype,
             fast_blas(),
         )
-    return LoadedModel(net, tok, config, source, act_dtype)
+    return LoadedModel(net, tok, config, source, act_dtype, defaults)
 
 
 def should_dequantize(model: nn.Module, dtype: mx.Dtype) -> bool:

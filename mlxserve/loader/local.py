@@ -7,7 +7,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxserve.models import supported_model_types
+from mlxserve.models import supported_model_types, unsupported_message
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -69,10 +69,7 @@ def read_model_dir(model_dir: Path) -> tuple[dict, dict[str, mx.array]]:
     if "model_type" not in config:
         raise ValueError(f"{config_path}: no model_type")
     if config["model_type"] not in supported_model_types():  # before reading the weights
-        raise ValueError(
-            f"{config_path}: unsupported model_type {config['model_type']!r}; "
-            f"supported: {', '.join(supported_model_types())}"
-        )
+        raise ValueError(f"{config_path}: {unsupported_message(config['model_type'])}")
     # mlx-community checkpoints say "quantization"; some tools say "quantization_config".
     qconf = config.get("quantization") or config.get("quantization_config")
     if qconf is not None and "bits" in qconf:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxserve.models import llama, opt, qwen2, qwen3
+from mlxserve.models import llama, mlx_lm_zoo, opt, qwen2, qwen3
 from mlxserve.models.base import KVCache
 
 __all__ = ["KVCache", "build_model", "get_model_class", "supported_model_types"]
@@ -30,19 +30,27 @@ DEFAULT_QUANT = {"group_size": 64, "bits": 4, "mode": "affine"}
 
 
 def supported_model_types() -> list[str]:
-    """HF ``model_type`` values mlxserve can run."""
-    return sorted(MODEL_MODULES)
+    """HF ``model_type`` values mlxserve can run (hand-written, or mlx-lm's through the
+    adapter: mlxserve.models.mlx_lm_zoo)."""
+    return sorted(set(MODEL_MODULES) | set(mlx_lm_zoo.MODEL_TYPES))
 
 
 def get_model_class(model_type: str) -> tuple[type[nn.Module], type]:
     """(Model, ModelArgs) for an HF ``model_type``."""
     module = MODEL_MODULES.get(model_type)
     if module is None:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; "
-            f"supported: {', '.join(supported_model_types())}"
-        )
+        raise ValueError(unsupported_message(model_type))
     return module.Model, module.ModelArgs
+
+
+def unsupported_message(model_type: str) -> str:
+    """Why ``model_type`` cannot be loaded (mlx-lm's reason when it has the architecture)."""
+    why = mlx_lm_zoo.why_not(model_type)
+    return (
+        f"unsupported model_type {model_type!r}"
+        + (f" ({why})" if why else "")
+        + (f"; supported: {', '.join(supported_model_types())}")
+    )
 
 
 def build_model(
@@ -59,6 +67,9 @@ def build_model(
     model_type = config.get("model_type")
     if model_type is None:
         raise ValueError("model config has no 'model_type'")
+    if model_type not in MODEL_MODULES and model_type in mlx_lm_zoo.MODEL_TYPES:
+        # mlx-lm's class through the adapter; hand-written models stay the default.
+        return mlx_lm_zoo.build(config, weights, dtype, load_weights_strict)
     model_cls, args_cls = get_model_class(model_type)
     config = dict(config)
     if "tie_word_embeddings" not in config:
@@ -129,29 +140,48 @@ def quantize_like_checkpoint(
 def load_weights_strict(
     model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype | None = None
 ) -> None:
-    """Load weights after checking names and shapes; ValueError lists every mismatch."""
+    """Load weights after checking names and shapes.
+
+    A ValueError names the first problem and counts the others by kind, in one line: a
+    config that disagrees with its checkpoint makes every tensor a problem (hundreds).
+    """
     expected = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    problems = []
-    if missing:
-        problems.append("missing weights: " + ", ".join(missing))
-    if unexpected:
-        problems.append("unexpected weights: " + ", ".join(unexpected))
+    problems: list[tuple[str, str]] = []  # (kind, description)
+    problems += [("missing", f"missing weight {n}") for n in sorted(set(expected) - set(weights))]
+    problems += [
+        ("unexpected", f"unexpected weight {n}") for n in sorted(set(weights) - set(expected))
+    ]
     for name in sorted(set(expected) & set(weights)):
         want, got = expected[name], weights[name]
         if tuple(want.shape) != tuple(got.shape):
             problems.append(
-                f"wrong shape for {name}: expected {tuple(want.shape)}, got {tuple(got.shape)}"
+                (
+                    "wrong shape",
+                    f"wrong shape for {name}: expected {tuple(want.shape)}, got {tuple(got.shape)}",
+                )
             )
         elif _is_float(want.dtype) != _is_float(got.dtype):
-            problems.append(f"wrong dtype for {name}: expected {want.dtype}, got {got.dtype}")
+            problems.append(
+                ("wrong dtype", f"wrong dtype for {name}: expected {want.dtype}, got {got.dtype}")
+            )
     if problems:
         kind = type(model).__module__.rsplit(".", 1)[-1]
-        raise ValueError(f"cannot load {kind} weights:\n  " + "\n  ".join(problems))
+        raise ValueError(f"cannot load {kind} weights: {problems[0][1]}{_more(problems[1:])}")
     if dtype is not None:
         weights = {k: v.astype(dtype) if _is_float(v.dtype) else v for k, v in weights.items()}
     model.update(tree_unflatten(list(weights.items())))
+
+
+def _more(problems: list[tuple[str, str]]) -> str:
+    """'' or '; and 694 more problems (690 wrong shape, 4 missing)'."""
+    if not problems:
+        return ""
+    counts: dict[str, int] = {}
+    for kind, _ in problems:
+        counts[kind] = counts.get(kind, 0) + 1
+    parts = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    noun = "problem" if len(problems) == 1 else "problems"
+    return f"; and {len(problems)} more {noun} ({parts})"
 
 
 def _is_float(dtype: mx.Dtype) -> bool:

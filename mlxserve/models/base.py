@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,11 +177,33 @@ class KVCache:
         dtype: mx.Dtype = mx.float16,
     ) -> KVCache:
         """Zeroed pools for every layer (lazy: memory is committed on first evaluation)."""
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shapes = [(num_kv_heads, head_dim, head_dim)] * num_layers
+        return cls.allocate_layers(shapes, num_blocks, block_size, dtype)
+
+    @classmethod
+    def allocate_layers(
+        cls,
+        shapes: Sequence[tuple[int, int, int]],  # per layer: (num_kv_heads, k_dim, v_dim)
+        num_blocks: int,
+        block_size: int,
+        dtype: mx.Dtype = mx.float16,
+    ) -> KVCache:
+        """Zeroed pools whose head count and K / V head sizes may differ per layer."""
         return cls(
-            keys=[mx.zeros(shape, dtype=dtype) for _ in range(num_layers)],
-            values=[mx.zeros(shape, dtype=dtype) for _ in range(num_layers)],
+            keys=[mx.zeros((num_blocks, block_size, h, k), dtype=dtype) for h, k, _ in shapes],
+            values=[mx.zeros((num_blocks, block_size, h, v), dtype=dtype) for h, _, v in shapes],
         )
+
+    @classmethod
+    def allocate_for(
+        cls, model: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype = mx.float16
+    ) -> KVCache:
+        """Pools shaped for ``model``: its ``kv_layer_shapes`` when it has them (models whose
+        layers differ), else ``num_layers`` x (``num_kv_heads``, ``head_dim``)."""
+        shapes = getattr(model, "kv_layer_shapes", None)
+        if shapes is None:
+            shapes = [(model.num_kv_heads, model.head_dim, model.head_dim)] * model.num_layers
+        return cls.allocate_layers(shapes, num_blocks, block_size, dtype)
 
     def ensure_num_blocks(self, num_blocks: int) -> None:
         """Grow every pool to ``num_blocks`` blocks (new blocks zeroed); never shrinks.
@@ -190,11 +213,10 @@ class KVCache:
         extra = num_blocks - self.num_blocks
         if extra <= 0:
             return
-        shape = (extra, *self.keys[0].shape[1:])
-        dtype = self.keys[0].dtype
         for pools in (self.keys, self.values):
             for i, pool in enumerate(pools):
-                pools[i] = mx.concatenate([pool, mx.zeros(shape, dtype=dtype)])
+                zeros = mx.zeros((extra, *pool.shape[1:]), dtype=pool.dtype)
+                pools[i] = mx.concatenate([pool, zeros])
 
     @property
     def num_layers(self) -> int:

@@ -7,21 +7,26 @@ the engine's ``kernels`` setting) scopes a choice; ``check_kernels`` says at sta
 whether a choice can run here. ``kernel_backend()`` says which implementation is in use
 and why. Models should call ``write_kv_and_attend``: it is the only entry that can write
 the pool in place with a Metal kernel (see ops/metal.py).
+
+Per-layer variants: ``window`` (sliding-window attention) and ``sinks`` (gpt-oss's per-head
+sink logits) run in both implementations; layers the kernels cannot take (K and V head sizes
+differ, head_dim above 256) use the fallback even on Metal, logged once per reason.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import mlx.core as mx
 
 from mlxserve.exceptions import ParameterError
 from mlxserve.ops import fallback
 from mlxserve.ops.metadata import AttentionMetadata
-from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels
+from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels, unsupported_reason
 
 __all__ = [
     "AttentionMetadata",
@@ -33,6 +38,8 @@ __all__ = [
     "write_kv",
     "write_kv_and_attend",
 ]
+
+logger = logging.getLogger("mlxserve")
 
 
 @dataclass
@@ -133,38 +140,73 @@ def write_kv(
     return fallback.write_kv(k_cache, v_cache, keys, values, slot_mapping)
 
 
-def paged_attention(
-    q: mx.array,  # (num_tokens, num_heads, head_dim)
-    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: mx.array,
-    md: AttentionMetadata,
-    scale: float,
-) -> mx.array:  # (num_tokens, num_heads, head_dim)
-    """Attention of each new token over its request's context in the block pool."""
+def _kernels_for(q: mx.array, k_cache: mx.array, v_cache: mx.array) -> MetalKernels | None:
+    """The Metal kernels when they are in use and handle these shapes, else None (fallback)."""
     kernels = _metal()
     if kernels is None:
-        return fallback.paged_attention(q, k_cache, v_cache, md, scale)
-    return kernels.paged_attention(q, k_cache, v_cache, md, scale)
+        return None
+    reason = unsupported_reason(q, k_cache, v_cache)
+    if reason is not None:
+        _note_fallback(reason)
+        return None
+    return kernels
+
+
+@cache
+def _note_fallback(reason: str) -> None:
+    logger.info("paged attention: %s; these layers use the fallback", reason)
+
+
+def paged_attention(
+    q: mx.array,  # (num_tokens, num_heads, k_head_dim)
+    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, k_head_dim)
+    v_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, v_head_dim)
+    md: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:  # (num_tokens, num_heads, v_head_dim)
+    """Attention of each new token over its request's context in the block pool.
+
+    ``window``: a query at position p sees keys in (p - window, p] (sliding window).
+    ``sinks``: (num_heads,) logits that join each head's softmax denominator (gpt-oss).
+    """
+    _check_window(window)
+    kernels = _kernels_for(q, k_cache, v_cache)
+    if kernels is None:
+        return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
+    return kernels.paged_attention(q, k_cache, v_cache, md, scale, window=window, sinks=sinks)
 
 
 def write_kv_and_attend(
-    q: mx.array,  # (num_tokens, num_heads, head_dim)
-    keys: mx.array,  # (num_tokens, num_kv_heads, head_dim)
-    values: mx.array,
-    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: mx.array,
+    q: mx.array,  # (num_tokens, num_heads, k_head_dim)
+    keys: mx.array,  # (num_tokens, num_kv_heads, k_head_dim)
+    values: mx.array,  # (num_tokens, num_kv_heads, v_head_dim)
+    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, k_head_dim)
+    v_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, v_head_dim)
     md: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """One attention layer's cache work: write this step's K/V, then attend.
 
     Returns (out, k_cache, v_cache). The pools passed in are consumed: keep only the
-    returned ones.
+    returned ones. ``window`` and ``sinks`` as in :func:`paged_attention`.
     """
-    kernels = _metal()
+    _check_window(window)
+    kernels = _kernels_for(q, k_cache, v_cache)
     if kernels is None:
         k_cache, v_cache = fallback.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
-        return fallback.paged_attention(q, k_cache, v_cache, md, scale), k_cache, v_cache
+        out = fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
+        return out, k_cache, v_cache
     k_cache, v_cache, token = kernels.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
-    out = kernels.paged_attention(q, k_cache, v_cache, md, scale, token=token)
+    out = kernels.paged_attention(
+        q, k_cache, v_cache, md, scale, window=window, sinks=sinks, token=token
+    )
     return out, k_cache, v_cache
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"attention window must be >= 1 token, got {window}")

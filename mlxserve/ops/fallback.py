@@ -2,6 +2,14 @@
 
 The Metal kernels are tested against these functions; these are tested against a
 plainly written dense attention (tests/test_paged_attention.py).
+
+Per-layer variants (as mlx-lm's layers compute them):
+
+* ``window``: sliding-window attention; a query at position p sees keys in (p - window, p].
+  Only the blocks that hold such keys are gathered.
+* ``sinks``: one learned logit per query head (gpt-oss) that joins the softmax denominator
+  and attends to nothing: ``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink))``.
+* K and V may have different head sizes (MLA-style layers); the output has V's.
 """
 
 from __future__ import annotations
@@ -12,49 +20,54 @@ from mlxserve.ops.metadata import AttentionMetadata
 
 
 def write_kv(
-    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    keys: mx.array,  # (num_tokens, num_kv_heads, head_dim)
-    values: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, k_head_dim)
+    v_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, v_head_dim)
+    keys: mx.array,  # (num_tokens, num_kv_heads, k_head_dim)
+    values: mx.array,  # (num_tokens, num_kv_heads, v_head_dim)
     slot_mapping: mx.array,  # (num_tokens,) int32
 ) -> tuple[mx.array, mx.array]:
     """Scatter new K/V rows into their slots; returns the updated pools.
 
     The caller must drop its reference to the old pools so MLX can update them in place.
     """
-    shape = k_cache.shape
-    rows = shape[0] * shape[1]
-    k_flat = k_cache.reshape(rows, shape[2], shape[3])
-    v_flat = v_cache.reshape(rows, shape[2], shape[3])
+    k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # (num_slots, num_kv_heads, k_head_dim)
+    v_flat = v_cache.reshape(-1, *v_cache.shape[2:])  # (num_slots, num_kv_heads, v_head_dim)
     k_flat[slot_mapping] = keys.astype(k_cache.dtype)
     v_flat[slot_mapping] = values.astype(v_cache.dtype)
-    return k_flat.reshape(shape), v_flat.reshape(shape)
+    return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
 
 
 def paged_attention(
-    q: mx.array,  # (num_tokens, num_heads, head_dim)
-    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    q: mx.array,  # (num_tokens, num_heads, k_head_dim)
+    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, k_head_dim)
+    v_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, v_head_dim)
     md: AttentionMetadata,
     scale: float,
-) -> mx.array:  # (num_tokens, num_heads, head_dim)
+    window: int | None = None,
+    sinks: mx.array | None = None,  # (num_heads,)
+) -> mx.array:  # (num_tokens, num_heads, v_head_dim)
     """Varlen attention: batched decodes first, then one causal block per prefill chunk.
 
     GQA is folded into the query rows so each KV head is read once per group and the
     score matmul is one (group * q_len, head_dim) x (head_dim, ctx) product.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, num_heads, _ = q.shape
+    v_head_dim = v_cache.shape[-1]
     outs = []
     if md.num_decodes:
-        outs.append(_decode_attention(q[: md.num_decodes], k_cache, v_cache, md, scale))
+        outs.append(
+            _decode_attention(q[: md.num_decodes], k_cache, v_cache, md, scale, window, sinks)
+        )
     start = md.num_decodes
     for i in range(md.num_decodes, md.num_reqs):
         q_len, ctx = md.query_lens[i], md.context_lens_host[i]
         qi = q[start : start + q_len]
-        outs.append(_prefill_attention(qi, k_cache, v_cache, md.block_tables[i], ctx, scale))
+        outs.append(
+            _prefill_attention(qi, k_cache, v_cache, md.block_tables[i], ctx, scale, window, sinks)
+        )
         start += q_len
     if start < num_tokens:  # bucketing padding: rows nobody reads
-        outs.append(mx.zeros((num_tokens - start, num_heads, head_dim), dtype=q.dtype))
+        outs.append(mx.zeros((num_tokens - start, num_heads, v_head_dim), dtype=q.dtype))
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
@@ -67,54 +80,100 @@ def _gather_context(
     return blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
 
 
+def _softmax(
+    scores: mx.array,  # (..., L) float32
+    sink: mx.array | None,  # broadcastable to (..., 1) float32
+) -> mx.array:  # (..., L) float32
+    """Softmax over the last axis; a sink logit joins the denominator only."""
+    if sink is None:
+        return mx.softmax(scores, axis=-1)
+    m = mx.maximum(scores.max(axis=-1, keepdims=True), sink)
+    e = mx.exp(scores - m)
+    return e / (e.sum(axis=-1, keepdims=True) + mx.exp(sink - m))
+
+
 def _decode_attention(
-    q: mx.array,  # (num_decodes, num_heads, head_dim)
+    q: mx.array,  # (num_decodes, num_heads, k_head_dim)
     k_cache: mx.array,
     v_cache: mx.array,
     md: AttentionMetadata,
     scale: float,
-) -> mx.array:  # (num_decodes, num_heads, head_dim)
+    window: int | None,
+    sinks: mx.array | None,
+) -> mx.array:  # (num_decodes, num_heads, v_head_dim)
     num_decodes, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_ctx_blocks = -(-md.max_decode_context_len // block_size)
-    tables = md.block_tables[:num_decodes, :num_ctx_blocks]  # (num_decodes, num_ctx_blocks)
+    ctx = md.context_lens[:num_decodes]  # (B,)
+    tables = md.block_tables[:num_decodes]  # (B, max_blocks)
+    if window is None or window >= md.max_decode_context_len:
+        first = mx.zeros((num_decodes,), dtype=mx.int32)  # first gathered block
+        tables = tables[:, :num_ctx_blocks]
+    else:
+        # Keys (ctx - window, ctx] span at most (window - 1) // block_size + 2 blocks.
+        num_ctx_blocks = min(num_ctx_blocks, (window - 1) // block_size + 2)
+        first = mx.maximum(ctx - window, 0) // block_size
+        # Stay inside the table; starting earlier still covers the window.
+        first = mx.minimum(first, tables.shape[1] - num_ctx_blocks)
+        idx = first[:, None] + mx.arange(num_ctx_blocks)[None]  # (B, num_ctx_blocks)
+        tables = mx.take_along_axis(tables, idx, axis=1)
     k = _gather_context(k_cache, tables).transpose(0, 2, 3, 1)  # (B, kvh, head_dim, L)
-    v = _gather_context(v_cache, tables).transpose(0, 2, 1, 3)  # (B, kvh, L, head_dim)
+    v = _gather_context(v_cache, tables).transpose(0, 2, 1, 3)  # (B, kvh, L, v_head_dim)
     qg = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # (B, kvh, group, head_dim)
     scores = (qg @ k).astype(mx.float32) * scale  # (B, kvh, group, L)
-    ctx_len = k.shape[-1]
-    valid = mx.arange(ctx_len)[None, :] < md.context_lens[:num_decodes, None]  # (B, L)
+    pos = first[:, None] * block_size + mx.arange(k.shape[-1])[None]  # (B, L) key positions
+    valid = pos < ctx[:, None]
+    if window is not None:
+        valid = valid & (pos >= ctx[:, None] - window)
     scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1).astype(v.dtype)  # (B, kvh, group, L)
-    out = probs @ v  # (B, kvh, group, head_dim)
-    return out.reshape(num_decodes, num_heads, head_dim)
+    sink = None
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, num_kv_heads, group, 1)
+    probs = _softmax(scores, sink).astype(v.dtype)  # (B, kvh, group, L)
+    out = probs @ v  # (B, kvh, group, v_head_dim)
+    return out.reshape(num_decodes, num_heads, v.shape[-1])
 
 
 def _prefill_attention(
-    q: mx.array,  # (q_len, num_heads, head_dim)
+    q: mx.array,  # (q_len, num_heads, k_head_dim)
     k_cache: mx.array,
     v_cache: mx.array,
     table: mx.array,  # (max_blocks,) int32
     ctx: int,
     scale: float,
-) -> mx.array:  # (q_len, num_heads, head_dim)
+    window: int | None,
+    sinks: mx.array | None,
+) -> mx.array:  # (q_len, num_heads, v_head_dim)
     q_len, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    v_head_dim = v_cache.shape[-1]
     group = num_heads // num_kv_heads
     num_ctx_blocks = -(-ctx // block_size)
-    k = _gather_context(k_cache, table[:num_ctx_blocks])[:ctx]  # (ctx, kvh, head_dim)
-    v = _gather_context(v_cache, table[:num_ctx_blocks])[:ctx]  # (ctx, kvh, head_dim)
+    # The first query (position ctx - q_len) sees keys from ctx - q_len - window + 1 on.
+    first_block = 0 if window is None else max(ctx - q_len - window + 1, 0) // block_size
+    start = first_block * block_size  # position of the first gathered key
+    blocks = table[first_block:num_ctx_blocks]
+    k = _gather_context(k_cache, blocks)[: ctx - start]  # (L, kvh, head_dim)
+    v = _gather_context(v_cache, blocks)[: ctx - start]  # (L, kvh, v_head_dim)
     # Fold the GQA group into rows: (kvh, group * q_len, head_dim), row = g * q_len + t.
     qg = q.reshape(q_len, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     qg = qg.reshape(num_kv_heads, group * q_len, head_dim)
-    scores = (qg @ k.transpose(1, 2, 0)).astype(mx.float32) * scale  # (kvh, group*q_len, ctx)
-    # Query t sits at position ctx - q_len + t and sees keys 0 .. ctx - q_len + t.
-    q_pos = mx.arange(ctx - q_len, ctx)
-    causal = mx.arange(ctx)[None, :] <= q_pos[:, None]  # (q_len, ctx)
-    causal = mx.tile(causal, (group, 1))  # (group * q_len, ctx)
-    scores = mx.where(causal[None], scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1).astype(v.dtype)
-    out = probs @ v.transpose(1, 0, 2)  # (kvh, group * q_len, head_dim)
-    out = out.reshape(num_kv_heads, group, q_len, head_dim).transpose(2, 0, 1, 3)
-    return out.reshape(q_len, num_heads, head_dim)
+    scores = (qg @ k.transpose(1, 2, 0)).astype(mx.float32) * scale  # (kvh, group*q_len, L)
+    # Query t sits at position ctx - q_len + t and sees keys up to it (and, with a
+    # window, after its position - window).
+    q_pos = mx.arange(ctx - q_len, ctx)[:, None]
+    k_pos = mx.arange(start, ctx)[None, :]
+    visible = k_pos <= q_pos  # (q_len, L)
+    if window is not None:
+        visible = visible & (k_pos > q_pos - window)
+    visible = mx.tile(visible, (group, 1))  # (group * q_len, L)
+    scores = mx.where(visible[None], scores, -mx.inf)
+    sink = None
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(num_kv_heads, group, 1)
+        sink = mx.repeat(sink, q_len, axis=1)  # (kvh, group * q_len, 1): row g * q_len + t
+    probs = _softmax(scores, sink).astype(v.dtype)
+    out = probs @ v.transpose(1, 0, 2)  # (kvh, group * q_len, v_head_dim)
+    out = out.reshape(num_kv_heads, group, q_len, v_head_dim).transpose(2, 0, 1, 3)
+    return out.reshape(q_len, num_heads, v_head_dim)

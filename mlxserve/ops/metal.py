@@ -47,7 +47,16 @@ KERNELS = {
     ),
     "paged_decode": (
         "paged_decode.metal",
-        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "kv_written"],
+        [
+            "q",
+            "k_cache",
+            "v_cache",
+            "block_tables",
+            "context_lens",
+            "scale",
+            "sinks",
+            "kv_written",
+        ],
         ["out"],
     ),
     "paged_decode_split": (
@@ -57,7 +66,7 @@ KERNELS = {
     ),
     "paged_decode_reduce": (
         "paged_decode_reduce.metal",
-        ["partial_out", "partial_max", "partial_sum", "context_lens"],
+        ["partial_out", "partial_max", "partial_sum", "context_lens", "sinks"],
         ["out"],
     ),
     "paged_prefill": (
@@ -70,6 +79,7 @@ KERNELS = {
             "context_lens",
             "query_start_loc",
             "scale",
+            "sinks",
             "kv_written",
         ],
         ["out"],
@@ -79,11 +89,15 @@ HEADER_FILE = "attention_common.metal"
 
 
 def kernel_dir() -> Path:
-    """Where the .metal files are: the installed package data, else the source tree."""
-    try:
-        return Path(str(importlib.resources.files("mlxserve._metal")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "metal"
+    """Where the .metal files are: the source tree this package sits in, else the package data.
+
+    The source tree comes first: an editable install elsewhere maps ``mlxserve._metal`` to
+    *its* checkout, which would pair this code with another tree's kernels.
+    """
+    source = Path(__file__).resolve().parents[2] / "metal"
+    if (source / HEADER_FILE).is_file():
+        return source
+    return Path(str(importlib.resources.files("mlxserve._metal")))
 
 
 def read_source(file: str) -> str:
@@ -168,19 +182,19 @@ class MetalKernels:
         v_cache: mx.array,
         md: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        sinks: mx.array | None = None,  # (num_heads,)
         token: mx.array | None = None,
     ) -> mx.array:  # (num_tokens, num_heads, head_dim)
         """Decode-only batches use the decode kernel (split-K for long contexts), mixed ones
         the varlen prefill kernel; `token` is write_kv's ordering token, if the pools were
-        just written."""
+        just written. `window` and `sinks` as in ops.paged_attention."""
         _check_pool(k_cache, v_cache)
+        reason = unsupported_reason(q, k_cache, v_cache)
+        if reason is not None:
+            raise ValueError(f"Metal paged attention: {reason}")
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        if head_dim > MAX_HEAD_DIM or num_heads % num_kv_heads:
-            raise ValueError(
-                f"Metal paged attention: head_dim={head_dim} (max {MAX_HEAD_DIM}), "
-                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
-            )
         out_dtype = q.dtype
         if q.dtype != k_cache.dtype:
             q = q.astype(k_cache.dtype)
@@ -188,6 +202,11 @@ class MetalKernels:
         num_simd = max(self.config.num_simd, -(-head_dim // 32))
         token = token if token is not None else self._constant(0, mx.int32, vector=True)
         scale_arr = self._constant(float(scale), mx.float32)
+        use_sinks = sinks is not None
+        if sinks is None:  # never read (USE_SINKS false); one element, bound as constant
+            sinks = self._constant(0.0, mx.float32, vector=True)
+        elif sinks.dtype != mx.float32:
+            sinks = sinks.astype(mx.float32)
         common = [q, k_cache, v_cache, md.block_tables, md.context_lens]
         base = [
             ("T", k_cache.dtype),
@@ -195,40 +214,45 @@ class MetalKernels:
             ("BLOCK_SIZE", block_size),
             ("GQA", gqa),
             ("NUM_SIMD", num_simd),
+            ("WINDOW", window or 0),
         ]
         threads = num_simd * 32
         if md.num_decodes < md.num_reqs:
             tq = max(1, self.config.rows_per_tile // gqa)
             num_tiles = md.num_reqs + -(-num_tokens // tq) + 1
             (out,) = self.kernel("paged_prefill")(
-                inputs=[*common, md.query_start_loc, scale_arr, token],
+                inputs=[*common, md.query_start_loc, scale_arr, sinks, token],
                 output_shapes=[q.shape],
                 output_dtypes=[k_cache.dtype],
                 grid=(threads * num_kv_heads, num_tiles, 1),
                 threadgroup=(threads, 1, 1),
-                template=[*base, ("TQ", tq)],
+                template=[*base, ("USE_SINKS", use_sinks), ("TQ", tq)],
             )
-        elif self._use_split(md, num_kv_heads):
-            out = self._split_decode(common, scale_arr, token, base, md, q.shape, threads)
+        elif self._use_split(md, num_kv_heads, window):
+            out = self._split_decode(
+                common, scale_arr, sinks, use_sinks, token, base, md, q.shape, threads
+            )
         else:
             (out,) = self.kernel("paged_decode")(
-                inputs=[*common, scale_arr, token],
+                inputs=[*common, scale_arr, sinks, token],
                 output_shapes=[q.shape],
                 output_dtypes=[k_cache.dtype],
                 grid=(threads * num_kv_heads, num_tokens, 1),
                 threadgroup=(threads, 1, 1),
-                template=base,
+                template=[*base, ("USE_SINKS", use_sinks)],
             )
         return out if out.dtype == out_dtype else out.astype(out_dtype)
 
-    def _use_split(self, md: AttentionMetadata, num_kv_heads: int) -> bool:
+    def _use_split(self, md: AttentionMetadata, num_kv_heads: int, window: int | None) -> bool:
         cfg = self.config
+        attended = min(md.max_decode_context_len, window or md.max_decode_context_len)
         return (
-            md.num_reqs * num_kv_heads < cfg.split_max_groups
-            and md.max_decode_context_len >= cfg.split_min_context
+            md.num_reqs * num_kv_heads < cfg.split_max_groups and attended >= cfg.split_min_context
         )
 
-    def _split_decode(self, common, scale_arr, token, base, md, q_shape, threads) -> mx.array:
+    def _split_decode(
+        self, common, scale_arr, sinks, use_sinks, token, base, md, q_shape, threads
+    ) -> mx.array:
         num_tokens, num_heads, head_dim = q_shape
         num_kv_heads = common[1].shape[2]
         part = self.config.partition_size
@@ -248,15 +272,30 @@ class MetalKernels:
             template=[*base, ("PARTITION_SIZE", part)],
         )
         width = -(-head_dim // 32) * 32
+        t, dim, window = base[0], base[1], base[5]
         (out,) = self.kernel("paged_decode_reduce")(
-            inputs=[partial_out, partial_max, partial_sum, md.context_lens],
+            inputs=[partial_out, partial_max, partial_sum, md.context_lens, sinks],
             output_shapes=[q_shape],
-            output_dtypes=[base[0][1]],
+            output_dtypes=[t[1]],
             grid=(width, num_heads, num_tokens),
             threadgroup=(width, 1, 1),
-            template=[base[0], base[1], ("PARTITION_SIZE", part)],
+            template=[t, dim, ("PARTITION_SIZE", part), window, ("USE_SINKS", use_sinks)],
         )
         return out
+
+
+def unsupported_reason(q: mx.array, k_cache: mx.array, v_cache: mx.array) -> str | None:
+    """Why the kernels cannot attend with these shapes (the dispatcher then uses the
+    fallback), or None."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape != v_cache.shape:
+        return f"K and V head sizes differ ({k_cache.shape[-1]} vs {v_cache.shape[-1]})"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is above the kernels' {MAX_HEAD_DIM}"
+    if num_heads % num_kv_heads:
+        return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    return None
 
 
 def _check_pool(k_cache: mx.array, v_cache: mx.array) -> None:

@@ -1,0 +1,396 @@
+"""Run mlx-lm's model classes on mlxserve's paged KV pool (attention-only architectures).
+
+The flat layout
+---------------
+A step's T tokens (any mix of requests, decodes and prefill chunks) go into the mlx-lm model
+as a batch of T rows of length 1. Every per-token op (embeddings, norms, MLPs, MoE switch
+layers, RoPE) then runs unchanged and unpadded: ``cache.offset`` is the (T,) array of the
+tokens' positions, which ``mx.fast.rope`` takes as a per-row offset. Attention is the only
+op that mixes tokens, and it is the only thing intercepted.
+
+The interception surface (all of it)
+------------------------------------
+1. **The cache objects.** The model is called with one :class:`PagedLayerCache` per entry of
+   its ``make_cache()``: ``offset`` is the positions array, ``update_and_fetch(k, v)`` records
+   this step's K/V (T, kv_heads, 1, head_dim) and returns them unchanged, ``make_mask``
+   returns None (a row of length 1 needs no mask).
+2. **``scaled_dot_product_attention``**, the name mlx-lm's model modules import from
+   ``mlx_lm.models.base``, is rebound in those modules' namespaces to :func:`paged_sdpa`:
+   with a PagedLayerCache it writes the recorded K/V into the block pool and runs
+   ``ops.write_kv_and_attend`` (with the layer's sliding window and ``sinks=``); with any
+   other cache it calls mlx-lm's own function, so mlx-lm keeps working in the same process.
+   Layers that attend to another layer's K/V (Gemma 4's KV sharing: ``cache=None``, keys
+   returned by an earlier layer's ``update_and_fetch``) read that layer's pool.
+
+Whatever falls outside this surface is refused, never silently wrong: a layer that takes its
+K/V from ``update_and_fetch`` but computes attention by hand (soft-capping, MLA latent
+scores), a mask the model built itself, or keys changed between ``update_and_fetch`` and the
+attention call. These checks run while the graph is built, so ``build`` runs one paged
+forward pass (not evaluated) and refuses such a model at load time.
+
+Cache kinds (one :class:`LayerCacheSpec` per ``make_cache()`` entry): ``KVCache`` is full
+attention, ``RotatingKVCache(max_size=W, keep=0)`` a sliding window of W tokens. Recurrent
+state (``ArraysCache``), chunked attention, cache lists and ``keep`` > 0 are not supported
+yet and raise :class:`UnsupportedModelError` naming the model_type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxserve import ops
+from mlxserve.models.base import KVCache
+from mlxserve.ops import AttentionMetadata
+
+# mlx-lm releases the adapter is tested with: [min, max). The surface above leans on mlx-lm's
+# internals (cache protocol, the sdpa name), so another release must be tested first.
+TESTED_MLX_LM = ((0, 32, 2), (0, 33, 0))
+MLX_LM_PIN = "mlx-lm>=0.32.2,<0.33"
+
+
+class UnsupportedModelError(ValueError):
+    """An mlx-lm architecture (or one of its layers) the paged adapter cannot run yet."""
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """What one cache layer (one entry of the model's ``make_cache()``) needs from the pool.
+
+    ``kind`` is "full_attention" or "sliding_window"; with a window, a query at position p
+    attends to keys in (p - window, p], so blocks wholly before that can be released.
+    """
+
+    kind: str
+    num_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    window: int | None = None
+
+    def bytes_per_token(self, dtype: mx.Dtype) -> int:
+        """K + V bytes one token takes in this layer's pool."""
+        return self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * dtype.size
+
+
+# ---- step context --------------------------------------------------------------------------
+@dataclass
+class _Step:
+    """One paged forward pass: what the cache views and the attention calls share."""
+
+    model_type: str  # for error messages
+    positions: mx.array  # (num_tokens,) int32
+    md: AttentionMetadata
+    kv_cache: KVCache
+    logits_indices: mx.array | None
+    write_then_read: bool  # KV-shared layers read pools: write with ordered scatter
+    kv_cast_after_fetch: bool  # the layers cast K/V (dtype only) after update_and_fetch
+    owners: dict[int, PagedLayerCache]  # id(keys returned by update_and_fetch) -> view
+
+
+@dataclass
+class _Probe:
+    """A forward through mlx-lm's own caches: counts attention calls without a cache."""
+
+    num_cacheless: int = 0
+
+
+_STEP: ContextVar[_Step | _Probe | None] = ContextVar("mlxserve_paged_step", default=None)
+
+
+class PagedLayerCache:
+    """Stands in for one mlx-lm cache object during a paged step (see the module docstring)."""
+
+    def __init__(self, step: _Step, index: int, spec: LayerCacheSpec) -> None:
+        self._step = step
+        self.index = index
+        self.spec = spec
+        self.keys: mx.array | None = None  # this step's K/V, as update_and_fetch returned them
+        self.values: mx.array | None = None
+        self.attended = False
+
+    @property
+    def offset(self) -> mx.array:  # (num_tokens,): each row's position
+        return self._step.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Record (num_tokens, kv_heads, 1, head_dim) K/V; written to the pool at attention."""
+        if self.keys is not None:
+            raise UnsupportedModelError(f"{self._where}: updated twice in one step")
+        self.keys, self.values = keys, values
+        self._step.owners[id(keys)] = self
+        return keys, values
+
+    def make_mask(self, n: int, *args, window_size: int | None = None, **kwargs) -> None:
+        """No mask: every row is one token, and its context is given by the metadata.
+
+        A window the model asks for must be the one its cache keeps (what the ops apply).
+        """
+        if window_size is not None and window_size != self.spec.window:
+            raise UnsupportedModelError(
+                f"{self._where}: the model masks a window of {window_size} tokens but its "
+                f"cache keeps {self.spec.window}"
+            )
+        return None
+
+    def attend(
+        self,
+        queries: mx.array,  # (num_tokens, num_heads, 1, k_head_dim)
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        mask: object,
+        sinks: mx.array | None,
+    ) -> mx.array:  # (num_tokens, num_heads, 1, v_head_dim)
+        """This layer's paged attention (its own K/V, or another layer's when shared)."""
+        self._check_call(keys, values, mask)
+        step, i = self._step, self.index
+        pools = step.kv_cache
+        q = queries[:, :, 0, :]  # (num_tokens, num_heads, k_head_dim)
+        k, v = keys[:, :, 0, :], values[:, :, 0, :]  # (num_tokens, kv_heads, k/v_head_dim)
+        args = (step.md, scale, self.spec.window, sinks)
+        if self.attended:  # a KV-shared layer: this step's K/V are already in the pool
+            out = ops.paged_attention(q, pools.keys[i], pools.values[i], *args)
+        elif step.write_then_read:  # others read this pool later: an ordered (scatter) write
+            pools.keys[i], pools.values[i] = ops.write_kv(
+                pools.keys[i], pools.values[i], k, v, step.md.slot_mapping
+            )
+            out = ops.paged_attention(q, pools.keys[i], pools.values[i], *args)
+        else:
+            out, pools.keys[i], pools.values[i] = ops.write_kv_and_attend(
+                q, k, v, pools.keys[i], pools.values[i], *args
+            )
+        self.attended = True
+        return out[:, :, None, :]
+
+    def _check_call(self, keys: mx.array, values: mx.array, mask: object) -> None:
+        if self._step.kv_cast_after_fetch:  # a known dtype cast only: shapes must agree
+            same = keys.shape == self.keys.shape and values.shape == self.values.shape
+        else:
+            same = keys is self.keys and values is self.values
+        if not same:
+            raise UnsupportedModelError(
+                f"{self._where}: the attention call got keys/values other than the ones "
+                "update_and_fetch returned (the layer changes them in between)"
+            )
+        if mask is not None and not isinstance(mask, str):
+            raise UnsupportedModelError(
+                f"{self._where}: the layer passes its own attention mask (scores computed "
+                "outside scaled_dot_product_attention)"
+            )
+
+    @property
+    def _where(self) -> str:
+        return f"{self._step.model_type}: cache layer {self.index}"
+
+
+def paged_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    """Stands for mlx_lm.models.base.scaled_dot_product_attention in mlx-lm's modules."""
+    if isinstance(cache, PagedLayerCache):
+        return cache.attend(queries, keys, values, scale, mask, sinks)
+    state = _STEP.get()
+    if isinstance(state, _Step):
+        owner = state.owners.get(id(keys))
+        if owner is None or not owner.attended:
+            raise UnsupportedModelError(
+                f"{state.model_type}: an attention call without a paged cache, on keys no "
+                "earlier layer cached"
+            )
+        return owner.attend(queries, owner.keys, owner.values, scale, mask, sinks)
+    if isinstance(state, _Probe) and cache is None:
+        state.num_cacheless += 1
+    return _mlx_lm_sdpa()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _mlx_lm_sdpa():
+    from mlx_lm.models import base
+
+    return base.scaled_dot_product_attention
+
+
+def install(module: types.ModuleType) -> None:
+    """Rebind ``scaled_dot_product_attention`` to paged_sdpa in ``module`` and in every loaded
+    mlx-lm model module that imported mlx-lm's (model files import layers from each other)."""
+    import sys
+
+    original = _mlx_lm_sdpa()
+    for name, mod in list(sys.modules.items()):
+        if name == "mlx_lm.models.base":  # the original stays where it is defined
+            continue
+        if mod is module or name.startswith("mlx_lm.models."):
+            if getattr(mod, "scaled_dot_product_attention", None) is original:
+                mod.scaled_dot_product_attention = paged_sdpa
+
+
+# ---- the adapted model -----------------------------------------------------------------------
+class MlxLmModel(nn.Module):
+    """An mlx-lm model with mlxserve's interface:
+    ``model(input_ids, positions, attn_metadata, kv_cache, logits_indices) -> logits``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        model_type: str,
+        specs: list[LayerCacheSpec],
+        vocab_size: int,
+        max_position_embeddings: int | None,
+        shares_kv: bool = False,
+        kv_cast_after_fetch: bool = False,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.model_type = model_type
+        self.vocab_size = vocab_size
+        self.max_position_embeddings = max_position_embeddings
+        self._cache_specs = tuple(specs)
+        self._shares_kv = shares_kv
+        self._kv_cast_after_fetch = kv_cast_after_fetch
+        self._selects_rows = _hook_row_selection(model)
+
+    @property
+    def cache_specs(self) -> tuple[LayerCacheSpec, ...]:
+        """One spec per cache layer (one pool each), in ``make_cache()`` order."""
+        return self._cache_specs
+
+    @property
+    def kv_layer_shapes(self) -> list[tuple[int, int, int]]:
+        """(num_kv_heads, k_head_dim, v_head_dim) of each cache layer's pool."""
+        return [(s.num_kv_heads, s.k_head_dim, s.v_head_dim) for s in self._cache_specs]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._cache_specs)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._uniform()[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self._uniform()[1]
+
+    def _uniform(self) -> tuple[int, int]:
+        shapes = set(self.kv_layer_shapes)
+        (heads, k_dim, v_dim), *others = shapes
+        if others or k_dim != v_dim:
+            raise UnsupportedModelError(
+                f"{self.model_type}: its layers need KV pools of different shapes "
+                f"({sorted(shapes)} as (kv_heads, k_dim, v_dim)), and the engine allocates "
+                "one (num_kv_heads, head_dim) for every layer: not supported there yet "
+                "(KVCache.allocate_for makes per-layer pools)"
+            )
+        return heads, k_dim
+
+    def __call__(
+        self,
+        input_ids: mx.array,  # (num_tokens,) int32
+        positions: mx.array,  # (num_tokens,) int32
+        attn_metadata: AttentionMetadata,
+        kv_cache: KVCache,
+        logits_indices: mx.array | None = None,  # (num_rows,) int32
+    ) -> mx.array:  # (num_rows or num_tokens, vocab_size)
+        step = _Step(
+            self.model_type,
+            positions,
+            attn_metadata,
+            kv_cache,
+            logits_indices,
+            self._shares_kv,
+            self._kv_cast_after_fetch,
+            {},
+        )
+        views = [PagedLayerCache(step, i, spec) for i, spec in enumerate(self._cache_specs)]
+        token = _STEP.set(step)
+        try:
+            logits = self.model(input_ids[:, None], cache=views)  # (rows, 1, vocab)
+        finally:
+            _STEP.reset(token)
+        for view in views:
+            if not view.attended:
+                raise UnsupportedModelError(
+                    f"{self.model_type}: cache layer {view.index} "
+                    + (
+                        "was not used by the forward pass"
+                        if view.keys is None
+                        else "computes attention outside scaled_dot_product_attention"
+                    )
+                )
+        logits = logits[:, 0, :]  # (rows, vocab)
+        if logits_indices is not None:
+            if not self._selects_rows:
+                return logits[logits_indices]
+            if logits.shape[0] != logits_indices.shape[0]:
+                raise UnsupportedModelError(
+                    f"{self.model_type}: the LM head got {logits.shape[0]} rows, not the "
+                    f"{logits_indices.shape[0]} selected (its decoder stack is not the "
+                    "module the adapter hooked)"
+                )
+        return logits
+
+
+DECODER_NAMES = ("model", "transformer", "language_model", "backbone")
+
+
+def _hook_row_selection(model: nn.Module) -> bool:
+    """Keep only the rows whose logits are wanted before the LM head.
+
+    The hidden states come out of the decoder stack (``model.model`` in most mlx-lm files,
+    ``model.transformer`` in some); its class is swapped for a subclass that indexes the
+    rows the step asks for, so the outer model's head (tied or not, soft-capped or scaled)
+    runs on those rows only. ``MlxLmModel`` checks the row count it gets back.
+    """
+    children = model.children()
+    inner = next(
+        (children[name] for name in DECODER_NAMES if isinstance(children.get(name), nn.Module)),
+        None,
+    )
+    if inner is None:
+        return False
+    base = type(inner)
+    if getattr(base, "_mlxserve_selects_rows", False):  # hooked by an earlier adapter
+        return True
+
+    def __call__(self, *args, **kwargs):
+        h = base.__call__(self, *args, **kwargs)  # (num_tokens, 1, hidden)
+        state = _STEP.get()
+        if isinstance(state, _Step) and state.logits_indices is not None:
+            h = h[state.logits_indices]
+        return h
+
+    inner.__class__ = type(
+        base.__name__, (base,), {"__call__": __call__, "_mlxserve_selects_rows": True}
+    )
+    return True
+
+
+# ---- building -------------------------------------------------------------------------------
+def require_mlx_lm() -> types.ModuleType:
+    """mlx_lm, if installed in a tested version; else an error that says what to install."""
+    try:
+        import mlx_lm
+    except ImportError:
+        raise UnsupportedModelError(
+            f"this architecture runs through mlx-lm, which is not installed: pip install "
+            f"'{MLX_LM_PIN}' (or 'mlxserve[mlx-lm]')"
+        ) from None
+    version = tuple(int(x) for x in mlx_lm.__version__.split(".")[:3] if x.isdigit())
+    low, high = TESTED_MLX_LM
+    if not low <= version < high:
+        raise UnsupportedModelError(
+            f"mlx-lm {mlx_lm.__version__} is not a version mlxserve's adapter is tested with "
+            f"({MLX_LM_PIN}); install one: pip install '{MLX_LM_PIN}'"
+        )
+    return mlx_lm
+
+
+def mlx_lm_classes(config: dict) -> tuple[type[nn.Module], type, types.ModuleType]:
+    """(Model, ModelArgs, module) mlx-lm picks for this config (its own remapping)."""
+    require_mlx_lm()
+    from mlx_lm.utils import _get_classes  # version-pinned above
+
+    model_cls, args_cls = _get_classes(config)
+    return model_cls, args_cls, importlib.import_module(model_cls.__module__)
