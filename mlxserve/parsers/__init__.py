@@ -1,7 +1,7 @@
 """Parsers of model output, API-neutral: tool calls and ``<think>`` reasoning.
 
-Each front-end (OpenAI chat, Anthropic messages, Responses, Ollama) feeds the detokenized
-output through them and formats the ParsedDeltas its own way.
+A front-end (today the OpenAI chat endpoint) feeds the detokenized output through them and
+formats the ParsedDeltas its own way.
 
     tool parsers:      hermes (Qwen2.5 / Qwen3 / Hermes), qwen3_coder, llama3_json, mistral
     reasoning parsers: qwen3, deepseek_r1, smollm3

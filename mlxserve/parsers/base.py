@@ -7,8 +7,8 @@ built by one piece of code and cannot disagree, whatever the chunking.
 
 A tool call is sent whole (id, name, all its arguments) once its text is complete and
 parses: a call the model wrote badly comes back as the text it wrote, as content,
-streamed or not. API-neutral: the OpenAI, Anthropic, Responses and Ollama front-ends
-each format the same deltas.
+streamed or not. API-neutral: nothing here knows an HTTP API; the server's OpenAI chat
+endpoint formats the deltas (server/chat_tools.py), and any other front-end can.
 """
 
 from __future__ import annotations
