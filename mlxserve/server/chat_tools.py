@@ -79,7 +79,10 @@ class ChatFeatures:
             compiled = None
         if compiled is not None:
             template = compiled.source
-        self.native_tools = compiled is not None and compiled.uses_tools
+        # A harmony tokenizer (gpt-oss) renders tools itself, in its own renderer; its output
+        # channels are not parsed here yet (no harmony tool parser in TOOL_PARSERS).
+        harmony = getattr(tokenizer, "chat_format", "jinja") == "harmony"
+        self.native_tools = harmony or (compiled is not None and compiled.uses_tools)
         detected = tool_parser_for_template(template)
         if tool_call_parser is None:
             tool_call_parser = detected or (None if self.native_tools else FALLBACK_PARSER)
