@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mlxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mlxserve.structured_output.grammar import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +64,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "cache_salt",
+        "structured_output",
     )
 
     def __init__(
@@ -71,6 +76,7 @@ class Request:
         max_tokens: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,6 +94,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # full-block hashes, filled by the KV cache manager
         # Mixed into the first block's hash: only requests with the same salt share a prefix.
         self.cache_salt = cache_salt
+        # The compiled constraint (structured outputs); the runner keeps the grammar state.
+        self.structured_output = structured_output
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -66,13 +66,26 @@ class AsyncLLM:
         prompt: str | list[int] | None,
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
+        grammar_starts_after: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request; closing the iterator early aborts the request."""
+        """Delta outputs of one request; closing the iterator early aborts the request.
+
+        A structured-outputs constraint is compiled here, in a worker thread, so that a
+        large schema never stalls the engine thread (nor other requests' steps); an
+        invalid one raises ParameterError before anything is queued. With
+        ``grammar_starts_after`` (e.g. "</think>") it applies after that text only.
+        """
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running")
+        arrival = time.monotonic()
+        structured = None
+        if params.structured_outputs is not None:
+            structured = await asyncio.to_thread(
+                self.engine.compile_structured_output, params, grammar_starts_after
+            )
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt, params, prompt_token_ids, time.monotonic()))
+        self._inbox.put(("add", request_id, prompt, params, prompt_token_ids, arrival, structured))
         finished = False
         try:
             while True:
@@ -145,10 +158,15 @@ class AsyncLLM:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, rid, prompt, params, token_ids, arrival = item
+            _, rid, prompt, params, token_ids, arrival, structured = item
             try:
                 self.engine.add_request(
-                    rid, prompt, params, prompt_token_ids=token_ids, arrival_time=arrival
+                    rid,
+                    prompt,
+                    params,
+                    prompt_token_ids=token_ids,
+                    arrival_time=arrival,
+                    structured_output=structured,
                 )
             except Exception as e:  # noqa: BLE001 -- bad requests go back to their caller
                 stream = self._streams.get(rid)

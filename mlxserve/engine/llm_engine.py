@@ -23,6 +23,7 @@ from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.exceptions import ParameterError
 from mlxserve.loader import LoadedModel, load_model
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
 from mlxserve.utils import uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
@@ -105,6 +106,7 @@ class LLMEngine:
         self.fanout = ParallelSampling()
         self.outputs = OutputProcessor(self.tokenizer, self.fanout)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # Prompt tokens computed so far (prefix-cache hits excluded), for throughput logs.
         self.num_prompt_tokens_computed = 0
@@ -126,9 +128,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         """Queue a request; ParameterError (naming the field, with the numbers) if it
-        can never run. The one place these checks live."""
+        can never run. The one place these checks live.
+
+        ``structured_output`` is ``compile_structured_output(params)`` done beforehand
+        (AsyncLLM compiles off the engine thread); otherwise it is compiled here.
+        """
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
@@ -142,15 +149,39 @@ class LLMEngine:
         self._check_token_ids("logit_bias", list(params.logit_bias or ()))
         self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
         max_tokens = self._max_tokens(len(prompt_token_ids), params)
+        if structured_output is None:
+            structured_output = self.compile_structured_output(params)
         parent = self.fanout.add(request_id, params)  # reserves the n engine ids
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self.outputs.add(parent, text, prompt_token_ids, arrival)
         try:
-            first = parent.make_requests(prompt_token_ids, self.eos_token_ids, max_tokens, arrival)
+            first = parent.make_requests(
+                prompt_token_ids, self.eos_token_ids, max_tokens, arrival, structured_output
+            )
             self.scheduler.add_request(first)
         except ValueError:
             self._forget(request_id)
             raise
+
+    def compile_structured_output(
+        self, params: SamplingParams, starts_after: str | None = None
+    ) -> StructuredOutputRequest | None:
+        """The compiled constraint of ``params`` (None without one); ParameterError if it
+        is invalid or cannot be combined with the other params. Thread-safe: call it off
+        the engine thread for large schemas. ``starts_after``: the constraint applies only
+        to the output after this text (e.g. "</think>" for a reasoning model)."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        for name, bad in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
+            if bad:
+                raise ParameterError(
+                    f"{name} cannot be combined with structured_outputs: a constrained "
+                    "request ends when its grammar does",
+                    parameter=name,
+                )
+        trigger = starts_after.encode() if starts_after else None
+        return StructuredOutputRequest(self.grammars.compile(so), trigger)
 
     def _check_token_ids(self, parameter: str, token_ids: list[int]) -> None:
         vocab = self.vocab_size

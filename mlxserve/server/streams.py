@@ -64,9 +64,12 @@ class RequestGroup:
         llm: AsyncLLM,
         requests: list[tuple[str, str | None, list[int], SamplingParams]],
         in_flight: InFlight | None = None,
+        grammar_starts_after: str | None = None,
     ) -> None:
         self._gens = [
-            llm.generate(rid, prompt, params, prompt_token_ids=ids)
+            llm.generate(
+                rid, prompt, params, prompt_token_ids=ids, grammar_starts_after=grammar_starts_after
+            )
             for rid, prompt, ids, params in requests
         ]
         self._queue: asyncio.Queue = asyncio.Queue()

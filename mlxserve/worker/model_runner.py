@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -35,6 +36,7 @@ from mlxserve.core.request import Logprobs, Request
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
+from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
 from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
 from mlxserve.worker.memory import (
     PROBE_TOKENS,
@@ -62,6 +64,7 @@ class _RequestState:
     """What the runner keeps per live request between steps."""
 
     sampling: SamplingState
+    grammar: GrammarState | None = None  # structured outputs: where the output is in it
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     # Set once the whole prompt is scored: a preempted request recomputes its prompt,
     # but its prompt logprobs are not computed (or reported) twice.
@@ -76,9 +79,13 @@ class _Part:
     result: SamplerOutput | None
     plp_targets: list[tuple[Request, int]]  # (request, position of the scored prompt token)
     prompt_logprobs: tuple[mx.array, ...] | None
+    # The samplers' logits (S, V) while their grammar bitmasks are being computed.
+    logits: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
         out = list(self.prompt_logprobs or ())
+        if self.result is None and self.logits is not None:
+            out.append(self.logits)
         if self.result is not None:
             r = self.result
             out += [
@@ -127,6 +134,9 @@ class ModelRunner:
         mx.random.seed(seed)
         self._rng = random.Random(seed)
         self._states: dict[str, _RequestState] = {}
+        # Host time spent on grammar bitmasks, and in how many steps (bench/ reads them).
+        self.num_mask_steps = 0
+        self.mask_seconds = 0.0
 
     # ------------------------------------------------------------- the pool
     @property
@@ -210,9 +220,13 @@ class ModelRunner:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             stop_ids = frozenset(request.eos_token_ids) | params.all_stop_token_ids
             sampling = SamplingState(params, seed, request.prompt_token_ids, stop_ids=stop_ids)
-            for tok in request.output_token_ids:  # a preempted request resumes
+            so = request.structured_output
+            grammar = None if so is None else so.new_state(stop_ids)
+            for tok in request.output_token_ids:  # a request resumes (its state was lost)
                 sampling.append(tok)
-            state = _RequestState(sampling)
+                if grammar is not None:
+                    grammar.accept(tok)
+            state = _RequestState(sampling, grammar)
             self._states[request.request_id] = state
         return state
 
@@ -233,7 +247,13 @@ class ModelRunner:
         for part in handle.parts:
             outs += part.arrays()
         try:
-            mx.async_eval(*outs)  # the one evaluation of this step
+            mx.async_eval(*outs)  # the forward pass (and sampling, without grammars)
+            masked = [part for part in handle.parts if part.result is None and part.samplers]
+            if masked:
+                # Grammar bitmasks on the host while the forward pass computes, then
+                # the sampler of those parts on top of it.
+                self._sample_masked(masked)
+                mx.async_eval(*(a for part in masked for a in part.arrays()))
         except Exception as e:  # noqa: BLE001 -- collect() finds whose fault it was
             handle.error = describe(e)
         return handle
@@ -281,6 +301,7 @@ class ModelRunner:
         pool = self._pool()  # held during the eval: no donation, so a failure can restore
         try:
             parts = self._build_isolating(so, output.failed)
+            self._sample_masked([p for p in parts if p.result is None and p.samplers])
             mx.eval(self.kv_cache.keys, self.kv_cache.values, [p.arrays() for p in parts])
             reads = [self._read(part) for part in parts]
         except Exception as e:  # noqa: BLE001 -- the caller splits this part further
@@ -359,9 +380,10 @@ class ModelRunner:
             logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
         )
         result = None
-        if samplers:
+        sample_logits = logits[: len(samplers)] if samplers else None
+        if samplers and not any(self._states[r.request_id].grammar for r in samplers):
             states = [self._states[r.request_id].sampling for r in samplers]
-            result = sample(logits[: len(samplers)], make_sampling_batch(states, logits.shape[-1]))
+            result = sample(sample_logits, make_sampling_batch(states, logits.shape[-1]))
         plp = None
         if plp_rows:
             plp = prompt_logprobs(
@@ -369,7 +391,21 @@ class ModelRunner:
                 [r.prompt_token_ids[pos] for r, pos in plp_targets],
                 max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
             )
-        return _Part(samplers, result, plp_targets, plp)
+        return _Part(samplers, result, plp_targets, plp, sample_logits)
+
+    def _sample_masked(self, parts: list[_Part]) -> None:
+        """Sample the parts that have grammar rows, with their token bitmasks (host work
+        done while the launched forward pass computes)."""
+        for part in parts:
+            assert part.logits is not None
+            states = [self._states[r.request_id] for r in part.samplers]
+            t0 = time.perf_counter()
+            bitmask = fill_bitmasks([s.grammar for s in states], part.logits.shape[-1])
+            self.mask_seconds += time.perf_counter() - t0
+            batch = make_sampling_batch([s.sampling for s in states], part.logits.shape[-1])
+            batch.bitmask = mx.array(bitmask)
+            part.result = sample(part.logits, batch)
+        self.num_mask_steps += 1
 
     def _read(self, part: _Part) -> _Read:
         """Wait for a part and copy its results to the host (request states untouched)."""
@@ -403,7 +439,14 @@ class ModelRunner:
     def _commit(self, read: _Read, output: ModelRunnerOutput) -> None:
         """Apply a part's results to the request states and the step's output."""
         for req, tok, entry in read.samples:
-            self._states[req.request_id].sampling.append(tok)
+            state = self._states[req.request_id]
+            if state.grammar is not None:
+                try:
+                    state.grammar.accept(tok)
+                except ValueError as e:  # cannot happen for a token sampled under its mask
+                    output.failed[req.request_id] = str(e)
+                    continue
+            state.sampling.append(tok)
             output.sampled_token_ids[req.request_id] = [tok]
             if entry is not None:
                 output.logprobs[req.request_id] = entry
