@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
+from mlxserve.kv_cache_spec import uniform_layout
 from mlxserve.worker.memory import GiB, plan_kv_cache
 
 # SmolLM2-135M in float32: 30 layers x 3 kv heads x 64 dims x 2 (K, V) x 4 bytes.
@@ -12,11 +14,13 @@ SMOL_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # 46,080
 
 def plan(**kw):
     args = dict(
-        bytes_per_token=SMOL_BYTES_PER_TOKEN,
+        layout=uniform_layout(30, 3, 64),
+        dtype=mx.float32,
         block_size=16,
         model_max_len=8192,
         max_model_len=None,
         max_num_seqs=64,
+        max_num_batched_tokens=2048,
         memory_fraction=0.5,
         weights_bytes=GiB // 4,
         activation_bytes=GiB // 8,
@@ -40,7 +44,7 @@ def test_max_model_len_is_capped_to_fit_one_request() -> None:
     p = plan(total_memory=GiB, memory_fraction=0.5)  # 0.125 GiB left = 2912 tokens
     kv_tokens = (GiB // 2 - GiB // 4 - GiB // 8) // SMOL_BYTES_PER_TOKEN
     assert p.max_model_len == kv_tokens == 2912
-    assert "max concurrency at max_model_len: 1.0x" in p.describe(64)
+    assert "max concurrency at max_model_len: 1.0x" in p.describe(64, 2048)
 
 
 def test_not_enough_memory_names_the_knob_and_a_value_that_fits() -> None:

@@ -27,6 +27,15 @@ BASE: dict[str, Any] = {
 }
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 DROP = object()  # an override that removes a BASE key
+# Gated delta nets of the hybrid cases: 2 heads of 16 (keys and values), a 4-tap conv.
+LINEAR_ATTENTION = {
+    "linear_num_value_heads": 2,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+}
 YARN = {
     "rope_type": "yarn",
     "factor": 4.0,
@@ -186,6 +195,24 @@ ZOO: dict[str, dict[str, Any]] = {
         "qwen3_moe", **MOE, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True
     ),
     "qwen2_moe": config("qwen2_moe", **MOE, shared_expert_intermediate_size=64),
+    # Hybrid: gated delta nets (recurrent state) with full attention every other layer.
+    "qwen3_next": config(
+        "qwen3_next",
+        num_hidden_layers=4,
+        **LINEAR_ATTENTION,
+        **MOE,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        partial_rotary_factor=0.5,
+    ),
+    "qwen3_5": config(
+        "qwen3_5",
+        num_hidden_layers=4,
+        **LINEAR_ATTENTION,
+        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
     "olmoe": config("olmoe", num_experts=4, num_experts_per_tok=2),
     "granitemoe": config(
         "granitemoe",
