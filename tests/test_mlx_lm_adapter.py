@@ -22,7 +22,7 @@ from mlxserve.models.mlx_lm_adapter import (
 )
 from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint
 from tests.paths import ROOT
-from tests.zoo_configs import DROP, MOE, WINDOW, ZOO, config
+from tests.zoo_configs import DROP, WINDOW, ZOO, config
 
 
 def build_case(tmp_path: Path, cfg: dict[str, Any], seed: int = 0, **kwargs) -> tuple:

@@ -98,8 +98,7 @@ def case(tmp_path_factory: pytest.TempPathFactory, swa_llama_registered):
             write_tokenizer(path)
             rng = np.random.default_rng(seed)
             prompts = {
-                f"r{i}": rng.integers(3, VOCAB_SIZE, n).tolist()
-                for i, n in enumerate(PROMPT_LENS)
+                f"r{i}": rng.integers(3, VOCAB_SIZE, n).tolist() for i, n in enumerate(PROMPT_LENS)
             }
             prompts["prefix_hit"] = (
                 prompts["r5"][: PREFIX_BLOCKS * BLOCK_SIZE]
@@ -182,9 +181,7 @@ def test_recompute_after_preemption(name: str, case) -> None:
     once: some are preempted and recomputed (their states too), with the same tokens."""
     c = case(name)
     num_blocks = 10 if name == "swa_llama" else 40
-    llm = make_llm(
-        c, num_blocks=num_blocks, max_num_batched_tokens=16, enable_prefix_caching=False
-    )
+    llm = make_llm(c, num_blocks=num_blocks, max_num_batched_tokens=16, enable_prefix_caching=False)
     outs = generate(llm, c, BATCH)
     assert llm.engine.get_stats().num_preemptions > 0
     for rid in BATCH:

@@ -296,15 +296,17 @@ class KVCacheManager:
         self, request: Request, start: int, num_new_tokens: int
     ) -> list[tuple[int, bool]]:
         """Block boundaries in (start, start + num_new_tokens] to snapshot: multiples of
-        snapshot_interval, and the last boundary when the chunk reaches the request's end
-        (a "tail" while decoding: each replaces the previous one)."""
+        snapshot_interval, and the request's last full-block boundary (its prompt's, or
+        while decoding a "tail": each replaces the previous one). That boundary may fall
+        in an earlier chunk than the last: a 33-token prompt in chunks of 16 snapshots at
+        32 in its second chunk."""
         end = start + num_new_tokens
         out = []
         if self.snapshot_interval:
             step = self.snapshot_interval
             out = [(p, False) for p in range((start // step + 1) * step, end + 1, step)]
-        last = end // self.block_size * self.block_size
-        if end == request.num_tokens and last > start and (not out or out[-1][0] != last):
+        last = request.num_tokens // self.block_size * self.block_size
+        if start < last <= end and (not out or out[-1][0] != last):
             is_decode = num_new_tokens == 1 and start >= request.num_prompt_tokens
             out.append((last, is_decode))
         return out
