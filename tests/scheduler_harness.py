@@ -179,6 +179,13 @@ def step(
     check_pool(kv.block_pool, [t for r in scheduler.running for t in kv.get_block_ids(r)])
     for manager in kv.managers:
         assert set(manager.req_to_blocks) == {r.request_id for r in scheduler.running}
+    # A block belongs to one KV cache group at a time (requests of one group may share it).
+    owners: dict[int, int] = {}
+    for r in scheduler.running:
+        for g, table in enumerate(kv.get_block_ids(r)):
+            for block_id in table:
+                if block_id:
+                    assert owners.setdefault(block_id, g) == g, f"block {block_id} in 2 groups"
     assert all(r.status == RequestStatus.RUNNING for r in scheduler.running)
     assert all(
         r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in scheduler.waiting

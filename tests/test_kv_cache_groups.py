@@ -111,6 +111,27 @@ def test_window_hit_is_cut_where_the_window_lost_a_block() -> None:
     assert n == 8 and hit.block_ids() == ([1, 2], [5, 6])
 
 
+def test_every_group_takes_its_hits_before_any_takes_new_blocks() -> None:
+    """Regression: b's full-attention hit (block 3) sat in the free queue right behind the
+    blocks the window group allocated first, so it was handed out as the window group's
+    new block while the full group shared it: one block in two groups' tables, wrong
+    tokens after a preemption (gemma3_text, gpt_oss in the engine)."""
+    kv = KVCacheManager(BS, num_blocks=9, groups=GROUPS)
+    a, c = make_request("a", list(range(8))), make_request("c", list(range(100, 108)))
+    for req in (a, c):
+        kv.allocate_slots(req, 8)
+        req.num_computed_tokens = 8
+        kv.cache_blocks(req, 8)
+    assert kv.get_block_ids(a) == ([1, 2], [3, 4]) and kv.get_block_ids(c) == ([5, 6], [7, 8])
+    kv.free(a)
+    kv.free(c)  # free queue: 2 1 4 3 6 5 8 7
+    b = make_request("b", list(range(4)) + list(range(50, 62)))
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 4 and hit.block_ids() == ([1], [3])
+    assert kv.allocate_slots(b, 12, hit) is not None
+    assert kv.get_block_ids(b) == ([1, 2, 4, 6], [3, 5, 8, 7])
+
+
 # ---- recurrent state: slots and snapshots ------------------------------------------------------
 def test_prompt_end_snapshot_in_an_earlier_chunk() -> None:
     """An 18-token prompt in chunks of 8: its last full block ends at 16, the end of the

@@ -175,13 +175,18 @@ def test_prefix_cache_hit(name: str, case) -> None:
     assert_matches(c, "prefix_hit", out, "prefix hit")
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["recompute", "prefix_cache"])
 @pytest.mark.parametrize("name", CASES)
-def test_recompute_after_preemption(name: str, case) -> None:
+def test_recompute_after_preemption(name: str, caching: bool, case) -> None:
     """A pool of 40 blocks (10 when every layer is windowed) cannot hold the 8 requests at
-    once: some are preempted and recomputed (their states too), with the same tokens."""
+    once: some are preempted and recomputed (their states too), with the same tokens. With
+    prefix caching a preempted request resumes from its own cached blocks (and state
+    snapshots) where they survived."""
     c = case(name)
     num_blocks = 10 if name == "swa_llama" else 40
-    llm = make_llm(c, num_blocks=num_blocks, max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = make_llm(
+        c, num_blocks=num_blocks, max_num_batched_tokens=16, enable_prefix_caching=caching
+    )
     outs = generate(llm, c, BATCH)
     assert llm.engine.get_stats().num_preemptions > 0
     for rid in BATCH:

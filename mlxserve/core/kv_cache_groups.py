@@ -106,18 +106,21 @@ class GroupManager:
         held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed)
         return max(0, cdiv(num_tokens, self.block_size) - held)
 
-    def allocate(
-        self, request_id: str, num_tokens: int, new_computed: Sequence[KVCacheBlock]
-    ) -> list[KVCacheBlock]:
-        """Take the hits (shared, ref_cnt + 1) and new blocks up to ``num_tokens`` tokens;
-        returns the new blocks. The caller checked they fit."""
-        blocks = self.req_to_blocks.get(request_id)
-        if blocks is None:
-            blocks = self.req_to_blocks[request_id] = []
-            self.num_cached_blocks[request_id] = len(new_computed)
+    def take_hits(self, request_id: str, new_computed: Sequence[KVCacheBlock]) -> None:
+        """Share the prefix-cache hits (ref_cnt + 1) at admission. Every group takes its hits
+        before any group takes new blocks: a hit still in the free queue must not be handed
+        out as another group's new block."""
+        assert request_id not in self.req_to_blocks, request_id
+        self.req_to_blocks[request_id] = list(new_computed)
+        self.num_cached_blocks[request_id] = len(new_computed)
         null = self.block_pool.null_block
         self.block_pool.touch(b for b in new_computed if b is not null)
-        blocks.extend(new_computed)
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """New blocks up to ``num_tokens`` tokens (after take_hits at admission); returns
+        them. The caller checked they fit."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        self.num_cached_blocks.setdefault(request_id, 0)
         new = self.block_pool.get_new_blocks(
             self.num_blocks_to_allocate(request_id, num_tokens, ())
         )

@@ -247,9 +247,10 @@ class KVCacheManager:
         if is_first_allocation and self._use_prefix_cache(request) and not request.num_preemptions:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += cached.num_tokens
-        new = tuple(
-            m.allocate(rid, total, hit) for m, hit in zip(self.managers, cached.blocks, strict=True)
-        )
+        if is_first_allocation:
+            for m, hit in zip(self.managers, cached.blocks, strict=True):
+                m.take_hits(rid, hit)
+        new = tuple(m.allocate(rid, total) for m in self.managers)
         if states is not None:
             self._allocate_state(request, num_computed, num_new_tokens, cached, is_first_allocation)
         return new
