@@ -193,6 +193,43 @@ def test_recompute_after_preemption(name: str, caching: bool, case) -> None:
         assert_matches(c, rid, outs[rid], "preempted")
 
 
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_1000_token_shared_prefix(name: str, tmp_path: Path) -> None:
+    """A 1000-token prompt, then one that extends it by 24 tokens: the second computes only
+    its 24 new tokens (from the state snapshot at the first prompt's end), and one sharing
+    its first 700 tokens resumes at the last state snapshot before them (one every
+    snapshot_interval tokens). Tokens equal mlx-lm's and the outputs without caching."""
+    cfg = CONFIGS[name] | {"vocab_size": VOCAB_SIZE, "max_position_embeddings": 2048}
+    oracle, path = make_mlx_lm_checkpoint(tmp_path, cfg, seed=3)
+    write_tokenizer(path)
+    c = Case(oracle, path, {}, {}, {})
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(3, VOCAB_SIZE, 1000).tolist()
+    prompts = {
+        "first": prefix,
+        "extends": prefix + rng.integers(3, VOCAB_SIZE, 24).tolist(),
+        "shares_700": prefix[:700] + rng.integers(3, VOCAB_SIZE, 20).tolist(),
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = make_llm(c, num_blocks=800, max_num_batched_tokens=256)
+    interval = llm.engine.scheduler.kv_cache_manager.snapshot_interval
+    assert 0 < interval < 700 and interval % BLOCK_SIZE == 0
+    uncached = make_llm(c, num_blocks=800, max_num_batched_tokens=256, enable_prefix_caching=False)
+    engine = llm.engine
+    for rid, resumes_at in [
+        ("first", 0),
+        ("extends", 1000),
+        ("shares_700", 700 // interval * interval),
+    ]:
+        before = engine.num_prompt_tokens_computed
+        (out,) = llm.generate([prompts[rid]], params, use_tqdm=False)
+        assert out.num_cached_tokens == resumes_at, rid
+        assert engine.num_prompt_tokens_computed - before == len(prompts[rid]) - resumes_at
+        (plain,) = uncached.generate([prompts[rid]], params, use_tqdm=False)
+        want = mlx_lm_generate(c.oracle, prompts[rid])[0][:8]
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids == want, rid
+
+
 # ---- sliding windows release their blocks ------------------------------------------------------
 def held_blocks(llm: LLM, rid: str) -> list[int]:
     """Per KV cache group: the blocks request ``rid`` holds (released ones excluded)."""
