@@ -20,6 +20,20 @@ SERVING_KEYS = [
     ("itl_p99_ms", "ITL p99 ms"),
 ]
 
+# bench/serving.py under_load(): stream ITLs while the arrivals are served, their TTFT.
+LOAD_KEYS = [
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "itl_p99_over_p50",
+    "itl_max_ms",
+    "baseline_itl_p50_ms",
+    "stream_tok_s",
+    "arrival_ttft_p50_ms",
+    "arrival_ttft_max_ms",
+    "window_s",
+    "stream_restarts",
+]
+
 
 def _fmt(v: object) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -101,21 +115,14 @@ def print_report(results: dict) -> None:
             for k, label in SERVING_KEYS:
                 rows.append([f"c={c} {label}"] + [srv[e].get(c, {}).get(k) for e in engines])
         _table("serving (streaming /v1/completions, greedy)", ["metric", *engines], rows)
-    mixed = results.get("mixed", {})
-    if mixed:
-        keys = [
-            "itl_p50_ms",
-            "itl_p99_ms",
-            "itl_p99_over_p50",
-            "itl_max_ms",
-            "long_ttft_p50_ms",
-            "output_tok_s",
-        ]
-        _table(
-            "mixed (8 streams decode while long prompts arrive)",
-            ["metric", *mixed],
-            [[k] + [mixed[e].get(k) for e in mixed] for k in keys],
-        )
+    titles = {
+        "mixed": "mixed (8 streams keep decoding while two long prompts arrive)",
+        "busy": "busy (streams keep decoding while 8 short prompts arrive)",
+    }
+    for section, title in titles.items():
+        res = results.get(section, {})
+        if res:
+            _table(title, ["metric", *res], [[k] + [res[e].get(k) for e in res] for k in LOAD_KEYS])
     prefix = results.get("prefix", {})
     if prefix:
         keys = ["first_ttft_ms", "ttft_p50_ms", "ttft_mean_ms"]

@@ -4,7 +4,7 @@
     PYTHONPATH=. python bench/run.py MODEL.gguf --out results/ --skip serving
 
 Sections (bench/README.md says what each measures): offline, serving (concurrency
-1/8/32), mixed, prefix, memory. Prints tables and ratios; writes OUT/results.json and
+1/8/32), mixed, busy, prefix, memory. Prints tables and ratios; writes OUT/results.json and
 OUT/chart.png. llama.cpp is built on first use (bench/peers/llamacpp.py); --peers chooses.
 """
 
@@ -36,7 +36,7 @@ from bench.peers import llamacpp  # noqa: E402
 from bench.report import print_report, write_chart  # noqa: E402
 from mlxserve.cli.bench import OfflineSpec, make_prompts  # noqa: E402
 
-SECTIONS = ("offline", "serving", "mixed", "prefix", "memory")
+SECTIONS = ("offline", "serving", "mixed", "busy", "prefix", "memory")
 PEERS = ("mlxserve", "mlx-lm", "llama.cpp")
 
 
@@ -142,13 +142,41 @@ def run_serving(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
 
 
 def run_mixed(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
-    res = {}
+    """8 streams keep decoding while two long prompts arrive args.long_gap s apart."""
     streams = text_prompts(tok, 8, 32, start=20_000)
     longs = text_prompts(tok, 2, args.long_prompt_tokens, start=21_000)
-    for name, spec in server_specs(args, gguf, 16, 1024).items():
+    return _under_load(args, gguf, work, "mixed", streams, 900, longs, 4, args.long_gap, 1024)
+
+
+def run_busy(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
+    """args.busy_streams streams keep decoding while 8 short prompts arrive 1 s apart."""
+    streams = text_prompts(tok, args.busy_streams, 32, start=22_000)
+    arrivals = text_prompts(tok, 8, 64, start=23_000)
+    return _under_load(args, gguf, work, "busy", streams, 256, arrivals, 4, 1.0, 512)
+
+
+def _under_load(
+    args,
+    gguf: Path,
+    work: Path,
+    label: str,
+    streams: list[str],
+    stream_tokens: int,
+    arrivals: list[str],
+    arrival_tokens: int,
+    gap_s: float,
+    ctx_per_slot: int,
+) -> dict[str, dict]:
+    # Streams restart if they end (bench/serving.py), so stream_tokens only has to fit
+    # llama-server's per-slot context (ctx_per_slot, with the prompt).
+    res = {}
+    slots = len(streams) + len(arrivals)
+    for name, spec in server_specs(args, gguf, slots, ctx_per_slot).items():
         with serving.Server(spec, work) as srv:
-            res[name] = asyncio.run(serving.mixed(srv.url, streams, 64, longs, args.long_gap))
-        print(f"[{name}] mixed: {json.dumps({k: round(v, 2) for k, v in res[name].items()})}")
+            res[name] = asyncio.run(
+                serving.under_load(srv.url, streams, stream_tokens, arrivals, arrival_tokens, gap_s)
+            )
+        print(f"[{name}] {label}: {json.dumps({k: round(v, 2) for k, v in res[name].items()})}")
     return res
 
 
@@ -209,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per serving request")
     p.add_argument("--long-prompt-tokens", type=int, default=512)
     p.add_argument("--long-gap", type=float, default=3.0, help="seconds between long prompts")
+    p.add_argument(
+        "--busy-streams", type=int, default=32, help="decoding streams of the busy section"
+    )
     p.add_argument("--system-prompt-tokens", type=int, default=1024)
     p.add_argument("--kv-budget-mb", type=int, default=1024)
     p.add_argument("--no-mlx-lm-openblas", action="store_true", help="skip mlx-lm + OpenBLAS")
@@ -252,7 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if k not in ("mlx_dirs", "gguf")},
     }
     print(f"device: {results['device']}")
-    steps = {"offline": offline, "serving": run_serving, "mixed": run_mixed, "prefix": run_prefix}
+    steps = {
+        "offline": offline,
+        "serving": run_serving,
+        "mixed": run_mixed,
+        "busy": run_busy,
+        "prefix": run_prefix,
+    }
     for section in SECTIONS:
         if section in skip:
             continue

@@ -4,8 +4,11 @@ Each server runs alone (started, measured, stopped); clients stream /v1/completi
 greedy, on localhost. Workloads:
 
     concurrency C   C clients in a closed loop, R requests each, distinct prompts
-    mixed           D streams decode while long prompts arrive one after another:
-                    ITL p99 / p50 of the decoding streams shows if prefill stalls them
+    under load      D streams keep decoding while prompts arrive one after another
+                    (bench/run.py's "mixed": 8 streams, two long prompts; "busy": 32
+                    streams, short prompts): the streams' ITL while the arrivals are
+                    processed (does prefill stall them?) and the arrivals' TTFT (does
+                    decoding starve them?)
     shared prefix   requests one after another, a long common system prompt plus a
                     short distinct question: TTFT with and without prefix caching
 """
@@ -18,6 +21,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -112,9 +116,12 @@ async def one_request(client: httpx.AsyncClient, body: dict, retries: int = 3) -
     raise AssertionError("unreachable")
 
 
-async def _stream(client: httpx.AsyncClient, body: dict) -> RequestResult:
+async def _stream(
+    client: httpx.AsyncClient, body: dict, times: list[float] | None = None
+) -> RequestResult:
+    """One streamed request; the arrival time of each text event is appended to times."""
     sent = time.perf_counter()
-    times: list[float] = []
+    times = [] if times is None else times
     num_tokens = None
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -190,33 +197,122 @@ async def closed_loop(
     return [r for rs in per_client for r in rs], wall
 
 
-async def mixed(
+def window_itls(requests: list[list[float]], t0: float, t1: float) -> list[float]:
+    """Gaps between consecutive tokens of one request that end inside [t0, t1]."""
+    return [b - a for times in requests for a, b in pairwise(times) if t0 <= b <= t1]
+
+
+class BackgroundStreams:
+    """Streams that keep decoding until stop(): one that ends (EOS, max_tokens, the
+    engine's context limit) is sent again at once, so every engine stays loaded."""
+
+    def __init__(self, c: httpx.AsyncClient, prompts: list[str], max_tokens: int) -> None:
+        # Token arrival times: per stream, one list per request sent.
+        self.streams: list[list[list[float]]] = [[] for _ in prompts]
+        self.num_restarts = 0
+        self._tasks = [
+            asyncio.create_task(self._run(c, i, body(p, max_tokens))) for i, p in enumerate(prompts)
+        ]
+
+    @property
+    def requests(self) -> list[list[float]]:
+        """Token arrival times of every request sent, one list per request."""
+        return [times for stream in self.streams for times in stream]
+
+    async def _run(self, c: httpx.AsyncClient, index: int, request: dict) -> None:
+        while True:
+            times: list[float] = []
+            self.streams[index].append(times)
+            try:
+                await _stream(c, request, times)
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                await asyncio.sleep(0.5)  # mlx-lm's small listen backlog; try again
+            self.num_restarts += 1
+            await asyncio.sleep(0)  # let the other tasks run even if nothing above waited
+
+    async def wait_tokens(self, count: int, since: float = 0.0, timeout_s: float = 1800) -> float:
+        """Wait until every stream has streamed count tokens after since; the time of the
+        last of those tokens."""
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            nth = [_nth_after(stream, since, count) for stream in self.streams]
+            if all(t is not None for t in nth):
+                return max(nth)  # type: ignore[type-var]
+            for task in self._tasks:
+                if task.done():
+                    task.result()  # re-raise what stopped it
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"streams did not all stream {count} tokens in {timeout_s} s")
+            await asyncio.sleep(0.05)
+
+    def all_alive(self) -> bool:
+        """True while no stream task has died (an error, not a restart)."""
+        return not any(task.done() for task in self._tasks)
+
+    async def stop(self) -> None:
+        """Cancel every stream (the client disconnects) and surface any error."""
+        for task in self._tasks:
+            task.cancel()
+        for result in await asyncio.gather(*self._tasks, return_exceptions=True):
+            if not isinstance(result, asyncio.CancelledError):
+                raise RuntimeError(f"a background stream failed: {result!r}")
+
+
+def _nth_after(stream: list[list[float]], since: float, count: int) -> float | None:
+    later = [t for times in stream for t in times if t > since]
+    return later[count - 1] if len(later) >= count else None
+
+
+async def under_load(
     url: str,
     stream_prompts: list[str],
-    stream_tokens: int,
-    long_prompts: list[str],
-    long_gap_s: float,
+    stream_max_tokens: int,
+    arrivals: list[str],
+    arrival_max_tokens: int,
+    gap_s: float,
 ) -> dict[str, float]:
-    """Streams decode; long prompts (1 output token... a few) arrive every long_gap_s."""
-    async with client(url, len(stream_prompts) + len(long_prompts)) as c:
+    """Streams decode; prompts arrive gap_s apart; measured while the arrivals are served.
+
+    Once every stream decodes: a decode-only baseline (gap_s, and at least 3 gaps per
+    stream), then the arrivals. The window opens when the first arrival is sent and
+    closes when the last one is answered (all its tokens); the streams keep decoding
+    through it, for every engine. Stream ITLs inside the window (p99 / p50: stalls caused
+    by prefill), the arrivals' TTFT (starvation of prefill by decoding).
+    """
+    async with client(url, len(stream_prompts) + len(arrivals)) as c:
         await one_request(c, body("Warm up.", 4))
+        streams = BackgroundStreams(c, stream_prompts, stream_max_tokens)
+        decoding = await streams.wait_tokens(1)
+        # Decode-only baseline: gap_s, and at least 3 gaps of every stream.
+        await asyncio.gather(asyncio.sleep(gap_s), streams.wait_tokens(3, since=decoding))
         t0 = time.perf_counter()
-        streams = [
-            asyncio.create_task(one_request(c, body(p, stream_tokens))) for p in stream_prompts
-        ]
-        await asyncio.sleep(long_gap_s)
-        longs = []
-        for p in long_prompts:
-            longs.append(asyncio.create_task(one_request(c, body(p, 4))))
-            await asyncio.sleep(long_gap_s)
-        stream_results = await asyncio.gather(*streams)
-        long_results = await asyncio.gather(*longs)
-        wall = time.perf_counter() - t0
-    out = summarize(stream_results, wall)
-    out["itl_p99_over_p50"] = out["itl_p99_ms"] / out["itl_p50_ms"]
-    out["itl_max_ms"] = max(x * 1000 for r in stream_results for x in r.itls)
-    out["long_ttft_p50_ms"] = percentile([r.ttft * 1000 for r in long_results], 50)
-    return out
+        tasks = []
+        for i, prompt in enumerate(arrivals):
+            if i:
+                await asyncio.sleep(gap_s)
+            tasks.append(asyncio.create_task(one_request(c, body(prompt, arrival_max_tokens))))
+        results = await asyncio.gather(*tasks)
+        t1 = time.perf_counter()
+        alive = streams.all_alive()
+        await streams.stop()
+    if not alive:
+        raise RuntimeError("a background stream stopped during the window")
+    itl = [x * 1000 for x in window_itls(streams.requests, t0, t1)]
+    baseline = [x * 1000 for x in window_itls(streams.requests, decoding, t0)]
+    num_stream_tokens = sum(t0 <= t <= t1 for times in streams.requests for t in times)
+    ttft = [r.ttft * 1000 for r in results]
+    return {
+        "window_s": t1 - t0,
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p99_ms": percentile(itl, 99),
+        "itl_p99_over_p50": percentile(itl, 99) / percentile(itl, 50),
+        "itl_max_ms": max(itl),
+        "baseline_itl_p50_ms": percentile(baseline, 50),
+        "stream_tok_s": num_stream_tokens / (t1 - t0),
+        "arrival_ttft_p50_ms": percentile(ttft, 50),
+        "arrival_ttft_max_ms": max(ttft),
+        "stream_restarts": streams.num_restarts,
+    }
 
 
 async def shared_prefix(url: str, prompts: list[str], max_tokens: int) -> dict[str, float]:

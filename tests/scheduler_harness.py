@@ -161,15 +161,34 @@ def check_pool(pool: BlockPool, tables: Sequence[Sequence[int]]) -> None:
         assert block.block_hash == block_hash and block.token_ids is not None
 
 
+def step_token_limit(out: SchedulerOutput, was_running: set[str], budget: int) -> int:
+    """The most tokens a step may hold: the budget, or its decodes plus half of it.
+
+    A decode here is a request that was running and computes its last token this step (a
+    decode proper, or the last token of a prompt). Decodes never starve prefills, so the
+    step may grow past the budget to hold them all and still give prefills ceil(budget / 2).
+    """
+    num_decodes = sum(
+        1
+        for r in out.scheduled_requests
+        if r.request_id in was_running
+        and out.num_scheduled_tokens[r.request_id] == 1
+        and out.samples(r.request_id)
+    )
+    return max(budget, num_decodes + -(-budget // 2))
+
+
 def step(
     scheduler: Scheduler,
     model: PagedFakeModel,
     on_output: Callable[[SchedulerOutput], None] | None = None,
 ) -> SchedulerOutput:
     """One engine step: schedule, run the fake model, update; checks the step's limits."""
+    was_running = {r.request_id for r in scheduler.running}
     out = scheduler.schedule()
     cfg = scheduler.scheduler_config
-    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    limit = step_token_limit(out, was_running, cfg.max_num_batched_tokens)
+    assert out.total_num_scheduled_tokens <= limit
     assert len(out.scheduled_requests) <= cfg.max_num_seqs
     assert len(scheduler.running) <= cfg.max_num_seqs
     if on_output is not None:

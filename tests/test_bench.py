@@ -113,3 +113,45 @@ def test_adapter_bench_times_both_paths_on_the_same_weights(tmp_path: Path) -> N
     times = step_times(models, batch=3, num_steps=2)
     assert {k: len(v) for k, v in times.items()} == {"hand": 2, "adapter": 2}
     assert all(t > 0 for v in times.values() for t in v)
+
+
+def test_window_itls_keeps_gaps_within_one_request_ending_in_the_window() -> None:
+    from bench.serving import window_itls
+
+    requests = [[1.0, 2.0, 4.0, 7.0], [7.5, 8.0], [9.0]]
+    # Gaps ending at 2, 4, 7 (first request), 8 (second); 7 -> 7.5 is a restart, not a gap.
+    assert window_itls(requests, 0.0, 100.0) == [1.0, 2.0, 3.0, 0.5]
+    assert window_itls(requests, 3.0, 7.0) == [2.0, 3.0]
+    assert window_itls(requests, 7.1, 8.5) == [0.5]
+
+
+def test_background_streams_restart_when_an_engine_ends_them() -> None:
+    import asyncio
+
+    import httpx
+
+    from bench.serving import BackgroundStreams
+
+    sent: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        events = [{"choices": [{"text": f"t{i}"}]} for i in range(3)]  # ends after 3 tokens
+        lines = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=lines, headers={"content-type": "text/event-stream"})
+
+    async def run() -> BackgroundStreams:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            streams = BackgroundStreams(c, ["a", "b"], max_tokens=3)
+            await streams.wait_tokens(1, timeout_s=30)
+            while streams.num_restarts < 6:
+                await asyncio.sleep(0.01)
+            assert streams.all_alive()
+            await streams.stop()
+        return streams
+
+    streams = asyncio.run(run())
+    assert streams.num_restarts >= 6 and {b["prompt"] for b in sent} == {"a", "b"}
+    assert all(b["ignore_eos"] and b["max_tokens"] == 3 for b in sent)
+    assert all(len(times) == 3 for times in streams.requests[:6])

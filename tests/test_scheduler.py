@@ -376,3 +376,61 @@ def test_output_maps_onto_attention_metadata():
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 3 * 4 + 2, 16, 17, 18, 19, 20, 21, 22, 23]
     # The sampled rows are the last token of each sampling request.
     assert [rid for rid in rids if out.samples(rid)] == ["a", "b"]
+
+
+def test_prefill_gets_half_the_budget_beside_more_decodes_than_the_budget():
+    # Budget 8, 12 running decodes: before, the decodes took all 8 tokens every step and
+    # a new prompt waited until a stream ended (issue 11, starvation on a busy server).
+    sched, model = make(num_blocks=128, block_size=4, budget=8, max_num_seqs=13)
+    decoders = [req(f"d{i}", [i + 1], max_tokens=20) for i in range(12)]
+    for r in decoders:
+        sched.add_request(r)
+    ramp = [[(f"d{i}", 0, 1) for i in range(8)], [(f"d{i}", 1, 1) for i in range(8)]]
+    ramp[1] += [("d8", 0, 1), ("d9", 0, 1), ("d10", 0, 1), ("d11", 0, 1)]  # 8 decodes + 4
+    for want in ramp:
+        assert layout(step(sched, model)) == want
+    p, q = req("p", list(range(30, 48)), max_tokens=2), req("q", [7, 8])
+    sched.add_request(p)
+    sched.add_request(q)  # 14th request: waits for a free seat (max_num_seqs 13)
+    # 12 decodes + ceil(8 / 2) = 4 prefill tokens per step: 16 > 8 tokens, all decodes kept.
+    for start, n in [(0, 4), (4, 4), (8, 4), (12, 4), (16, 2)]:
+        out = step(sched, model)
+        decodes = [(r.request_id, 1) for r in out.scheduled_requests[:12]]
+        assert decodes == [(f"d{i}", 1) for i in range(12)] and out.num_decodes == 12
+        assert layout(out)[12:] == [("p", start, n)]
+        assert out.total_num_scheduled_tokens == 12 + n
+    assert p.num_output_tokens == 1 and len(sched.waiting) == 1  # q: still no seat
+    run_to_completion(sched, model)
+    for r in [*decoders, p, q]:
+        assert r.output_token_ids == oracle(r, sched), r.request_id
+
+
+def test_few_decodes_leave_prefill_the_rest_of_the_budget():
+    # 3 decodes < budget / 2: the step stays within the budget (8), the prompt gets 5.
+    sched, model = make(num_blocks=64, block_size=4, budget=8)
+    for i in range(3):
+        sched.add_request(req(f"d{i}", [i + 1], max_tokens=10))
+    step(sched, model)
+    sched.add_request(req("p", list(range(30, 40))))
+    out = step(sched, model)
+    assert layout(out) == [("d0", 1, 1), ("d1", 1, 1), ("d2", 1, 1), ("p", 0, 5)]
+    out = step(sched, model)
+    assert layout(out)[3:] == [("p", 5, 5)] and out.total_num_scheduled_tokens == 8
+
+
+def test_prefill_share_goes_fcfs_to_the_running_chunk_then_waiting_prompts():
+    # Budget 4 (share 2) and 5 decodes: the running chunk takes the share first; a prompt's
+    # last token is a one-token request like a decode, so it leaves the share to the next.
+    sched, model = make(num_blocks=64, block_size=4, budget=4, max_num_seqs=8)
+    for i in range(5):
+        sched.add_request(req(f"d{i}", [i + 1], max_tokens=10))
+    step(sched, model)  # d0..d3 (4 tokens)
+    assert layout(step(sched, model))[4:] == [("d4", 0, 1)]  # 4 decodes + share 2 (1 used)
+    sched.add_request(req("a", [20, 21, 22]))
+    sched.add_request(req("b", [30, 31, 32, 33]))
+    sched.add_request(req("c", [40, 41]))
+    assert layout(step(sched, model))[5:] == [("a", 0, 2)]
+    assert layout(step(sched, model))[5:] == [("a", 2, 1), ("b", 0, 2)]
+    out = step(sched, model)
+    assert layout(out)[5:] == [("a", 3, 1), ("b", 2, 2)] and out.total_num_scheduled_tokens == 8
+    assert layout(step(sched, model))[7:] == [("c", 0, 2)]

@@ -241,3 +241,46 @@ def test_hybrid_streams_keep_invariants_and_finish(scenario):
     event(f"groups {windows}, state {kv.state_pool is not None}")
     event(f"prefix hit: {stats.prefix_cache_hits > 0}")
     event(f"preempted: {stats.num_preemptions > 0}")
+
+
+@st.composite
+def busy_scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, CacheConfig, list[tuple]]:
+    """Memory to spare (no preemption), more seats than budget: only the budget decides."""
+    block_size = draw(st.integers(1, 5))
+    max_num_seqs = draw(st.integers(1, 24))
+    max_model_len = 32
+    num_blocks = max_num_seqs * -(-max_model_len // block_size) + 1
+    scheduler_config = SchedulerConfig(max_model_len, max_num_seqs, draw(st.integers(1, 16)))
+    add = st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 12))
+    ops = draw(st.lists(st.one_of(add, st.just(("step",))), min_size=4, max_size=60))
+    return scheduler_config, CacheConfig(num_blocks, block_size, False), ops
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=busy_scenarios())
+def test_every_decode_runs_and_prefill_gets_its_share_each_step(scenario):
+    # The policy, restated: all decodes run; prefill work (running chunks, then waiting
+    # prompts up to the free seats) gets max(budget - decodes, ceil(budget / 2)) tokens.
+    scheduler_config, cache_config, ops = scenario
+    budget, max_num_seqs = scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs
+    sched = Scheduler(scheduler_config, cache_config)
+    model = PagedFakeModel(cache_config.block_size, cache_config.num_blocks)
+    added: list[Request] = []
+    for op in [*ops, *[("step",)] * 200]:
+        if op[0] == "add":
+            prompt = [(len(added) * 7 + i) % (VOCAB - 1) + 1 for i in range(op[1])]
+            added.append(Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=op[2])))
+            sched.add_request(added[-1])
+            continue
+        decodes = {r.request_id for r in sched.running if r.num_tokens - r.num_computed_tokens == 1}
+        work = sum(r.num_tokens - r.num_computed_tokens for r in sched.running) - len(decodes)
+        seats = max_num_seqs - len(sched.running)
+        work += sum(r.num_tokens for r in list(sched.waiting)[:seats])
+        share = max(budget - len(decodes), -(-budget // 2))
+        out = step(sched, model)
+        assert not out.preempted_request_ids
+        assert decodes <= set(out.num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens - len(decodes) == min(share, work)
+    assert all(r.is_finished for r in added)
+    for r in added:
+        assert r.output_token_ids == reference_generate(r.prompt_token_ids, r.max_tokens, 32)

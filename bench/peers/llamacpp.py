@@ -3,7 +3,11 @@
 The source package vendors the whole llama.cpp tree; it is downloaded with pip (the
 ordinary client, no other network access) and built with cmake into a cache folder:
 
-    ~/.cache/mlxserve-bench/llama-cpp/<version>/bin/{llama-server,llama-bench,llama-batched-bench}
+    ~/.cache/mlxserve-bench/llama-cpp/<version>/bin-<BUILD>/{llama-server,llama-bench,...}
+
+The build is native (-march=native) without Intel AMX: ggml's AMX kernels for Q4_1 die
+with SIGILL on their first `tilezero` on a 2-core Xeon VM that advertises AMX
+(llama-cpp-python 0.3.36), so llama-server could not answer a prompt there.
 
 Never in CI or tests: a build takes ~10 minutes on 2 cores. The tools read the GGUF directly.
 """
@@ -22,6 +26,8 @@ from bench.common import cache_dir
 
 VERSION = "0.3.36"  # llama-cpp-python; its vendor/llama.cpp is what gets built
 TARGETS = ("llama-server", "llama-bench", "llama-batched-bench")
+BUILD = "native-noamx"  # names the build options below (a different build, a new folder)
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # ggml builds AMX code only if enabled
 
 
 def cache_root() -> Path:
@@ -29,7 +35,7 @@ def cache_root() -> Path:
 
 
 def bin_dir(version: str = VERSION) -> Path:
-    return cache_root() / version / "bin"
+    return cache_root() / version / f"bin-{BUILD}"
 
 
 def ensure_built(version: str = VERSION, log=print) -> Path:
@@ -51,11 +57,12 @@ def ensure_built(version: str = VERSION, log=print) -> Path:
     if not tree.exists():
         with tarfile.open(sdist) as tar:
             tar.extractall(src, filter="data")
-    build = root / "build"
+    build = root / f"build-{BUILD}"
     log(f"[llama.cpp] building {', '.join(TARGETS)} in {build} (several minutes)")
     configure = [
         "cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+        "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+        "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=OFF",
     ]  # fmt: skip
@@ -66,7 +73,8 @@ def ensure_built(version: str = VERSION, log=print) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for t in TARGETS:
         shutil.copy2(build / "bin" / t, out / t)
-    (root / "build-info.json").write_text(json.dumps({"version": version, "targets": TARGETS}))
+    info = {"version": version, "build": BUILD, "targets": TARGETS}
+    (root / f"build-info-{BUILD}.json").write_text(json.dumps(info))
     return out
 
 

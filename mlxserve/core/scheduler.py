@@ -8,6 +8,23 @@ requests keep going in the same forward passes::
 
     step budget 8:  | d0 | d1 | p2 p2 p2 p2 p2 p2 |   d = decode, p = chunk of a prompt
 
+Decodes never starve prefills. Every request with one token left to compute (a decode)
+gets it, and prefill chunks (of running requests, then of admitted waiting ones) share
+what is left, but never less than half the budget, ``ceil(max_num_batched_tokens / 2)``.
+With few decodes nothing changes (prefills get ``budget - num_decodes >= budget / 2``);
+with more, the step grows past the budget just enough to decode them all::
+
+    step tokens = num_decodes + max(budget - num_decodes, ceil(budget / 2))
+                <= max(budget, num_decodes + ceil(budget / 2))
+
+    budget 8, 10 decodes:  | d0 | d1 | ... | d9 | p p p p |   a waiting prompt still moves
+
+A small budget (the CPU server's 32) keeps the streams' inter-token latency smooth: a
+chunk costs little more than the decodes beside it. Without the floor, 32 running decodes
+took the whole budget and a new prompt waited until a stream ended. The step is bounded
+by ``max_num_seqs + ceil(budget / 2)`` tokens (decodes are running requests), and only
+exceeds the budget when ``max_num_seqs`` does (the CPU server's 64 vs 32).
+
 ``num_computed_tokens`` is advanced when scheduling (the tokens will be in the KV cache
 once the step runs). The engine loop alternates strictly: ``schedule()``, run the model,
 ``update_from_output()``.
@@ -23,6 +40,11 @@ from mlxserve.config import CacheConfig, SchedulerConfig
 from mlxserve.core.kv_cache_manager import KVCacheManager, StateSlots
 from mlxserve.core.request import Request, RequestStatus
 from mlxserve.exceptions import ParameterError
+
+
+def min_prefill_tokens(max_num_batched_tokens: int) -> int:
+    """Prefill tokens a step offers however many decodes run: half the budget, rounded up."""
+    return (max_num_batched_tokens + 1) // 2
 
 
 @dataclass
@@ -202,29 +224,41 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocate their blocks."""
         budget = self.scheduler_config.max_num_batched_tokens
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        # Decodes take one token each; prefill chunks get the rest, at least half the budget.
+        prefill_budget = max(budget - num_decodes, min_prefill_tokens(budget))
         scheduled: list[Request] = []
         num_scheduled: dict[str, int] = {}
         preempted: list[str] = []
 
         # 1. Running requests, oldest first: a decode token or the next prompt chunk.
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running):
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new >= 1, f"{request} has nothing to compute; missed update_from_output?"
+            num_left = request.num_tokens - request.num_computed_tokens
+            assert num_left >= 1, f"{request} has nothing to compute; missed update_from_output?"
+            num_new = 1 if num_left == 1 else min(num_left, prefill_budget)
+            index += 1
+            if num_new == 0:
+                continue  # prefill share spent; newer decodes still get their token
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: nothing newer is left to schedule
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            index += 1
+            if num_left > 1:
+                prefill_budget -= num_new
 
         # 2. Waiting requests, first come first served, unless memory just ran short.
         max_num_seqs = self.scheduler_config.max_num_seqs
-        while not preempted and self.waiting and budget > 0 and len(self.running) < max_num_seqs:
+        while (
+            not preempted
+            and self.waiting
+            and prefill_budget > 0
+            and len(self.running) < max_num_seqs
+        ):
             request = self.waiting[0]
             hit, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = min(request.num_tokens - num_hit_tokens, prefill_budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hit) is None:
                 break  # the head does not fit; later ones wait behind it (FCFS)
             self.waiting.popleft()
@@ -235,7 +269,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            prefill_budget -= num_new
 
         return self._make_output(scheduled, num_scheduled, preempted)
 

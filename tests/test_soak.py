@@ -1,0 +1,45 @@
+"""Soak, short form: `mlxserve serve` on the embedded SmolLM2 under 16 clients for a minute.
+
+Mixed APIs (chat and completions, streamed or not, n=2, logprobs, stop strings, usage
+chunks, /tokenize), a long shared system prompt on 40% of the calls, 20% of the calls
+abandoned by their client part-way. The server must answer every call it was not
+abandoned on with a well-formed response, agree with itself (greedy and seeded answers,
+prompt token counts), go back to idle (running, waiting, KV usage 0), not grow its RSS
+past a bound, and still give the same greedy answers as before. The workload and checks
+are tests/soak_harness.py; scripts/soak.py runs the long form (64 clients, minutes).
+
+The figures (calls, aborted, tokens, latencies, RSS) are printed and written to
+soak-report.json in the test's temporary directory; the assertion message repeats them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server_harness import start_server
+from tests.soak_harness import SoakConfig, run_soak, summary_line
+
+# A burst (~15-20 s on 2 idle cores), 5 s of warm-up, 30 s of load: ~a minute of load.
+CONFIG = SoakConfig(clients=16, warmup=5.0, duration=30.0, seed=11)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    s = start_server(["--disable-log-stats"], log)
+    yield s
+    s.stop()
+
+
+def test_soak_16_clients_mixed_apis_with_disconnects(server, tmp_path) -> None:
+    report = run_soak(server.url, server.proc.pid, CONFIG, server_log=server.log_path)
+    (tmp_path / "soak-report.json").write_text(json.dumps(report, indent=1))
+    print(f"soak report: {tmp_path / 'soak-report.json'}")
+    load = report["load"]
+    # The check has teeth: the mix really ran (calls of every kind, some abandoned).
+    assert load["ok"] >= 10 and load["aborted"] >= 1, summary_line(report)
+    assert len(load["by_kind"]) == 5, summary_line(report)
+    assert report["server"]["vllm:generation_tokens_total"] > 0
+    assert report["failures"] == [], summary_line(report)
