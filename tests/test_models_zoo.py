@@ -76,7 +76,15 @@ CORE = [
     "starcoder2",
 ]
 # Recurrent layers need the engine's state slots (tests/test_models_zoo_engine.py).
-HYBRID = ["granitemoehybrid", "lfm2", "mamba2", "qwen3_5", "qwen3_next"]
+HYBRID = [
+    "granitemoehybrid",
+    "lfm2",
+    "mamba2",
+    "nemotron_h",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+]
 BREADTH = sorted(set(ZOO) - set(CORE) - set(HYBRID))
 POOLED = sorted(set(ZOO) - set(HYBRID))  # every case the block-pool runner can run
 BREADTH_PROMPTS = ("r1", "r3", "r5", "r6")

@@ -33,7 +33,7 @@ LOGPROB_TOL = 1e-4
 NOISE_FACTOR = 4
 PREFIX_BLOCKS = 7  # the prefix-hit prompt shares r5's first 28 tokens
 
-HYBRID = ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid"]
+HYBRID = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid", "nemotron_h"]
 RECURRENT_ONLY = ["mamba2"]  # no attention: no blocks, so nothing to preempt for
 WINDOWED = ["gemma3_text", "gpt_oss", "swa_llama"]  # swa_llama: every layer windowed
 CASES = HYBRID + RECURRENT_ONLY + WINDOWED + list(mlx_lm_zoo.PER_LAYER_POOLS)

@@ -22,9 +22,10 @@ The interception surface (all of it)
    Layers that attend to another layer's K/V (Gemma 4's KV sharing: ``cache=None``, keys
    returned by an earlier layer's ``update_and_fetch``) read that layer's pool.
 
-3. **Recurrent mixers.** For a layer whose cache is an ``ArraysCache`` (gated delta nets,
-   SSMs), the module that takes the cache is hooked to regroup the flat rows per request
-   and run on states from the pool's slots (mlxserve/models/mlx_lm_recurrent.py).
+3. **Recurrent mixers.** In a model with ``ArraysCache`` layers (gated delta nets, SSMs,
+   short convolutions), the deepest modules taking ``(x, mask, cache)`` are hooked: given
+   a state cache they regroup the flat rows per request and run on states from the pool's
+   slots (mlxserve/models/mlx_lm_recurrent.py); given an attention cache they run as is.
 
 With KV cache groups (mlxserve/kv_cache_spec.py), each layer reads its group's block tables
 (``group_metadata``, one AttentionMetadata per group) and its K/V tensor of the layout;
@@ -249,7 +250,7 @@ class MlxLmModel(nn.Module):
         self._kv_cast_after_fetch = kv_cast_after_fetch
         self._selects_rows = _hook_row_selection(model)
         if self._layout.state_layers:
-            hook_mixers(list(model.layers), list(self._layout.state_layers), model_type)
+            hook_mixers(list(model.layers), model_type)
         # Without KV cache groups: the pool index of each attention layer.
         attention = [i for i, spec in enumerate(specs) if spec.is_attention]
         self._own_pool = {layer: n for n, layer in enumerate(attention)}

@@ -142,31 +142,39 @@ def _takes_cache(module: nn.Module) -> bool:
     return "cache" in params
 
 
-def hook_mixers(layers: list[nn.Module], indices: list[int], model_type: str) -> None:
-    """Hook the mixer of each recurrent layer: the deepest module under ``layers[i]`` that
-    takes a ``cache`` argument (its class is swapped for a regrouping subclass)."""
-    for i in indices:
-        found = [(p, m) for p, m in layers[i].named_modules() if p and _takes_cache(m)]
-        deepest = [(p, m) for p, m in found if not any(q.startswith(p + ".") for q, _ in found)]
-        if len(deepest) != 1:
-            raise RecurrentStateError(
-                f"{model_type}: cache layer {i}: expected one module taking its recurrent "
-                f"cache under the layer, found {[p for p, _ in deepest]}"
-            )
-        _, mixer = deepest[0]
-        mixer.__class__ = _regrouping_class(type(mixer), model_type)
+def hook_mixers(layers: list[nn.Module], model_type: str) -> None:
+    """Hook every candidate mixer: the deepest modules under the model's layers that take
+    ``(x, mask, cache)`` (their class is swapped for a regrouping subclass).
+
+    Cache layers need not be model layers one to one (Nemotron-H's MLP layers have no
+    cache), so every candidate is hooked; a hooked module given an attention cache runs
+    unchanged, and a recurrent cache no hooked module ran is refused after the forward pass.
+    """
+    hooked = 0
+    for layer in layers:
+        found = [(p, m) for p, m in layer.named_modules() if p and _takes_cache(m)]
+        for path, module in found:
+            if any(q.startswith(path + ".") for q, _ in found):
+                continue  # not the deepest
+            regrouping = _regrouping_class(type(module))
+            if regrouping is not None:
+                module.__class__ = regrouping
+                hooked += 1
+    if not hooked:
+        raise RecurrentStateError(
+            f"{model_type}: no module under its layers takes (x, mask, cache): nowhere to "
+            "run its recurrent state"
+        )
 
 
-def _regrouping_class(base: type, model_type: str) -> type:
+def _regrouping_class(base: type) -> type | None:
+    """The regrouping subclass of a mixer class (None: its call is not (x, mask, cache))."""
     if getattr(base, "_mlxserve_regroups", False):
         return base
     signature = inspect.signature(base.__call__)
     names = list(signature.parameters)
     if len(names) < 4 or names[2:4] != ["mask", "cache"]:
-        raise RecurrentStateError(
-            f"{model_type}: the recurrent mixer {base.__name__} takes {names[1:]}, not "
-            "(x, mask, cache)"
-        )
+        return None
     first = names[1]
 
     def __call__(self, *args, **kwargs):

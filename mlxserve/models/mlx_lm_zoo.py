@@ -95,6 +95,8 @@ MODEL_TYPES: dict[str, str] = {
     "lfm2": "short convolutions (recurrent state slots) + full attention, q/k norms",
     "granitemoehybrid": "Mamba-2 (recurrent state slots) + full attention, shared MLP",
     "mamba2": "Mamba-2 only (recurrent state slots, no KV blocks)",
+    "nemotron_h": "Mamba-2 (recurrent state slots) + full attention + MLP-only layers",
+    "qwen3_5_moe": f"{GDN}, {MOE} (shared expert), gated attention",
     "seed_oss": FULL,
     "smollm3": f"{FULL}, NoPE layers",
     "solar_open": f"{FULL}, {MOE}",
