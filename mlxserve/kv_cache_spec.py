@@ -150,6 +150,8 @@ class KVCacheLayout:
             parts.append(f"{what} x{len(g.layers)}")
         text = f"{len(self.groups)} KV group(s) [{', '.join(parts)}] on "
         text += f"{len(self.tensor_shapes)} K/V tensor(s)"
+        if not self.groups:
+            text = "no attention layers (no KV blocks)"
         if self.state_layers:
             text += f"; {len(self.state_layers)} recurrent layer(s) in state slots"
         if self.reason:

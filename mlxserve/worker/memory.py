@@ -60,29 +60,36 @@ class KVPlan:
         return self.num_state_slots * self.state_bytes_per_slot
 
     def describe(self, max_num_seqs: int, max_num_batched_tokens: int) -> str:
-        per_request = max(
-            self.layout.blocks_per_request(
+        layout = self.layout
+        concurrency = float("inf")
+        if layout.num_groups:
+            per_request = layout.blocks_per_request(
                 self.max_model_len, self.block_size, max_num_batched_tokens
-            ),
-            1,
-        )
-        concurrency = (self.num_blocks - 1) / per_request
-        text = (
-            f"KV cache: up to {self.num_blocks - 1} blocks x {self.block_size} tokens "
-            f"({self.kv_bytes / GiB:.2f} GiB, {self.bytes_per_block // 1024} KiB/block, "
-            f"allocated as used); {self.layout.describe()}; "
-        )
+            )
+            concurrency = (self.num_blocks - 1) / max(per_request, 1)
+        if self.num_state_slots:  # one live state per running request
+            concurrency = min(concurrency, self.num_state_slots - 1)
+        text = f"{layout.describe()}; "
+        if layout.num_groups:
+            text = (
+                f"KV cache: up to {self.num_blocks - 1} blocks x {self.block_size} tokens "
+                f"({self.kv_bytes / GiB:.2f} GiB, {self.bytes_per_block // 1024} KiB/block, "
+                f"allocated as used); " + text
+            )
         if self.num_state_slots:
             text += (
                 f"state: {self.num_state_slots - 1} slots x "
-                f"{self.state_bytes_per_slot / 2**20:.1f} MiB ({self.state_bytes / GiB:.2f} GiB)"
-                "; "
+                f"{_size(self.state_bytes_per_slot)} ({self.state_bytes / GiB:.2f} GiB); "
             )
         return text + (
             f"max_model_len {self.max_model_len}; "
             f"max concurrency at max_model_len: {concurrency:.1f}x "
             f"(max_num_seqs {max_num_seqs})"
         )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 1024:.1f} KiB"
 
 
 def max_tokens_in(layout: KVCacheLayout, blocks: int, block_size: int, chunk: int, cap: int) -> int:
