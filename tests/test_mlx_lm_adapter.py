@@ -129,8 +129,8 @@ def test_what_the_adapter_cannot_run_is_refused_at_load(name: str, tmp_path: Pat
 def test_registry_says_why_an_mlx_lm_architecture_is_not_run() -> None:
     with pytest.raises(ValueError, match=r"'gemma2' \(computes attention by hand"):
         build_model({"model_type": "gemma2"}, {})
-    with pytest.raises(ValueError, match=r"'mamba' \(mlx-lm implements it, but mlxserve's"):
-        build_model({"model_type": "mamba"}, {})
+    with pytest.raises(ValueError, match=r"'rwkv7' \(mlx-lm implements it, but mlxserve's"):
+        build_model({"model_type": "rwkv7"}, {})
     assert not set(mlx_lm_zoo.MODEL_TYPES) & set(mlx_lm_zoo.NOT_SUPPORTED)
     assert {c["model_type"] for c in ZOO.values()} == set(mlx_lm_zoo.MODEL_TYPES)
 

@@ -79,6 +79,7 @@ CORE = [
 HYBRID = [
     "granitemoehybrid",
     "lfm2",
+    "mamba",
     "mamba2",
     "nemotron_h",
     "qwen3_5",

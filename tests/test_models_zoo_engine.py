@@ -34,7 +34,7 @@ NOISE_FACTOR = 4
 PREFIX_BLOCKS = 7  # the prefix-hit prompt shares r5's first 28 tokens
 
 HYBRID = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid", "nemotron_h"]
-RECURRENT_ONLY = ["mamba2"]  # no attention: no blocks, so nothing to preempt for
+RECURRENT_ONLY = ["mamba", "mamba2"]  # no attention: no blocks, so nothing to preempt for
 WINDOWED = ["gemma3_text", "gpt_oss", "swa_llama"]  # swa_llama: every layer windowed
 CASES = HYBRID + RECURRENT_ONLY + WINDOWED + list(mlx_lm_zoo.PER_LAYER_POOLS)
 CONFIGS = {name: ZOO.get(name) for name in CASES} | {

@@ -214,7 +214,7 @@ ZOO: dict[str, dict[str, Any]] = {
         rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     ),
     # Hybrid: short convolutions (LFM2) or Mamba-2 mixers (Granite 4.0 hybrid), each with
-    # full attention every other layer; and Mamba-2 alone (no attention, no KV blocks).
+    # full attention every other layer; and Mamba / Mamba-2 alone (no attention, no KV blocks).
     "lfm2": config(
         "lfm2",
         num_hidden_layers=4,
@@ -245,6 +245,19 @@ ZOO: dict[str, dict[str, Any]] = {
         mamba_conv_bias=True,
         shared_intermediate_size=64,
     ),
+    "mamba": {
+        "model_type": "mamba",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "state_size": 8,
+        "num_hidden_layers": 2,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 4,
+        "tie_word_embeddings": False,
+    },
     "mamba2": {
         "model_type": "mamba2",
         "num_heads": 8,

@@ -144,7 +144,8 @@ def _takes_cache(module: nn.Module) -> bool:
 
 def hook_mixers(layers: list[nn.Module], model_type: str) -> None:
     """Hook every candidate mixer: the deepest modules under the model's layers that take
-    ``(x, mask, cache)`` (their class is swapped for a regrouping subclass).
+    ``(x, mask, cache)`` or ``(x, cache)`` (their class is swapped for a regrouping
+    subclass).
 
     Cache layers need not be model layers one to one (Nemotron-H's MLP layers have no
     cache), so every candidate is hooked; a hooked module given an attention cache runs
@@ -162,18 +163,19 @@ def hook_mixers(layers: list[nn.Module], model_type: str) -> None:
                 hooked += 1
     if not hooked:
         raise RecurrentStateError(
-            f"{model_type}: no module under its layers takes (x, mask, cache): nowhere to "
+            f"{model_type}: no module under its layers takes (x, [mask,] cache): nowhere to "
             "run its recurrent state"
         )
 
 
 def _regrouping_class(base: type) -> type | None:
-    """The regrouping subclass of a mixer class (None: its call is not (x, mask, cache))."""
+    """The regrouping subclass of a mixer class (None: its call is not (x, [mask,] cache))."""
     if getattr(base, "_mlxserve_regroups", False):
         return base
     signature = inspect.signature(base.__call__)
     names = list(signature.parameters)
-    if len(names) < 4 or names[2:4] != ["mask", "cache"]:
+    takes_mask = names[2:4] == ["mask", "cache"]
+    if not (takes_mask or names[2:3] == ["cache"]):
         return None
     first = names[1]
 
@@ -186,7 +188,8 @@ def _regrouping_class(base: type) -> type | None:
             raise RecurrentStateError(f"{cache._where}: the model passed its mixer a mask")
 
         def call(x: mx.array, arrays_cache) -> mx.array:
-            return base.__call__(self, **{first: x, "mask": None, "cache": arrays_cache})
+            mask = {"mask": None} if takes_mask else {}
+            return base.__call__(self, **{first: x, "cache": arrays_cache}, **mask)
 
         return cache.run(call, bound.arguments[first])
 

@@ -94,6 +94,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3_5": f"{GDN}, gated attention",
     "lfm2": "short convolutions (recurrent state slots) + full attention, q/k norms",
     "granitemoehybrid": "Mamba-2 (recurrent state slots) + full attention, shared MLP",
+    "mamba": "Mamba only (recurrent state slots, no KV blocks)",
     "mamba2": "Mamba-2 only (recurrent state slots, no KV blocks)",
     "nemotron_h": "Mamba-2 (recurrent state slots) + full attention + MLP-only layers",
     "qwen3_5_moe": f"{GDN}, {MOE} (shared expert), gated attention",
