@@ -85,6 +85,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer.chat_templates = config.chat_template
+            self.tokenizer.chat_format = "jinja"  # the user's template wins over harmony too
         self.model_name = config.served_model_name or loaded.source.name
         self.max_num_batched_tokens = (
             config.max_num_batched_tokens or default_max_num_batched_tokens()
