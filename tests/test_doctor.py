@@ -41,11 +41,12 @@ def test_doctor_reports_this_machine_and_the_embedded_model() -> None:
     if sys.platform == "linux":
         assert "OpenBLAS bound from" in blas or "pip install scipy-openblas32" in blas
     # SmolLM2-135M: 30 layers, 9 heads, 3 KV heads of 64; float32 KV on the CPU is
-    # 2 x 30 x 3 x 64 x 4 B = 45 KiB per token (float16 on Metal: 22 KiB)
+    # 2 x 30 x 3 x 64 x 4 B = 45 KiB per token, 720 KiB per 16-token block (float16 on
+    # Metal: 360 KiB)
     assert "SmolLM2-135M-Instruct" in text
     assert "30 layers, 9 heads, 3 KV heads, head_dim 64" in text
-    per_token = "45 KiB/token" if not mx.metal.is_available() else "22 KiB/token"
-    assert "up to 64 blocks x 16 tokens = 1024 tokens" in text and per_token in text
+    per_block = "720 KiB/block" if not mx.metal.is_available() else "360 KiB/block"
+    assert "up to 64 blocks x 16 tokens" in text and per_block in text
     assert "max_model_len 1024" in text
 
 

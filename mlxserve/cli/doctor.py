@@ -185,4 +185,4 @@ def model_lines(config: EngineConfig) -> Iterator[str]:
         f"memory:     {usable_memory() / GiB:.1f} GiB usable ({where}) x memory_fraction "
         f"{config.memory_fraction}"
     )
-    yield f"memory:     {engine.plan.describe(config.max_num_seqs)}"
+    yield f"memory:     {engine.plan.describe(config.max_num_seqs, engine.max_num_batched_tokens)}"

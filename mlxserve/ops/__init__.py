@@ -27,11 +27,12 @@ import mlx.core as mx
 
 from mlxserve.exceptions import ParameterError
 from mlxserve.ops import fallback, selftest
-from mlxserve.ops.metadata import AttentionMetadata
+from mlxserve.ops.metadata import AttentionMetadata, StateMetadata
 from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels, unsupported_reason
 
 __all__ = [
     "AttentionMetadata",
+    "StateMetadata",
     "check_kernels",
     "force_backend",
     "kernel_backend",

@@ -2,7 +2,7 @@
 
     LLMEngine (requests, scheduling, outputs)     ModelRunner (one per device / rank)
       plan_kv_cache(...) -> KVPlan           ->   probe activation memory, size the pool
-      ensure_blocks(n)                       ->   create / grow the K/V arrays
+      ensure_blocks(n, slots)                ->   create / grow the K/V (and state) arrays
       launch(SchedulerOutput) -> StepHandle  ->   flat arrays, model, sampler, mx.async_eval
       collect(StepHandle) -> ModelRunnerOutput -> wait; sampled tokens as host lists
 
@@ -14,6 +14,10 @@ Batch layout on the flat token axis (decodes first, as AttentionMetadata wants):
     input_ids:  | d0 | d1 | p0 p0 p0 p0 p0 | p1 p1 p1 |
     samples:      ^    ^                ^          ^      (last row of each request
                                                            whose chunk reaches its end)
+
+The pool follows the model's KVCacheLayout (mlxserve/kv_cache_spec.py): one K/V tensor per
+layer, or per layer slot of its KV cache groups, each group with its own block tables
+(one AttentionMetadata per group), and state slots for recurrent layers (StateMetadata).
 
 A step that raises is not charged to the whole batch (worker/isolation.py): the runner
 re-runs it for halves of its requests until the request(s) that fail alone are found;
@@ -34,14 +38,15 @@ import numpy as np
 from mlxserve import ops
 from mlxserve.core.request import Logprobs, Request
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
 from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
 from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
+from mlxserve.worker.kv_inputs import probe_arguments, step_metadata
 from mlxserve.worker.memory import (
     PROBE_TOKENS,
     KVPlan,
-    kv_bytes_per_token,
     plan_kv_cache,
     probe_activation_bytes,
     tree_bytes,
@@ -130,6 +135,11 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size: int = model.vocab_size
         self.kernels = kernels  # "auto" | "metal" | "fallback", checked at start-up
+        # Adapted mlx-lm models say what each layer needs; hand-written ones are uniform.
+        self.layout: KVCacheLayout = getattr(model, "kv_cache_layout", None) or uniform_layout(
+            model.num_layers, model.num_kv_heads, model.head_dim
+        )
+        self._takes_layout = hasattr(model, "kv_cache_layout")
         self.kv_cache: KVCache | None = None  # made by the first ensure_blocks()
         mx.random.seed(seed)
         self._rng = random.Random(seed)
@@ -152,6 +162,7 @@ class ModelRunner:
         max_num_seqs: int,
         memory_fraction: float,
         num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> KVPlan:
         """Size the pool (worker/memory.py), probing a forward pass's activation peak."""
         m = self.model
@@ -159,52 +170,63 @@ class ModelRunner:
         if num_blocks is None:
             n = min(PROBE_TOKENS, max_num_batched_tokens)
             with ops.use_kernels(self.kernels):
-                per_token = probe_activation_bytes(m, self._allocate, self.block_size, n)
+                per_token = probe_activation_bytes(
+                    m, self._allocate, self._probe_args, self.block_size, n
+                )
             activation = int(per_token * max_num_batched_tokens)
-        bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
         return plan_kv_cache(
-            bytes_per_token=bytes_per_token,
+            layout=self.layout,
+            dtype=self.dtype,
             block_size=self.block_size,
             model_max_len=m.max_position_embeddings or max_model_len or 4096,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             memory_fraction=memory_fraction,
             weights_bytes=tree_bytes(m.parameters()),
             activation_bytes=activation,
             num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
-    def ensure_blocks(self, num_blocks: int) -> None:
-        """Make the K/V arrays hold at least ``num_blocks`` blocks (new ones zeroed).
+    def _probe_args(self, md: AttentionMetadata) -> dict[str, object]:
+        return probe_arguments(self.layout, md) if self._takes_layout else {}
+
+    def ensure_blocks(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        """Make the K/V arrays hold at least ``num_blocks`` blocks and the state arrays
+        ``num_state_slots`` slots (new ones zeroed).
 
         Call it on the thread that steps: the arrays (or their growth) are lazy until the
         next launch evaluates them.
         """
         if self.kv_cache is None:
-            self.kv_cache = self._allocate(num_blocks)
+            self.kv_cache = self._allocate(num_blocks, num_state_slots)
         else:
             self.kv_cache.ensure_num_blocks(num_blocks)
+            self.kv_cache.ensure_num_state_slots(num_state_slots)
 
-    def _allocate(self, num_blocks: int) -> KVCache:
-        m = self.model
-        return KVCache.allocate(
-            m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.dtype
-        )
+    def _allocate(self, num_blocks: int, num_state_slots: int = 2) -> KVCache:
+        slots = num_state_slots if self.layout.has_state else 0
+        return KVCache.allocate_layout(self.layout, num_blocks, self.block_size, self.dtype, slots)
 
-    def _pool(self) -> tuple[list[mx.array], list[mx.array]]:
+    def _pool(self) -> tuple[list[mx.array], list[mx.array], list[list[mx.array]]]:
         assert self.kv_cache is not None, "ensure_blocks() comes before the first launch()"
-        return list(self.kv_cache.keys), list(self.kv_cache.values)
+        kv = self.kv_cache
+        return list(kv.keys), list(kv.values), [list(arrays) for arrays in kv.states]
 
-    def _restore(self, pool: tuple[list[mx.array], list[mx.array]]) -> None:
+    def _restore(self, pool: tuple[list[mx.array], list[mx.array], list[list[mx.array]]]) -> None:
         """Put back the pool arrays of before a failed build (drops its lazy writes)."""
         assert self.kv_cache is not None
-        self.kv_cache.keys[:], self.kv_cache.values[:] = pool
+        keys, values, states = pool
+        self.kv_cache.keys[:], self.kv_cache.values[:] = keys, values
+        for arrays, saved in zip(self.kv_cache.states, states, strict=True):
+            arrays[:] = saved
 
     def _settle_pool(self) -> None:
         """Evaluate the pool after a failed step; if even that fails, its contents are lost."""
         assert self.kv_cache is not None
         try:
-            mx.eval(self.kv_cache.keys, self.kv_cache.values)
+            mx.eval(self.kv_cache.arrays())
         except Exception as e:  # noqa: BLE001 -- the engine must drop every request
             self.kv_cache = None  # the next ensure_blocks() makes a fresh, zeroed pool
             self._states.clear()
@@ -243,7 +265,7 @@ class ModelRunner:
         if not so.scheduled_requests:
             return handle
         handle.parts = self._build_isolating(so, handle.failed)
-        outs = [*self.kv_cache.keys, *self.kv_cache.values]
+        outs = self.kv_cache.arrays()
         for part in handle.parts:
             outs += part.arrays()
         try:
@@ -302,7 +324,7 @@ class ModelRunner:
         try:
             parts = self._build_isolating(so, output.failed)
             self._sample_masked([p for p in parts if p.result is None and p.samplers])
-            mx.eval(self.kv_cache.keys, self.kv_cache.values, [p.arrays() for p in parts])
+            mx.eval(self.kv_cache.arrays(), [p.arrays() for p in parts])
             reads = [self._read(part) for part in parts]
         except Exception as e:  # noqa: BLE001 -- the caller splits this part further
             self._restore(pool)
@@ -344,7 +366,7 @@ class ModelRunner:
         # The scheduler orders decodes (one token each) first, as the attention op wants.
         input_ids: list[int] = []
         positions: list[int] = []
-        query_lens, context_lens, tables = [], [], []
+        query_lens, context_lens = [], []
         sample_rows: list[int] = []
         samplers: list[Request] = []
         plp_rows: list[int] = []  # rows whose logits score the next prompt token
@@ -359,7 +381,6 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(n)
             context_lens.append(end)
-            tables.append(so.block_ids[rid])
             state = self._state(req)
             if req.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
                 if start == 0:
@@ -370,7 +391,9 @@ class ModelRunner:
             if so.samples(rid):
                 sample_rows.append(row0 + n - 1)
                 samplers.append(req)
-        md = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
+        md, extra = step_metadata(
+            self.layout, so, query_lens, context_lens, self.block_size, self._takes_layout
+        )
         rows = sample_rows + plp_rows
         logits = self.model(
             mx.array(input_ids, dtype=mx.int32),
@@ -378,6 +401,7 @@ class ModelRunner:
             md,
             self.kv_cache,
             logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
+            **extra,
         )
         result = None
         sample_logits = logits[: len(samplers)] if samplers else None
