@@ -27,10 +27,12 @@ from mlxserve.parsers import (
     ParsedDelta,
     tool_parser_for_template,
 )
+from mlxserve.parsers.base import ParsedMessage, ToolCallDelta, aggregate
 from mlxserve.parsers.reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
 from mlxserve.parsers.tool_grammar import call_grammar
 from mlxserve.parsers.tool_prompt import FALLBACK_PARSER, fallback_messages, native_messages
 from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from mlxserve.tokenizer.harmony_parser import HarmonyDelta, HarmonyParser
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -45,9 +47,12 @@ class ChatPlan:
     tool_defs: list[dict[str, Any]] | None
     parallel_tool_calls: bool
     reasoning: type[ReasoningParser] | None
+    harmony: bool = False  # gpt-oss: the reply's channels say what is reasoning and calls
 
-    def output_parser(self, prompt: str) -> OutputParser | None:
+    def output_parser(self, prompt: str) -> OutputParser | HarmonyReplyParser | None:
         """A fresh parser for one sample's reply (None: the reply is all content)."""
+        if self.harmony:
+            return HarmonyReplyParser()
         if self.tool_parser is None and self.reasoning is None:
             return None
         tools = TOOL_PARSERS[self.tool_parser](self.tool_defs) if self.tool_parser else None
@@ -79,10 +84,10 @@ class ChatFeatures:
             compiled = None
         if compiled is not None:
             template = compiled.source
-        # A harmony tokenizer (gpt-oss) renders tools itself, in its own renderer; its output
-        # channels are not parsed here yet (no harmony tool parser in TOOL_PARSERS).
-        harmony = getattr(tokenizer, "chat_format", "jinja") == "harmony"
-        self.native_tools = harmony or (compiled is not None and compiled.uses_tools)
+        # A harmony tokenizer (gpt-oss) renders tools itself, in its own renderer, and its
+        # reply's channels are parsed by HarmonyReplyParser (a forced call has no grammar yet).
+        self.harmony = getattr(tokenizer, "chat_format", "jinja") == "harmony"
+        self.native_tools = self.harmony or (compiled is not None and compiled.uses_tools)
         detected = tool_parser_for_template(template)
         if tool_call_parser is None:
             tool_call_parser = detected or (None if self.native_tools else FALLBACK_PARSER)
@@ -93,6 +98,9 @@ class ChatFeatures:
         self._special_ids = {
             t: i for t in ("[TOOL_CALLS]", "[ARGS]") if (i := tokenizer.token_to_id(t)) is not None
         }
+        if self.harmony:
+            logger.info("chat: harmony (gpt-oss): reasoning, content and tool calls by channel")
+            return
         logger.info(
             "chat: tool calls %s%s, reasoning parser %s",
             self.tool_parser or "not parsed",
@@ -141,6 +149,12 @@ class ChatFeatures:
         use_tools = tools if choice != "none" else []
         parser = self.tool_parser if use_tools else None
         if choice not in ("none", "auto"):
+            if self.harmony:
+                raise ParameterError(
+                    f"tool_choice {choice!r} cannot be enforced for a harmony (gpt-oss) model "
+                    'yet: use "auto" (its calls are parsed from the reply)',
+                    parameter="tool_choice",
+                )
             if parser is None:
                 raise ParameterError(
                     "tool_choice cannot be enforced: the model's chat template renders tools "
@@ -169,7 +183,30 @@ class ChatFeatures:
             use_tools or None,
             parallel_tool_calls,
             self.reasoning,
+            self.harmony,
         )
+
+
+class HarmonyReplyParser:
+    """gpt-oss's harmony reply as the output parsers' deltas: the analysis channel is
+    reasoning, final is content, a message to ``functions.NAME`` is a call of NAME."""
+
+    def __init__(self) -> None:
+        self._parser = HarmonyParser()
+
+    def feed(self, text: str) -> ParsedDelta:
+        return _parsed(self._parser.feed(text))
+
+    def finish(self) -> ParsedDelta:
+        return _parsed(self._parser.finish())
+
+    def parse(self, text: str) -> ParsedMessage:
+        return aggregate([self.feed(text), self.finish()])
+
+
+def _parsed(delta: HarmonyDelta) -> ParsedDelta:
+    calls = [ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in delta.tool_calls]
+    return ParsedDelta(delta.content, delta.reasoning_content, calls)
 
 
 class ReplyFormatter:
@@ -181,7 +218,7 @@ class ReplyFormatter:
 
     def __init__(self, plan: ChatPlan, prompt: str) -> None:
         self.parser = plan.output_parser(prompt)
-        self.has_reasoning = plan.reasoning is not None
+        self.has_reasoning = plan.reasoning is not None or plan.harmony
         self.parallel = plan.parallel_tool_calls
         self.num_calls = 0
 
