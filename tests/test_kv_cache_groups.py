@@ -178,3 +178,45 @@ def test_state_pool_tail_snapshots_replace_each_other_and_lru_eviction() -> None
     for rid in "abd":
         pool.free(rid)
     assert pool.num_available() == 3 and pool.num_snapshots == 0
+
+
+def test_admission_never_evicts_the_snapshot_it_reads() -> None:
+    """The snapshot a new request resumes from is the oldest evictable one and no slot is
+    free: the request's own slot must come from another snapshot, never the one it reads
+    (found by the hybrid scheduler property test: two requests wrote one slot)."""
+    kv = KVCacheManager(BS, num_blocks=20, num_state_slots=4)  # the null slot and 3
+
+    def run(rid: str, tokens: list[int]) -> Request:
+        r = make_request(rid, tokens)
+        hit, n = kv.get_computed_blocks(r)
+        assert kv.allocate_slots(r, len(tokens) - n, hit) is not None
+        r.num_computed_tokens = len(tokens)
+        kv.cache_blocks(r, len(tokens))
+        return r
+
+    kv.free(run("a", list(range(9))))  # snapshot after 8 tokens: the oldest
+    kv.free(run("d", list(range(50, 59))))  # another snapshot
+    run("c", [90, 91, 92])  # holds the last free slot
+    b = make_request("b", list(range(9)))
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 8 and hit.state_slot
+    assert kv.allocate_slots(b, 1, hit) is not None
+    slots = kv.get_state_slots(b)
+    assert slots.read == hit.state_slot and slots.write not in (0, slots.read)
+    assert kv.state_pool.lookup(b.block_hashes[1]) == slots.read  # still registered
+
+
+def test_a_new_tail_only_drops_its_own_old_tail() -> None:
+    """A request's old tail snapshot was evicted and its slot now holds another request's
+    snapshot: the new tail must not drop that one."""
+    pool = StatePool(num_slots=4)
+    assert pool.allocate_live("a") == 1
+    assert pool.take_snapshot("a", b"a8", 8, is_tail=True) == 2
+    pool.commit("a", 8)
+    assert pool.allocate_live("b") == 3
+    assert pool.take_snapshot("b", b"b4", 4, is_tail=False) == 2  # evicts a's tail
+    pool.commit("b", 4)
+    pool.free("b")
+    assert pool.take_snapshot("a", b"a12", 12, is_tail=True) == 3
+    pool.commit("a", 12)
+    assert pool.lookup(b"b4") == 2 and pool.lookup(b"a12") == 3

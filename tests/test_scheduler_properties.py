@@ -266,7 +266,11 @@ def test_every_decode_runs_and_prefill_gets_its_share_each_step(scenario):
     sched = Scheduler(scheduler_config, cache_config)
     model = PagedFakeModel(cache_config.block_size, cache_config.num_blocks)
     added: list[Request] = []
-    for op in [*ops, *[("step",)] * 200]:
+    # Every step makes progress (at least a token), so the whole work bounds the steps.
+    work_steps = sum(op[1] + op[2] for op in ops if op[0] == "add")
+    for op in [*ops, *[("step",)] * work_steps]:
+        if op[0] == "step" and not sched.has_unfinished_requests():
+            continue
         if op[0] == "add":
             prompt = [(len(added) * 7 + i) % (VOCAB - 1) + 1 for i in range(op[1])]
             added.append(Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=op[2])))

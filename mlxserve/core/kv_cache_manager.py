@@ -274,11 +274,11 @@ class KVCacheManager:
         assert states is not None
         rid = request.request_id
         if is_first_allocation:
+            read = cached.state_slot
+            if read:  # pinned first: taking the live slot may not evict it
+                states.start_reading(rid, read)
             live = states.allocate_live(rid)
             assert live is not None  # checked by allocate_slots
-            read = cached.state_slot
-            if read:
-                states.start_reading(rid, read)
         else:
             live = read = states.live[rid]
         snapshots = []

@@ -48,7 +48,9 @@ class StatePool:
         self._refs: dict[int, int] = {}  # snapshot slot -> requests about to read it
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable snapshots, oldest first
         self._pending: dict[str, list[_Pending]] = {}
-        self._tail: dict[str, int] = {}  # request -> its registered tail snapshot slot
+        # request -> its registered tail snapshot (slot, hash); the slot may have been
+        # evicted and reused since, so the hash tells whether it is still that snapshot.
+        self._tail: dict[str, tuple[int, BlockHash]] = {}
         self._reading: dict[str, int] = {}  # request -> the snapshot its next step reads
 
     # ------------------------------------------------------------- slots
@@ -141,11 +143,11 @@ class StatePool:
             self._release(p.slot)
             if p.is_tail:
                 old = self._tail.pop(request_id, None)
-                if old is not None and old in self._lru:  # unread: drop it
-                    del self._lru[old]
-                    self._forget(old)
-                    self._free.append(old)
-                self._tail[request_id] = p.slot
+                if old is not None and self._hash_of.get(old[0]) == old[1] and old[0] in self._lru:
+                    del self._lru[old[0]]  # unread: drop it
+                    self._forget(old[0])
+                    self._free.append(old[0])
+                self._tail[request_id] = (p.slot, p.block_hash)
         if keep:
             self._pending[request_id] = keep
         else:
