@@ -56,6 +56,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--chat-template", default=None, help="a Jinja chat template, or a file holding one"
     )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as a JSON object, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'',
+    )
     g.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM compatibility")
 
 
