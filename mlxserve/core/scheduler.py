@@ -95,6 +95,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.finished_request_ids: list[str] = []
         self.num_preemptions = 0
+        # A recurrent state cannot roll back past rejected drafts: the engine turns it off.
+        assert speculative_config is None or not cache_config.num_state_slots
         self.spec = None if speculative_config is None else SpecDecoder(speculative_config)
 
     # ------------------------------------------------------------------ lifecycle
