@@ -253,6 +253,7 @@ class Scheduler:
         start_positions: dict[str, int] = {}
         sampling: set[str] = set()
         decodes: list[Request] = []
+        verifies: list[Request] = []  # decodes with drafts: the runner's decode rows too
         chunks: list[Request] = []
         for request in scheduled:
             rid = request.request_id
@@ -261,14 +262,14 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens + len(drafts.get(rid, ())):
                 sampling.add(rid)
             is_decode = num_scheduled[rid] == 1 and start >= request.num_prompt_tokens
-            (decodes if is_decode else chunks).append(request)
+            (decodes if is_decode else verifies if rid in drafts else chunks).append(request)
         finished, self.finished_request_ids = self.finished_request_ids, []
         kv = self.kv_cache_manager
         state_slots = {}
         if kv.state_pool is not None:
             state_slots = {r.request_id: kv.get_state_slots(r) for r in scheduled}
         return SchedulerOutput(
-            scheduled_requests=decodes + chunks,
+            scheduled_requests=decodes + verifies + chunks,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             block_ids={r.request_id: kv.get_block_ids(r) for r in scheduled},

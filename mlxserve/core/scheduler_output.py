@@ -31,7 +31,7 @@ class SchedulerOutput:
     """
 
     # Batch order: the first num_decodes requests are decodes (one token, prompt done),
-    # then prefill chunks (and prompt/recompute chunks of any length).
+    # then decodes with drafts, then prefill chunks (and prompt/recompute chunks).
     scheduled_requests: list[Request]
     num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step
     total_num_scheduled_tokens: int

@@ -374,6 +374,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens = [], []
+        tables: list[tuple[list[int], ...]] = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
         drafts: list[list[int]] = []
@@ -387,8 +388,16 @@ class ModelRunner:
             row0 = len(input_ids)
             input_ids.extend(so.token_ids(req))
             positions.extend(range(start, end))
-            query_lens.append(n)
-            context_lens.append(end)
+            if rid in so.draft_token_ids:
+                # Each verified position attends as a decode of its own (context up to
+                # it): the decode path, which is much cheaper than a short causal chunk.
+                query_lens += [1] * n
+                context_lens += range(start + 1, end + 1)
+                tables += [so.block_ids[rid]] * n
+            else:
+                query_lens.append(n)
+                context_lens.append(end)
+                tables.append(so.block_ids[rid])
             state = self._state(req)
             if req.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
                 if start == 0:
@@ -402,7 +411,7 @@ class ModelRunner:
                 samplers.append(req)
                 drafts.append(spec)
         md, extra = step_metadata(
-            self.layout, so, query_lens, context_lens, self.block_size, self._takes_layout
+            self.layout, so, query_lens, context_lens, tables, self.block_size, self._takes_layout
         )
         rows = sample_rows + plp_rows
         logits = self.model(
