@@ -7,6 +7,8 @@ Workloads (greedy, one stream each unless --batch):
 - edit: a ~1,500-token Python file (mlxserve's own block pool, cut at a line boundary)
   and the instruction to return it with one function renamed. A model that follows it
   copies most of its prompt, which n-gram drafts predict.
+- repeat: "repeat this text exactly" with ~400 tokens of prose (the README's opening):
+  the best case, for a model too small to follow the edit instruction.
 - chat: a short question with nothing to copy.
 - batch: --batch different short chat prompts at once (0: skip), where the batch-size
   back-off (``disable_by_batch_size``) should turn speculation off.
@@ -52,6 +54,16 @@ def edit_prompt(tokenizer) -> str:
     return chat(tokenizer, ask + "```python\n" + text + "```")
 
 
+def repeat_prompt(tokenizer) -> str:
+    """Copy ~400 tokens of prose: the most an n-gram proposer can predict."""
+    text = ""
+    for para in (ROOT / "README.md").read_text().split("\n\n"):
+        if len(tokenizer.encode(text + para)) > 400:
+            break
+        text += para + "\n\n"
+    return chat(tokenizer, "Repeat the following text exactly, word for word:\n\n" + text)
+
+
 def chat(tokenizer, text: str) -> str:
     messages = [{"role": "user", "content": text}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -95,7 +107,7 @@ def run(llm, prompts: list[str], params) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -105,7 +117,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=0, help="also a batch of N chat prompts")
     ap.add_argument("--workloads", default="edit,chat")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import mlx.core as mx
 
@@ -123,6 +135,8 @@ def main() -> None:
     for name in args.workloads.split(","):
         if name == "edit":
             workloads["edit"] = [edit_prompt(tok)]
+        elif name == "repeat":
+            workloads["repeat"] = [repeat_prompt(tok)]
         elif name == "chat":
             workloads["chat"] = [chat(tok, CHAT[0])]
     if args.batch:
@@ -156,6 +170,7 @@ def main() -> None:
         }
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+    return results
 
 
 if __name__ == "__main__":
