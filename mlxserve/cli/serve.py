@@ -10,6 +10,7 @@ import os
 import sys
 
 from mlxserve.cli.engine_args import add_engine_args, engine_config
+from mlxserve.cli.vllm_compat import SERVER_FLAGS, add_no_effect_flags, warn_no_effect
 
 logger = logging.getLogger("mlxserve")
 
@@ -79,6 +80,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     add_engine_args(p)
+    add_no_effect_flags(p, SERVER_FLAGS)
     p.set_defaults(handler=serve_command)
 
 
@@ -142,6 +144,7 @@ def serve_command(args: argparse.Namespace) -> int:
     names = tuple(args.served_model_names or ())
     keys = api_keys(args)
     origins = parse_origins(args.allowed_origins)
+    warn_no_effect(args, SERVER_FLAGS)
     config = engine_config(args, model)
     if config.max_num_batched_tokens is None:  # a server favours smooth streams
         config = dataclasses.replace(

@@ -82,6 +82,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             memory_fraction=config.memory_fraction,
             num_blocks=config.num_blocks,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         )
         logger.info(self.plan.describe(config.max_num_seqs))
         self.max_model_len = self.plan.max_model_len

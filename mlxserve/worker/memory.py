@@ -1,7 +1,8 @@
 """Sizing the KV block pool from the memory MLX may use.
 
 budget      = memory_fraction x usable memory (Metal working set, or system RAM on CPU)
-kv_budget   = budget - weights - activation peak (probed, scaled to the token budget)
+kv_budget   = budget - weights - activation peak (probed, scaled to the token budget),
+              or kv_cache_memory_bytes when given (vLLM's --kv-cache-memory-bytes)
 num_blocks  = kv_budget / bytes per block, never more than max_model_len x max_num_seqs needs
 """
 
@@ -68,6 +69,7 @@ def plan_kv_cache(
     activation_bytes: int,
     num_blocks: int | None = None,
     total_memory: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
 ) -> KVPlan:
     """Choose num_blocks and max_model_len, or raise ValueError naming the knob to turn."""
     if max_model_len is not None and max_model_len > model_max_len:
@@ -87,10 +89,22 @@ def plan_kv_cache(
         return KVPlan(
             num_blocks, block_size, length, (num_blocks - 1) * bytes_per_block, bytes_per_token
         )
+    need_min = MIN_KV_TOKENS if max_model_len is None else max(max_model_len, 1)
+    if kv_cache_memory_bytes is not None:  # an explicit budget, as vLLM's knob
+        kv_budget = kv_cache_memory_bytes
+        if kv_budget < need_min * bytes_per_token:
+            raise ValueError(
+                f"kv_cache_memory_bytes (--kv-cache-memory-bytes, $VLLM_CPU_KVCACHE_SPACE) "
+                f"{kv_budget} holds {kv_budget // bytes_per_token} tokens of KV "
+                f"({bytes_per_token} bytes each), fewer than {need_min}; use at least "
+                f"{need_min * bytes_per_token}"
+            )
+        return _plan(
+            kv_budget, bytes_per_token, block_size, model_max_len, max_model_len, max_num_seqs
+        )
     total = total_memory if total_memory is not None else usable_memory()
     budget = int(total * memory_fraction)
     kv_budget = budget - weights_bytes - activation_bytes
-    need_min = MIN_KV_TOKENS if max_model_len is None else max(max_model_len, 1)
     if kv_budget < need_min * bytes_per_token:
         # Rounded up, so the suggested value really fits.
         fits = (
@@ -106,13 +120,26 @@ def plan_kv_cache(
             + (f"Use memory_fraction >= {fits:.2f}" if fits <= 1 else "Use a smaller model")
             + (", or a smaller max_model_len (--max-model-len)" if max_model_len else "")
         )
+    return _plan(kv_budget, bytes_per_token, block_size, model_max_len, max_model_len, max_num_seqs)
+
+
+def _plan(
+    kv_budget: int,
+    bytes_per_token: int,
+    block_size: int,
+    model_max_len: int,
+    max_model_len: int | None,
+    max_num_seqs: int,
+) -> KVPlan:
+    """Blocks and context length from a KV budget already known to hold the minimum."""
+    bytes_per_block = bytes_per_token * block_size
     tokens = kv_budget // bytes_per_token
     if max_model_len is None:
         length = min(model_max_len, tokens)  # capped so one full request fits
         if length < model_max_len:
             logger.warning(
-                "max_model_len capped at %d (model supports %d) to fit memory; raise "
-                "--gpu-memory-utilization for longer contexts",
+                "max_model_len capped at %d (model supports %d) to fit the KV cache; raise "
+                "--gpu-memory-utilization (or --kv-cache-memory-bytes) for longer contexts",
                 length,
                 model_max_len,
             )

@@ -142,11 +142,12 @@ class ModelRunner:
         max_num_seqs: int,
         memory_fraction: float,
         num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
     ) -> KVPlan:
         """Size the pool (worker/memory.py), probing a forward pass's activation peak."""
         m = self.model
         activation = 0
-        if num_blocks is None:
+        if num_blocks is None and kv_cache_memory_bytes is None:
             n = min(PROBE_TOKENS, max_num_batched_tokens)
             with ops.use_kernels(self.kernels):
                 per_token = probe_activation_bytes(m, self._allocate, self.block_size, n)
@@ -162,6 +163,7 @@ class ModelRunner:
             weights_bytes=tree_bytes(m.parameters()),
             activation_bytes=activation,
             num_blocks=num_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
         )
 
     def ensure_blocks(self, num_blocks: int) -> None:
