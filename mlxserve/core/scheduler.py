@@ -114,6 +114,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, object] | None = None
     # request_id -> what went wrong, for requests whose step failed (they got no token).
     failed: dict[str, str] = field(default_factory=dict)
+    # request_id -> pooled hidden state, for embedding requests whose prompt is done.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,10 @@ class Scheduler:
             and len(self.running) < max_num_seqs
         ):
             request = self.waiting[0]
-            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if request.pooling == "mean":  # the mean needs every prompt token's hidden state
+                hit_blocks, num_hit_tokens = [], 0
+            else:
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, prefill_budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
                 break  # the head does not fit; later ones wait behind it (FCFS)
@@ -315,6 +320,14 @@ class Scheduler:
             rid = request.request_id
             if request.is_finished:
                 continue  # aborted after schedule(); its blocks are already free
+            if request.pooling is not None:  # prefill only: done once the vector is out
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                if rid in model_runner_output.pooled:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    updated.append(request)
+                    any_finished = True
+                    self._release(request)
+                continue
             new_token_ids = model_runner_output.sampled_token_ids.get(rid) or []
             assert len(new_token_ids) == (
                 1 if rid in scheduler_output.sampling_request_ids else 0

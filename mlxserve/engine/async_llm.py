@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.exceptions import RequestFailedError
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("mlxserve")
@@ -66,13 +67,19 @@ class AsyncLLM:
         prompt: str | list[int] | None,
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request; closing the iterator early aborts the request."""
+        """Delta outputs of one request; closing the iterator early aborts the request.
+
+        With ``pooling_params`` it is an embedding request (see LLMEngine.add_request).
+        """
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt, params, prompt_token_ids, time.monotonic()))
+        self._inbox.put(
+            ("add", request_id, prompt, params, prompt_token_ids, time.monotonic(), pooling_params)
+        )
         finished = False
         try:
             while True:
@@ -139,10 +146,15 @@ class AsyncLLM:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, rid, prompt, params, token_ids, arrival = item
+            _, rid, prompt, params, token_ids, arrival, pooling = item
             try:
                 self.engine.add_request(
-                    rid, prompt, params, prompt_token_ids=token_ids, arrival_time=arrival
+                    rid,
+                    prompt,
+                    params,
+                    prompt_token_ids=token_ids,
+                    arrival_time=arrival,
+                    pooling_params=pooling,
                 )
             except Exception as e:  # noqa: BLE001 -- bad requests go back to their caller
                 stream = self._streams.get(rid)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from mlxserve import ops
 from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestOutput, RequestStatus
@@ -22,6 +24,7 @@ from mlxserve.engine.output_processor import OutputProcessor
 from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.exceptions import ParameterError
 from mlxserve.loader import LoadedModel, load_model
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.utils import uses_gpu
 from mlxserve.worker.isolation import describe
@@ -39,6 +42,14 @@ INITIAL_KV_BLOCKS = 256
 # On Metal a prefill chunk costs little next to the decodes sharing its step.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 32
+
+
+def finish_embedding(vector: list[float], pooling: PoolingParams) -> list[float]:
+    """A pooled hidden state as the user asked: its first ``dimensions`` values, unit norm."""
+    v = np.asarray(vector, dtype=np.float64)[: pooling.dimensions]
+    if pooling.normalize:
+        v = v / max(float(np.linalg.norm(v)), 1e-12)
+    return v.tolist()
 
 
 def default_max_num_batched_tokens(serving: bool = False) -> int:
@@ -66,6 +77,13 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_templates = config.chat_template
         self.model_name = config.served_model_name or loaded.source.name
+        # Embeddings: how the hidden states are pooled, their size, and whether the model
+        # was trained (Matryoshka) so that a prefix of the vector is an embedding too.
+        self.pooling_method = loaded.pooling
+        self.embedding_size = int(loaded.config.get("hidden_size", 0))
+        self.is_matryoshka = bool(
+            loaded.config.get("is_matryoshka") or loaded.config.get("matryoshka_dimensions")
+        )
         self.max_num_batched_tokens = (
             config.max_num_batched_tokens or default_max_num_batched_tokens()
         )
@@ -120,9 +138,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """Queue a request; ParameterError (naming the field, with the numbers) if it
-        can never run. The one place these checks live."""
+        can never run. The one place these checks live.
+
+        With ``pooling_params`` it is an embedding request: the prompt is computed
+        (prefill only, batched with everything else) and its output carries ``embedding``.
+        """
+        if pooling_params is not None:
+            self._check_pooling(pooling_params)
+            params = SamplingParams(max_tokens=1)
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
@@ -141,10 +167,31 @@ class LLMEngine:
         self.outputs.add(parent, text, prompt_token_ids, arrival)
         try:
             first = parent.make_requests(prompt_token_ids, self.eos_token_ids, max_tokens, arrival)
+            if pooling_params is not None:
+                first.pooling = self.pooling_method
+                self.outputs.states[request_id].pooling = pooling_params
             self.scheduler.add_request(first)
         except ValueError:
             self._forget(request_id)
             raise
+
+    def _check_pooling(self, pooling: PoolingParams) -> None:
+        dims = pooling.dimensions
+        if dims is None:
+            return
+        if not self.is_matryoshka:
+            raise ParameterError(
+                f"dimensions {dims}: this model was not trained for shorter embeddings "
+                "(no matryoshka_dimensions in its config), so it always returns "
+                f"{self.embedding_size}; leave dimensions out",
+                parameter="dimensions",
+            )
+        if dims > self.embedding_size:
+            raise ParameterError(
+                f"dimensions must be at most {self.embedding_size} (the model's hidden size), "
+                f"got {dims}",
+                parameter="dimensions",
+            )
 
     def _check_token_ids(self, parameter: str, token_ids: list[int]) -> None:
         vocab = self.vocab_size
@@ -284,6 +331,10 @@ class LLMEngine:
             if self.fanout.parent_of(req.request_id) is None:
                 continue  # a sibling sample failed earlier in this loop: the request ended
             new = ro.sampled_token_ids.get(req.request_id, [])
+            if req.pooling is not None:
+                vector = ro.pooled[req.request_id]
+                state = self.outputs.states[self.fanout.owner(req.request_id)[0].request_id]
+                state.embedding = finish_embedding(vector, state.pooling)
             logprobs = (ro.logprobs or {}).get(req.request_id)
             plp = (ro.prompt_logprobs or {}).get(req.request_id)
             try:

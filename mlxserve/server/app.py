@@ -1,7 +1,7 @@
 """The FastAPI app: routes, API-key check, CORS, metrics and the periodic stats log.
 
 GET  /health /version /metrics /v1/models /v1/models/{id}
-POST /v1/completions /v1/chat/completions /tokenize /detokenize
+POST /v1/completions /v1/chat/completions /v1/embeddings /tokenize /detokenize
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server import openapi as doc
 from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
+from mlxserve.server.embeddings import EmbeddingRequest, create_embedding
 from mlxserve.server.errors import (
     APIError,
     bad_request,
@@ -97,7 +98,13 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     install_error_handlers(app)
     doc.install_openapi(
         app,
-        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            EmbeddingRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ],
         list(config.model_names),
     )
     limit = config.max_request_body_bytes
@@ -171,6 +178,16 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, limit)
         return await serving.create_chat_completion(request, body)
+
+    @app.post(
+        "/v1/embeddings",
+        openapi_extra=doc.request_body(EmbeddingRequest),
+        response_model=None,
+        responses={200: doc.ok(doc.EmbeddingResponse)} | doc.GENERATE_ERRORS,
+    )
+    async def embeddings(request: Request) -> Response:
+        body = await parse_body(request, EmbeddingRequest, limit)
+        return await create_embedding(serving, request, body)
 
     @app.post(
         "/tokenize",

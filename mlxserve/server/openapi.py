@@ -144,6 +144,26 @@ class ModelList(_Doc):
     data: list[ModelCard]
 
 
+class EmbeddingData(_Doc):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(_Doc):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Doc):
+    """POST /v1/embeddings."""
+
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class Version(_Doc):
     version: str
 

@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.async_llm import AsyncLLM
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -62,11 +63,13 @@ class RequestGroup:
     def __init__(
         self,
         llm: AsyncLLM,
-        requests: list[tuple[str, str | None, list[int], SamplingParams]],
+        requests: list[tuple[str, str | None, list[int], SamplingParams | None]],
         in_flight: InFlight | None = None,
+        pooling_params: PoolingParams | None = None,  # embedding requests, all of them
     ) -> None:
+        extra = {} if pooling_params is None else {"pooling_params": pooling_params}
         self._gens = [
-            llm.generate(rid, prompt, params, prompt_token_ids=ids)
+            llm.generate(rid, prompt, params, prompt_token_ids=ids, **extra)
             for rid, prompt, ids, params in requests
         ]
         self._queue: asyncio.Queue = asyncio.Queue()

@@ -44,6 +44,7 @@ from mlxserve.worker.memory import (
     probe_activation_bytes,
     tree_bytes,
 )
+from mlxserve.worker.pooling import PoolingRows, PoolingSums
 from mlxserve.worker.sampler import (
     SamplerOutput,
     SamplingState,
@@ -76,9 +77,15 @@ class _Part:
     result: SamplerOutput | None
     plp_targets: list[tuple[Request, int]]  # (request, position of the scored prompt token)
     prompt_logprobs: tuple[mx.array, ...] | None
+    # Embedding requests in this step: (request, chunk starts at 0, chunk ends the prompt),
+    # and per request the sum (mean pooling) or the last row of its chunk's hidden states.
+    poolers: list[tuple[Request, bool, bool]] = field(default_factory=list)
+    pooled: mx.array | None = None  # (len(poolers), hidden) float32
 
     def arrays(self) -> list[mx.array]:
         out = list(self.prompt_logprobs or ())
+        if self.pooled is not None:
+            out.append(self.pooled)
         if self.result is not None:
             r = self.result
             out += [
@@ -94,6 +101,7 @@ class _Read:
 
     samples: list[tuple[Request, int, Logprobs | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)
+    pooled: list[tuple[Request, bool, bool, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -127,6 +135,8 @@ class ModelRunner:
         mx.random.seed(seed)
         self._rng = random.Random(seed)
         self._states: dict[str, _RequestState] = {}
+        # Mean pooling over a prompt computed in chunks: the running sum of hidden states.
+        self._pool_sums = PoolingSums()
 
     # ------------------------------------------------------------- the pool
     @property
@@ -227,6 +237,7 @@ class ModelRunner:
         """
         for rid in so.finished_request_ids:
             self._states.pop(rid, None)
+            self._pool_sums.drop(rid)
         handle = StepHandle(so, [], {})
         if not so.scheduled_requests:
             return handle
@@ -321,6 +332,7 @@ class ModelRunner:
         samplers: list[Request] = []
         plp_rows: list[int] = []  # rows whose logits score the next prompt token
         plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
+        pooling = PoolingRows()  # embedding requests: hidden states, no logits
         for req in so.scheduled_requests:
             rid = req.request_id
             n = so.num_scheduled_tokens[rid]
@@ -332,6 +344,9 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(end)
             tables.append(so.block_ids[rid])
+            if req.pooling is not None:
+                pooling.add(req, row0, start, n, so.samples(rid))
+                continue
             state = self._state(req)
             if req.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
                 if start == 0:
@@ -343,14 +358,17 @@ class ModelRunner:
                 sample_rows.append(row0 + n - 1)
                 samplers.append(req)
         md = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
-        rows = sample_rows + plp_rows
-        logits = self.model(
+        rows = sample_rows + plp_rows + pooling.rows
+        out = self.model(
             mx.array(input_ids, dtype=mx.int32),
             mx.array(positions, dtype=mx.int32),
             md,
             self.kv_cache,
             logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
+            **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
         )
+        logits, hidden = out if pooling.rows else (out, None)
+        pooled = None if hidden is None else pooling.reduce(hidden)
         result = None
         if samplers:
             states = [self._states[r.request_id].sampling for r in samplers]
@@ -362,7 +380,7 @@ class ModelRunner:
                 [r.prompt_token_ids[pos] for r, pos in plp_targets],
                 max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
             )
-        return _Part(samplers, result, plp_targets, plp)
+        return _Part(samplers, result, plp_targets, plp, pooling.requests, pooled)
 
     def _read(self, part: _Part) -> _Read:
         """Wait for a part and copy its results to the host (request states untouched)."""
@@ -391,6 +409,10 @@ class ModelRunner:
                 for j in range(req.sampling_params.prompt_logprobs or 0):
                     entry.setdefault(tops[0][i][j], tops[1][i][j])
                 read.prompt_logprobs.append((req, entry))
+        if part.pooled is not None:
+            rows = np.array(part.pooled, dtype=np.float64)
+            for (req, first, done), row in zip(part.poolers, rows, strict=True):
+                read.pooled.append((req, first, done, row))
         return read
 
     def _commit(self, read: _Read, output: ModelRunnerOutput) -> None:
@@ -406,3 +428,7 @@ class ModelRunner:
             if len(state.prompt_logprobs) == req.num_prompt_tokens:
                 state.prompt_logprobs_done = True
                 output.prompt_logprobs[req.request_id] = state.prompt_logprobs
+        for req, first, done, row in read.pooled:
+            vector = self._pool_sums.add(req, first, done, row)
+            if vector is not None:
+                output.pooled[req.request_id] = vector
