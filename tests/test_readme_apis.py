@@ -1,7 +1,7 @@
 """README's "Other APIs" section runs verbatim against `mlxserve serve` (the embedded SmolLM2).
 
-Each Python block is run as written (only the port differs); a `print(...)  # text` line
-says what it prints, and the output must be exactly that.
+Each Python block is run as written (only the port differs: 8000, and Ollama's 11434); a
+`print(...)  # text` line says what it prints, and the output must be exactly that.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def test_python_examples_run_verbatim(server) -> None:
     env = dict(os.environ, MLXSERVE_API_KEY=KEY)
     for block in blocks:
         code = block.replace("localhost:8000", f"localhost:{server.port}")
+        code = code.replace("localhost:11434", f"localhost:{server.port}")  # Ollama's port
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
         )

@@ -34,6 +34,7 @@ from mlxserve.server.errors import (
     install_error_handlers,
 )
 from mlxserve.server.metrics import ServerMetrics
+from mlxserve.server.ollama import OllamaServing, add_ollama_routes
 from mlxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,7 +47,8 @@ logger = logging.getLogger("mlxserve")
 
 # Paths that need the API key when one is set (health, version and metrics stay open
 # for load balancers and Prometheus, as in vLLM).
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/api/")
+OPEN_PATHS = ("/api/version",)  # like /version
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,10 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
         text = await run_in_threadpool(tokenizer.decode, body.tokens, False)
         return {"prompt": text}
 
+    from mlx.utils import tree_flatten
+
+    model_size = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
+    add_ollama_routes(app, OllamaServing(serving, engine, model_size), limit)
     return app
 
 
@@ -254,7 +260,8 @@ _METRICS_RESPONSES = {
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` holds one of the keys (constant-time)."""
+    """401 unless ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``) holds one of the
+    keys (constant-time)."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
@@ -265,15 +272,20 @@ class APIKeyMiddleware:
             scope["type"] != "http"
             or scope.get("method") == "OPTIONS"
             or not scope["path"].startswith(PROTECTED_PREFIXES)
+            or scope["path"] in OPEN_PATHS
         ):
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        # Anthropic's clients send the key as x-api-key instead.
+        x_api_key = headers.get(b"x-api-key")
         ok = False
         for key in self.keys:  # no early exit: the time does not depend on which key matched
-            ok |= hmac.compare_digest(token.strip(), key)
-        if not ok or scheme.lower() != b"bearer":
+            ok |= hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer"
+            if x_api_key is not None:
+                ok |= hmac.compare_digest(x_api_key.strip(), key)
+        if not ok:
             error = APIError(
                 401,
                 "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
