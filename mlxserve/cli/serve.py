@@ -25,7 +25,8 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (hub id, directory, .gguf; default: the embedded SmolLM2) "
         "over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics.",
+        "/v1/embeddings, /v1/models, /tokenize, /detokenize, /health, /version, /metrics; "
+        "also Anthropic's /v1/messages and Ollama's /api/* (see README).",
     )
     p.add_argument("model", nargs="?", default=None, metavar="MODEL")
     g = p.add_argument_group("server")

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server import openapi as doc
+from mlxserve.server.anthropic import AnthropicServing, add_anthropic_routes
 from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
 from mlxserve.server.embeddings import EmbeddingRequest, create_embedding
 from mlxserve.server.errors import (
@@ -241,6 +242,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
 
     model_size = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
     add_ollama_routes(app, OllamaServing(serving, engine, model_size), limit)
+    add_anthropic_routes(app, AnthropicServing(serving), limit)
     return app
 
 

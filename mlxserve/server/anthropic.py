@@ -1,0 +1,244 @@
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) onto the engine.
+
+A thin translation: the body becomes chat messages and SamplingParams, run by ChatRun as
+any chat completion; the answer goes back as a Message, or as Anthropic's event stream::
+
+    message_start, content_block_start, ping, content_block_delta..., content_block_stop,
+    message_delta (stop_reason, usage), message_stop
+
+Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlxserve.exceptions import ParameterError
+from mlxserve.sampling_params import INT32_MAX, MAX_STOP, SamplingParams
+from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
+from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.protocol import _Strict
+from mlxserve.server.streams import ClientDisconnected, SSEResponse
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # prompt caching is automatic here
+    citations: list[dict[str, Any]] | None = None
+
+
+class AnthropicMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        """The message's text; a block kind mlxserve cannot take yet is a 400 naming it."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for block in self.content:
+            kind = block.get("type")
+            if kind != "text":
+                raise bad_request(
+                    f"content blocks of type {kind!r} are not supported yet (only 'text')",
+                    "messages.content",
+                )
+            parts.append(TextBlock.model_validate(block).text)
+        return "".join(parts)
+
+
+class _Body(_Strict):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+    def check_unimplemented(self) -> None:
+        if self.tools:
+            raise bad_request("tools are not supported yet", "tools")
+        if self.tool_choice is not None and self.tool_choice.get("type") not in ("auto", "none"):
+            raise bad_request("tool_choice needs tools, which are not supported yet", "tool_choice")
+        if self.thinking is not None and self.thinking.get("type") != "disabled":
+            raise bad_request("thinking is not supported yet", "thinking")
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """System first (blocks joined), then the turns, as the chat template takes them."""
+        out = []
+        if self.system:
+            system = self.system
+            text = system if isinstance(system, str) else "".join(b.text for b in system)
+            out.append({"role": "system", "content": text})
+        out += [{"role": m.role, "content": m.text()} for m in self.messages]
+        return out
+
+
+class MessagesRequest(_Body):
+    """POST /v1/messages."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_tokens: int = Field(ge=1, le=INT32_MAX)
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stream: bool = False
+    metadata: dict[str, Any] | None = None  # user_id, for the caller's bookkeeping: not used
+
+    def sampling_params(self) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_tokens,
+                stop=self.stop_sequences,
+            )
+        except ParameterError as e:
+            name = {"stop": "stop_sequences"}.get(e.parameter or "", e.parameter)
+            raise bad_request(str(e), name) from None
+
+
+class CountTokensRequest(_Body):
+    """POST /v1/messages/count_tokens."""
+
+
+def stop_reason(res: ChatResult) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for how the generation ended."""
+    if res.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(res.stop_reason, str):
+        return "stop_sequence", res.stop_reason
+    return "end_turn", None
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message},
+    }
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """An error in Anthropic's shape."""
+    return JSONResponse(error_body(e.status, e.message), status_code=e.status)
+
+
+def event(name: str, data: dict[str, Any]) -> str:
+    """One server-sent event with its name (Anthropic's SDKs dispatch on it)."""
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class AnthropicServing:
+    """/v1/messages over the OpenAI serving object (its engine, checks and limits)."""
+
+    def __init__(self, serving) -> None:
+        self.serving = serving
+
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        self.serving.check_model(req.model)
+        req.check_unimplemented()
+        run = ChatRun(self.serving, "count")
+        _, ids = run.render(req.chat_messages())
+        return {"input_tokens": len(ids)}
+
+    async def messages(self, raw: Request, req: MessagesRequest) -> Response:
+        model = self.serving.check_model(req.model)
+        req.check_unimplemented()
+        params = req.sampling_params()
+        run = ChatRun(self.serving, "msg", "messages")
+        msg_id = "msg_" + uuid.uuid4().hex
+        if not await started(run, raw, run.start(raw, params, messages=req.chat_messages())):
+            return Response(status_code=499)
+        head = {"id": msg_id, "type": "message", "role": "assistant", "model": model}
+        if not req.stream:
+            try:
+                res = await run.collect(raw)
+            except ClientDisconnected:
+                return Response(status_code=499)
+            reason, sequence = stop_reason(res)
+            content = [{"type": "text", "text": res.text}]
+            body = head | {"content": content, "stop_reason": reason, "stop_sequence": sequence}
+            return JSONResponse(body | {"usage": _usage(res)})
+
+        async def events():
+            start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
+            usage = _usage(run.result) | {"output_tokens": 0}
+            yield event(
+                "message_start", {"type": "message_start", "message": start | {"usage": usage}}
+            )
+            block = {"type": "text", "text": ""}
+            yield event(
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": block},
+            )
+            yield event("ping", {"type": "ping"})
+            async for text in run.deltas():
+                delta = {"type": "text_delta", "text": text}
+                yield event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": 0, "delta": delta},
+                )
+            yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            reason, sequence = stop_reason(run.result)
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            out_usage = {"output_tokens": run.result.completion_tokens}
+            yield event(
+                "message_delta", {"type": "message_delta", "delta": delta, "usage": out_usage}
+            )
+            yield event("message_stop", {"type": "message_stop"})
+
+        frames = framed(events(), run, lambda e: event("error", error_body(e.status, e.message)))
+        return SSEResponse(frames, run.close)
+
+
+def _usage(res: ChatResult) -> dict[str, int]:
+    return {
+        "input_tokens": res.prompt_tokens,
+        "output_tokens": res.completion_tokens,
+        "cache_read_input_tokens": res.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
+    """Register /v1/messages and /v1/messages/count_tokens; errors leave in Anthropic's shape."""
+    from mlxserve.server.body import parse_body
+
+    async def messages(request: Request) -> Response:
+        try:
+            body = await parse_body(request, MessagesRequest, limit)
+            return await anthropic.messages(request, body)
+        except APIError as e:
+            return error_response(e)
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            body = await parse_body(request, CountTokensRequest, limit)
+            return JSONResponse(await anthropic.count_tokens(body))
+        except APIError as e:
+            return error_response(e)
+
+    app.add_api_route("/v1/messages", messages, methods=["POST"], include_in_schema=False)
+    app.add_api_route(
+        "/v1/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False
+    )
