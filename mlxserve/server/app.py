@@ -42,6 +42,7 @@ from mlxserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from mlxserve.server.responses import ResponsesServing, add_responses_routes
 from mlxserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("mlxserve")
@@ -243,6 +244,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     model_size = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
     add_ollama_routes(app, OllamaServing(serving, engine, model_size), limit)
     add_anthropic_routes(app, AnthropicServing(serving), limit)
+    add_responses_routes(app, ResponsesServing(serving), limit)
     return app
 
 
