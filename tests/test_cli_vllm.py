@@ -20,7 +20,14 @@ import pytest
 
 from mlxserve.cli.engine_args import engine_config
 from mlxserve.cli.main import build_parser
-from mlxserve.cli.vllm_compat import ENGINE_FLAGS, SERVER_FLAGS, human_int, warn_no_effect
+from mlxserve.cli.vllm_compat import (
+    ENGINE_FLAGS,
+    SERVER_FLAGS,
+    check_quantization,
+    checkpoint_quantization,
+    human_int,
+    warn_no_effect,
+)
 from mlxserve.config import EngineConfig
 from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.exceptions import ParameterError
@@ -144,3 +151,19 @@ def test_vllm_cpu_docs_line_serves_unchanged(tmp_path) -> None:
     # 40 GiB is more than 64 requests of 4096 tokens can use: capped there, allocated as used.
     blocks = 64 * 4096 // 16
     assert f"KV cache: up to {blocks} blocks x 16 tokens" in log
+
+
+def test_quantization_is_accepted_only_when_it_names_the_checkpoints_own() -> None:
+    args = build_parser().parse_args(["serve", "--quantization", "gguf"])
+    check_quantization(args, "gguf", {})  # the embedded model is a GGUF: accepted
+    assert checkpoint_quantization("dir", {"quantization": {"bits": 4}}) == "mlx"
+    assert checkpoint_quantization("dir", {"quantization_config": {"quant_method": "awq"}}) == "awq"
+    assert checkpoint_quantization("dir", {}) is None
+    with pytest.raises(ValueError, match="--quantization gguf does not match the checkpoint, "):
+        check_quantization(args, "dir", {})
+    out = mlxserve("run", "hi", "--max-tokens", "1", "--quantization", "awq")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: --quantization awq does not match the checkpoint, which is quantized as gguf: "
+        "mlxserve runs a checkpoint as it is quantized; drop the flag"
+    )

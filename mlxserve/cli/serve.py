@@ -10,7 +10,12 @@ import os
 import sys
 
 from mlxserve.cli.engine_args import add_engine_args, engine_config
-from mlxserve.cli.vllm_compat import SERVER_FLAGS, add_no_effect_flags, warn_no_effect
+from mlxserve.cli.vllm_compat import (
+    SERVER_FLAGS,
+    add_no_effect_flags,
+    check_quantization,
+    warn_no_effect,
+)
 
 logger = logging.getLogger("mlxserve")
 
@@ -158,6 +163,7 @@ def serve_command(args: argparse.Namespace) -> int:
     logger.info("loading %s ...", model or "the default model")
     try:
         engine = LLMEngine(config)
+        check_quantization(args, engine.loaded.source.kind, engine.loaded.config)
     except BaseException:
         sock.close()
         raise

@@ -59,7 +59,7 @@ ENGINE_FLAGS = (
     NoEffectFlag(
         ("--quantization", "-q"),
         "the checkpoint's own quantization is used, read from its files (mlx-community "
-        "packed weights or GGUF blocks); nothing is quantized at load time",
+        "packed weights or GGUF blocks); a value that does not match it is an error",
     ),
     NoEffectFlag(
         ("--kv-cache-dtype",),
@@ -152,6 +152,28 @@ def warn_no_effect(args: argparse.Namespace, flags: tuple[NoEffectFlag, ...]) ->
         lines.append(f"{shown} has no effect here: {flag.reason}")
         logger.warning(lines[-1])
     return lines
+
+
+def checkpoint_quantization(source_kind: str, config: dict) -> str | None:
+    """How a loaded checkpoint is quantized, in --quantization's terms (None: it is not)."""
+    if source_kind == "gguf":
+        return "gguf"
+    qconf = config.get("quantization_config")
+    if isinstance(qconf, dict) and qconf.get("quant_method"):
+        return str(qconf["quant_method"])
+    return "mlx" if config.get("quantization") else None
+
+
+def check_quantization(args: argparse.Namespace, source_kind: str, config: dict) -> None:
+    """--quantization is accepted when it names the checkpoint's own; else a ValueError."""
+    wanted = getattr(args, "compat_quantization", None)
+    actual = checkpoint_quantization(source_kind, config)
+    if wanted is not None and wanted != actual:
+        raise ValueError(
+            f"--quantization {wanted} does not match the checkpoint, which is "
+            f"{'quantized as ' + actual if actual else 'not quantized'}: mlxserve runs a "
+            "checkpoint as it is quantized; drop the flag"
+        )
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]i?)?\s*$")
