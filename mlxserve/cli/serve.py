@@ -7,7 +7,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 
 from mlxserve.cli.engine_args import add_engine_args, engine_config
 from mlxserve.cli.vllm_compat import (
@@ -196,10 +195,3 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         llm.shutdown()
-    # Everything is closed and the engine thread has stopped. Leave without the interpreter's
-    # teardown: after requests, MLX's C++ destructors there sometimes abort (std::terminate,
-    # about 1 exit in 5 here), which would turn a clean shutdown into a SIGABRT.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

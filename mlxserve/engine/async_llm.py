@@ -107,6 +107,12 @@ class AsyncLLM:
 
     # ------------------------------------------------------- engine thread
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.engine.runner.release_thread()
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             busy = self.engine.has_unfinished_requests()
             self._drain(block=not busy)

