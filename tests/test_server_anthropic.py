@@ -142,9 +142,10 @@ def test_errors_in_anthropics_shape(client, server) -> None:
         create(client, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
     r = httpx.post(server.url + "/v1/messages", json={"model": "tiny"}, headers={"x-api-key": KEY})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}]
         )
+    assert e.value.body["error"]["type"] == "authentication_error"
     values = read_metrics(server.url)
     assert metric(values, "vllm:kv_cache_usage_perc", model_name="tiny") == 0

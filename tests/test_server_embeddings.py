@@ -14,7 +14,7 @@ from openai import OpenAI
 from tokenizers import Tokenizer
 
 from tests.engine_helpers import make_tiny_model_dir
-from tests.server_harness import metric, read_metrics, start_server
+from tests.server_harness import metric, read_metrics, start_server, wait_until
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?", "Hi"]
 
@@ -91,8 +91,13 @@ def test_bad_requests_are_400s_naming_the_field(client, kwargs, param, message) 
     assert e.value.body["param"] == param and message in e.value.body["message"]
 
 
-def test_kv_blocks_are_free_afterwards(client, server) -> None:
-    client.embeddings.create(model="tiny", input=TEXTS * 4)
+def test_kv_blocks_are_free_afterwards_and_prompt_tokens_counted(client, server) -> None:
+    def prompt_tokens() -> float:
+        return metric(read_metrics(server.url), "vllm:prompt_tokens_total", model_name="tiny")
+
+    before = prompt_tokens()
+    out = client.embeddings.create(model="tiny", input=TEXTS * 4)
+    assert wait_until(lambda: prompt_tokens() == before + out.usage.prompt_tokens)
     values = read_metrics(server.url)
     assert metric(values, "vllm:kv_cache_usage_perc", model_name="tiny") == 0
     assert metric(values, "vllm:num_requests_running", model_name="tiny") == 0

@@ -104,7 +104,7 @@ def test_errors_in_ollamas_shape_and_the_key_is_required(client, server) -> None
     assert e.value.status_code == 400 and "temperature must be >= 0" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         ollama.Client(host=server.url).list()
-    assert e.value.status_code == 401
+    assert e.value.status_code == 401 and e.value.error.startswith("invalid or missing API key")
     assert ollama.Client(host=server.url)._request_raw("GET", "/api/version").status_code == 200
     # Runtime options are the server's business: accepted, no effect.
     out = client.generate("tiny", "x", options=OPTIONS | {"num_ctx": 4096, "num_gpu": 1})

@@ -25,6 +25,7 @@ from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server import openapi as doc
 from mlxserve.server.anthropic import AnthropicServing, add_anthropic_routes
+from mlxserve.server.anthropic import error_body as anthropic_error_body
 from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
 from mlxserve.server.embeddings import EmbeddingRequest, create_embedding
 from mlxserve.server.errors import (
@@ -290,12 +291,16 @@ class APIKeyMiddleware:
             if x_api_key is not None:
                 ok |= hmac.compare_digest(x_api_key.strip(), key)
         if not ok:
-            error = APIError(
-                401,
-                "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-            response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+            message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+            error = APIError(401, message, code="invalid_api_key")
+            body = error.body()
+            path = scope["path"]
+            if path.startswith("/v1/messages"):  # each API's clients read their own shape
+                body = anthropic_error_body(401, message.replace("send the header", "send"))
+                body["error"]["message"] += " or 'x-api-key: <key>'"
+            elif path.startswith("/api/"):
+                body = {"error": message}
+            response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
