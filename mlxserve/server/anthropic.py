@@ -12,6 +12,7 @@ Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any, Literal
 
@@ -25,6 +26,8 @@ from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, SSEResponse
+
+logger = logging.getLogger("mlxserve.server")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -220,6 +223,13 @@ def _usage(res: ChatResult) -> dict[str, int]:
     }
 
 
+def _as_api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    logger.exception("internal error while handling a request")
+    return APIError(500, f"internal server error: {type(e).__name__}: {e}")
+
+
 def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
     """Register /v1/messages and /v1/messages/count_tokens; errors leave in Anthropic's shape."""
     from mlxserve.server.body import parse_body
@@ -228,15 +238,15 @@ def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
         try:
             body = await parse_body(request, MessagesRequest, limit)
             return await anthropic.messages(request, body)
-        except APIError as e:
-            return error_response(e)
+        except Exception as e:  # noqa: BLE001 -- every error in Anthropic's shape
+            return error_response(_as_api_error(e))
 
     async def count_tokens(request: Request) -> Response:
         try:
             body = await parse_body(request, CountTokensRequest, limit)
             return JSONResponse(await anthropic.count_tokens(body))
-        except APIError as e:
-            return error_response(e)
+        except Exception as e:  # noqa: BLE001 -- every error in Anthropic's shape
+            return error_response(_as_api_error(e))
 
     app.add_api_route("/v1/messages", messages, methods=["POST"], include_in_schema=False)
     app.add_api_route(

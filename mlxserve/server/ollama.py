@@ -13,6 +13,7 @@ does not implement is a 400 naming it, unless it holds Ollama's neutral value.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from datetime import datetime, timezone
@@ -30,6 +31,8 @@ from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
+
+logger = logging.getLogger("mlxserve.server")
 
 # Ollama option -> SamplingParams field.
 OPTION_FIELDS = {
@@ -323,6 +326,10 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
                     out = await handler(request)
                 except APIError as e:
                     return error_response(e)
+                except Exception as e:  # noqa: BLE001 -- every error in Ollama's shape
+                    logger.exception("internal error while handling a request")
+                    message = f"internal server error: {type(e).__name__}: {e}"
+                    return error_response(APIError(500, message))
                 return out if isinstance(out, Response) else JSONResponse(out)
 
             app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
