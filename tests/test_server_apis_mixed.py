@@ -124,3 +124,12 @@ def test_a_disconnect_while_waiting_for_a_whole_answer_aborts_it(server) -> None
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/api/generate", json=body, timeout=1.0)
     assert wait_until(lambda: aborts(server.url) == before + 1 and idle(server.url))
+
+
+def test_a_disconnect_aborts_embeddings_too(server) -> None:
+    """2048 long inputs take many steps; the client leaves after a second: all are aborted."""
+    before = aborts(server.url)
+    body = {"model": "tiny", "input": ["The quick brown fox " * 15] * 2048}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/embeddings", json=body, timeout=1.0)
+    assert wait_until(lambda: aborts(server.url) > before and idle(server.url))
