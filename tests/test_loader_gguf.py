@@ -173,10 +173,10 @@ def test_other_types_requantized_within_half_a_step(qtype: str) -> None:
 
 def test_unknown_tensor_names_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "qwen2")  # qwen2 has no experts (qwen2moe does)
     for key, value in [("embedding_length", 32), ("block_count", 1), ("feed_forward_length", 64)]:
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_uint32("llama.attention.head_count", 2)
+        writer.add_uint32(f"qwen2.{key}", value)
+    writer.add_uint32("qwen2.attention.head_count", 2)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 64, 32), np.float32))
     close_gguf(writer)

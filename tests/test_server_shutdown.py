@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.engine_helpers import make_tiny_model_dir
-from tests.server_harness import start_server, wait_until
+from tests.server_harness import read_metrics, start_server, wait_until
 
 LONG = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True}  # ~10 s or more here
 
@@ -23,6 +23,12 @@ LONG = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True}  # ~10 s or
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), seed=4)[1]
+
+
+def running(url: str) -> float:
+    """Requests the engine is running now (the gauge, whatever its model label)."""
+    values = read_metrics(url)
+    return sum(v for (name, _), v in values.items() if name == "vllm:num_requests_running")
 
 
 def serve(model_dir, tmp_path, timeout: float):
@@ -98,6 +104,8 @@ def test_requests_that_finish_within_the_timeout_complete(model_dir, tmp_path) -
     stream, plain = Stream(server.url, body), Plain(server.url, body)
     stream.start(), plain.start()
     assert stream.started.wait(60)
+    # Both in flight before the signal (under load the plain one can arrive late: a 503).
+    assert wait_until(lambda: running(server.url) == 2, timeout=60)
     server.proc.send_signal(signal.SIGTERM)
     stream.join(120), plain.join(120)
     assert stream.error is None and stream.events[-1] == "[DONE]"

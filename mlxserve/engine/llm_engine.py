@@ -76,6 +76,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer.chat_templates = config.chat_template
+            self.tokenizer.chat_format = "jinja"  # the user's template wins over harmony too
         self.model_name = config.served_model_name or loaded.source.name
         # Embeddings: how the hidden states are pooled, their size, and whether the model
         # was trained (Matryoshka) so that a prefix of the vector is an embedding too.

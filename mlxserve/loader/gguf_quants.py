@@ -6,6 +6,9 @@ have exactly that form are repacked bit for bit, keeping their precision and siz
 
     Q4_0, Q4_1, Q4_K -> 4 bits      Q5_0, Q5_1, Q5_K -> 5 bits      Q8_0 -> 8 bits
 
+MXFP4 (gpt-oss's experts) is MLX's ``mxfp4`` mode exactly: 32 four-bit e2m1 codes and one
+E8M0 exponent per block, repacked bit for bit (weight + uint8 scales, no biases).
+
 Every other type (Q6_K, Q2_K, Q3_K: 16-value sub-blocks; IQ*; ...) is dequantized with
 the `gguf` package and re-quantized with a min-max affine grid (error at most half a step):
 4 bits for types of at most 4 bits per weight, else 8. Or everything is kept float.
@@ -26,6 +29,8 @@ REPACKABLE = {QT.Q4_0: 4, QT.Q4_1: 4, QT.Q5_0: 5, QT.Q5_1: 5, QT.Q8_0: 8, QT.Q4_
 # 32-value types; K-quant sub-block scales are f16 x 6-bit products: kept float32.
 FLOAT16_SCALES = {QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0}
 FLOAT_TYPES = {QT.F32, QT.F16, QT.BF16}
+# MLX quantization settings of a repacked MXFP4 tensor (mx.quantize(..., mode="mxfp4")).
+MXFP4_MODE = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:  # (n, 2) bytes -> (n,) float32
@@ -126,6 +131,22 @@ def repack_blocks(raw: np.ndarray, qtype: QT, rows: int, cols: int) -> dict[str,
     return _mlx_parts(q, scale, bias, rows, cols, REPACKABLE[qtype], dtype)
 
 
+def repack_mxfp4(raw: np.ndarray, rows: int, cols: int) -> dict[str, mx.array]:
+    """MXFP4 blocks of a (rows, cols) matrix -> MLX mxfp4 {weight, scales}.
+
+    A GGUF block is one E8M0 exponent byte and 16 bytes of e2m1 codes (byte j: element j
+    low, element j + 16 high); llama.cpp's value is its doubled e2m1 table times half the
+    exponent's power of two, which is MLX's e2m1 value times the whole power: the same
+    codes and exponents, only the nibble order differs.
+    """
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, 17)  # one row per block
+    q = _nibbles(blocks[:, 1:])  # (blocks, 32) e2m1 codes in element order
+    return {
+        "weight": mx.array(pack_bits(q.reshape(rows, cols), 4)),
+        "scales": mx.array(np.ascontiguousarray(blocks[:, 0]).reshape(rows, cols // 32)),
+    }
+
+
 def affine_quantize(dense: np.ndarray, bits: int) -> dict[str, mx.array]:
     """Min-max affine quantization of a (rows, cols) float matrix, groups of 32.
 
@@ -154,9 +175,9 @@ def convert_tensor(
 ) -> dict[str, mx.array]:
     """One GGUF tensor -> {"weight": ...} (+ "scales"/"biases" when quantized).
 
-    ``shape`` is numpy order (rows, cols). Float tensors stay as stored; quantized ones are
-    repacked or re-quantized (see the module docstring), or with ``keep_float`` dequantized
-    to float32.
+    ``shape`` is numpy order: (rows, cols), or (experts, rows, cols) for stacked MoE experts.
+    Float tensors stay as stored; quantized ones are repacked or re-quantized (see the
+    module docstring), or with ``keep_float`` dequantized to float32.
     """
     if qtype in FLOAT_TYPES:
         data = np.ascontiguousarray(raw).view(np.uint8)  # raw bytes or an already typed array
@@ -165,13 +186,19 @@ def convert_tensor(
             return {"weight": mx.array(arr.reshape(shape)).astype(mx.bfloat16)}
         arr = data.view(np.float32 if qtype == QT.F32 else np.float16)
         return {"weight": mx.array(arr.reshape(shape))}
-    quantizable = len(shape) == 2 and shape[1] % GROUP_SIZE == 0
-    if qtype in REPACKABLE and quantizable and not keep_float:
-        return repack_blocks(raw, qtype, shape[0], shape[1])
+    quantizable = len(shape) in (2, 3) and shape[-1] % GROUP_SIZE == 0
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]  # stacked experts: one matrix of rows
+    if quantizable and not keep_float and (qtype in REPACKABLE or qtype == QT.MXFP4):
+        if qtype == QT.MXFP4:
+            parts = repack_mxfp4(raw, rows, cols)
+        else:
+            parts = repack_blocks(raw, qtype, rows, cols)
+        return {k: v.reshape(*shape[:-1], v.shape[-1]) for k, v in parts.items()}
     try:
         dense = quants.dequantize(raw, qtype).reshape(shape).astype(np.float32)
     except NotImplementedError:
         raise ValueError(f"unsupported GGUF tensor type {qtype.name}") from None
     if keep_float or not quantizable:
         return {"weight": mx.array(dense)}
-    return affine_quantize(dense, requantize_bits(qtype))
+    parts = affine_quantize(dense.reshape(rows, cols), requantize_bits(qtype))
+    return {k: v.reshape(*shape[:-1], v.shape[-1]) for k, v in parts.items()}

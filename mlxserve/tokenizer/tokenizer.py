@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -12,6 +13,12 @@ from tokenizers import Tokenizer as Backend
 from mlxserve.gguf_file import read_gguf_metadata
 from mlxserve.tokenizer.chat_template import ChatTemplate, make_environment
 from mlxserve.tokenizer.gguf_vocab import build_gguf_vocab
+from mlxserve.tokenizer.harmony import (
+    HARMONY_TEXT_TOKENS,
+    HARMONY_TOKENS,
+    MODEL_IDENTITY,
+    render_harmony,
+)
 from mlxserve.tokenizer.hf_dir import read_hf_dir
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -61,15 +68,21 @@ class Tokenizer:
             eos.add(eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.chat_templates = chat_template
+        # "harmony": gpt-oss's vocabulary; chats go through the harmony renderer (checked
+        # against openai-harmony), not the Jinja template. Set to "jinja" to use the template.
+        harmony = all(backend.token_to_id(t) is not None for t in HARMONY_TOKENS)
+        self.chat_format = "harmony" if harmony else "jinja"
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         for key, token_id in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
             if token_id is not None and key not in self.special_tokens:
                 self.special_tokens[key] = self.id_to_token(token_id) or ""
         added = backend.get_added_tokens_decoder()
-        # Exactly the ids the backend drops when decoding with skip_special_tokens=True.
-        self.all_special_ids: frozenset[int] = frozenset(
-            i for i, tok in added.items() if tok.special
-        )
+        # The ids decode(skip_special_tokens=True) drops: the backend's special tokens, but a
+        # harmony reply keeps its headers (llama.cpp's gpt-oss rule; a GGUF vocab applies it).
+        special = {i for i, tok in added.items() if tok.special}
+        if harmony:
+            special -= {backend.token_to_id(t) for t in HARMONY_TEXT_TOKENS}
+        self.all_special_ids: frozenset[int] = frozenset(special)
         # Explicit flags (GGUF metadata, tokenizer_config.json) decide BOS/EOS; otherwise the
         # backend's post-processor does, and the flags describe what it does.
         self._manual_bos_eos = add_bos_token is not None or add_eos_token is not None
@@ -180,7 +193,9 @@ class Tokenizer:
         of ids is a prefix of the text of all ids (once its last character is complete).
         """
         ids = list(token_ids)
-        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.all_special_ids]
+        text = self.backend.decode(ids, skip_special_tokens=False)
         if self._byte_fallback and REPLACEMENT_CHAR in text:
             return self._decode_byte_runs(ids, skip_special_tokens)
         return text
@@ -252,7 +267,24 @@ class Tokenizer:
         continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
-        """Render `messages` (OpenAI-style dicts) to the prompt text with the model's template."""
+        """Render `messages` (OpenAI-style dicts) to the prompt text with the model's template.
+
+        A harmony tokenizer (gpt-oss) renders with the harmony renderer unless a template is
+        passed; ``reasoning_effort``, ``current_date`` and ``model_identity`` are its options.
+        """
+        if self.chat_format == "harmony" and chat_template is None:
+            if continue_final_message:
+                raise ValueError(
+                    "continue_final_message is not supported by the harmony chat format"
+                )
+            return render_harmony(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                reasoning_effort=extra.get("reasoning_effort") or "medium",
+                current_date=extra.get("current_date") or datetime.date.today().isoformat(),
+                model_identity=extra.get("model_identity") or MODEL_IDENTITY,
+            )
         source = self.get_chat_template(chat_template, tools)
         compiled = self._compiled.get(source)
         if compiled is None:
