@@ -10,5 +10,8 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["mlxserve", "mlxserve.*"]), "mlxserve._metal"],
     package_dir={"mlxserve._metal": "metal"},
-    package_data={"mlxserve._metal": ["*.metal"], "mlxserve": ["csrc/*.c"]},
+    package_data={
+        "mlxserve._metal": ["*.metal"],
+        "mlxserve": ["csrc/*.c", "csrc/*.h", "csrc/*.cpp"],
+    },
 )

@@ -25,8 +25,8 @@ def cache_dir() -> Path:
 
 
 def openblas_env(blas: str | None) -> dict[str, str]:
-    """mlx-lm with a system OpenBLAS preloaded under MLX (mlxserve's own loading off)."""
-    return {"LD_PRELOAD": blas or "", "MLXSERVE_BLAS": "off"}
+    """mlx-lm with the OpenBLAS mlxserve binds, bound the same way (mlxserve/blas.py)."""
+    return {"BENCH_BIND_BLAS": "1", "MLXSERVE_BLAS": blas or "off", "LD_PRELOAD": ""}
 
 
 def run_mlx_lm_offline(spec: dict, env: dict[str, str], work: Path, name: str) -> dict:
@@ -38,10 +38,10 @@ def run_mlx_lm_offline(spec: dict, env: dict[str, str], work: Path, name: str) -
 
 
 def find_openblas() -> str | None:
-    """The system OpenBLAS mlxserve would load (to LD_PRELOAD it under mlx-lm too)."""
-    from mlxserve.blas import _find
+    """The OpenBLAS mlxserve binds by default (PyPI's, else the system's), to give mlx-lm too."""
+    from mlxserve.blas import pypi_openblas, system_openblas
 
-    return _find()
+    return pypi_openblas() or system_openblas()
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -5,7 +5,7 @@
 
 One run, same weights (mlx-lm gets MODEL converted by `mlxserve convert`, scales in
 float32), same token ids, greedy, EOS ignored. mlx-lm runs in its own process with MLX's
-stock BLAS (--mlx-lm-openblas: with the system OpenBLAS preloaded and float32 weights).
+stock BLAS (--mlx-lm-openblas: with the OpenBLAS mlxserve binds, and float32 weights).
 Prints tok/s for both and the ratio. bench/run.py includes this as "batch N".
 """
 

@@ -23,7 +23,7 @@ const uint lane = thread_index_in_simdgroup;
 const uint tid = thread_index_in_threadgroup;
 const int num_kv_heads = k_cache_shape[2];
 const int num_heads = num_kv_heads * GQA;
-const int num_reqs = context_lens_shape[0];
+const int num_reqs = block_tables_shape[0];  // context_lens may be padded
 const int max_blocks = block_tables_shape[1];
 
 device T* out_rows = out + (int64_t(req) * num_heads + kv_head * GQA) * HEAD_DIM;

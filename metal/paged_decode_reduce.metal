@@ -4,21 +4,23 @@
 // Template: T (out dtype), HEAD_DIM, PARTITION_SIZE, WINDOW and USE_SINKS (as
 //   paged_decode.metal).
 // Inputs: partial_out (num_tokens, num_heads, num_partitions, HEAD_DIM), partial_max and
-//   partial_sum (num_tokens, num_heads, num_partitions) float32; context_lens (num_reqs,);
+//   partial_sum (num_tokens, num_heads, num_partitions) float32; context_lens (>= num_reqs,),
+//   zero past the requests;
 //   sinks (num_heads,) float32, read only with USE_SINKS.
-// Output: out (num_tokens, num_heads, HEAD_DIM); rows >= num_reqs (padding) are zeros.
+// Output: out (num_tokens, num_heads, HEAD_DIM); padding rows (no request) are zeros.
 // Grid: (threads >= HEAD_DIM, num_heads, num_tokens); one thread per output element.
 const int d = int(thread_position_in_grid.x);
 const int head = int(thread_position_in_grid.y);
 const int row = int(thread_position_in_grid.z);
 const int num_heads = partial_max_shape[1];
 const int num_parts = partial_max_shape[2];
-const int num_reqs = context_lens_shape[0];
 if (d >= HEAD_DIM) {
   return;
 }
 const int64_t out_off = (int64_t(row) * num_heads + head) * HEAD_DIM + d;
-if (row >= num_reqs) {
+// context_lens is padded with zeros to >= 8 entries (device binding); a real request has
+// at least one token.
+if (row >= context_lens_shape[0] || context_lens[row] == 0) {
   out[out_off] = T(0.0f);
   return;
 }

@@ -6,7 +6,7 @@
 // Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD, WINDOW (as paged_decode.metal),
 //   PARTITION_SIZE. Under a window, partitions wholly before it are skipped (not written).
 // Inputs: q, k_cache, v_cache, block_tables, context_lens, scale (as paged_decode.metal).
-// Outputs (float32): partial_out (num_tokens, num_heads, num_partitions, HEAD_DIM),
+// Outputs (float32): partial_out (>= num_tokens rows, num_heads, num_partitions, HEAD_DIM),
 //   partial_max and partial_sum (num_tokens, num_heads, num_partitions). Only partitions that
 //   start inside the context of a real request are written; the reduce reads only those.
 // Grid: (NUM_SIMD * 32 * num_kv_heads, num_tokens, num_partitions), threadgroup
@@ -25,7 +25,7 @@ const uint lane = thread_index_in_simdgroup;
 const uint tid = thread_index_in_threadgroup;
 const int num_kv_heads = k_cache_shape[2];
 const int num_heads = num_kv_heads * GQA;
-const int num_reqs = context_lens_shape[0];
+const int num_reqs = block_tables_shape[0];  // context_lens may be padded
 const int max_blocks = block_tables_shape[1];
 
 if (req >= num_reqs) {

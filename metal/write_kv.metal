@@ -10,7 +10,7 @@
 // elements (smaller inputs are bound as `constant`, which cannot be written).
 //
 // Template: T (pool dtype).
-// Inputs: keys, values (num_tokens, num_kv_heads, head_dim); slot_mapping (num_tokens,)
+// Inputs: keys, values (num_tokens, num_kv_heads, head_dim); slot_mapping (>= num_tokens,)
 //   int32, slot = block * block_size + offset; k_cache, v_cache (num_blocks, block_size,
 //   num_kv_heads, head_dim).
 // Output: written (1,) int32, the ordering token.

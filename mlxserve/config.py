@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from mlxserve.exceptions import ParameterError
+from mlxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
 
 # vLLM's --dtype names ("half" and "float" are its aliases); the loader maps them to MLX dtypes.
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
@@ -54,10 +55,18 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Blocks that exist at start; the pool grows on demand up to num_blocks (None: all).
     initial_blocks: int | None = None
+    # The model's KV cache groups (mlxserve/kv_cache_spec.py); default one full-attention.
+    groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(FULL_ATTENTION, None, ()),)
+    # Recurrent-state slots, the null slot included (0: the model has no recurrent layers).
+    num_state_slots: int = 0
+    # Snapshot recurrent states every this many tokens too (0: only at prompt ends and
+    # while decoding); a multiple of block_size.
+    snapshot_interval: int = 0
 
     def __post_init__(self) -> None:
         # Block 0 is the null block, so a usable pool needs at least two.
         assert self.block_size >= 1 and self.num_blocks >= 2, self
+        assert self.num_state_slots != 1 and self.snapshot_interval % self.block_size == 0
 
 
 @dataclass(frozen=True)

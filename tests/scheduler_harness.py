@@ -43,18 +43,30 @@ def reference_generate(
 class PagedFakeModel:
     """Runs a SchedulerOutput the way a real runner does, against a simulated KV cache.
 
-    Every fed token is written to its slot (from the block table); then each sampling
-    request gets next_token() of its context READ BACK from the slots. A wrong block
-    table, a block shared by mistake or a stale prefix-cache hit changes the output.
-    ``script`` (request id -> tokens by output index) overrides the sampled token.
+    Every fed token is written to its slot (from the block table of each KV cache group);
+    then each sampling request gets next_token() of its context READ BACK from the slots.
+    A group with a window reads back only the tokens the window covers (the blocks before
+    it may be released). With recurrent layers (``state_slots`` in the output) a state slot
+    holds the tokens its state has seen: the slot a request reads must hold exactly its
+    tokens before the step, and snapshots get its tokens up to their position. A wrong
+    block table, a block shared by mistake, a block released too early, a stale
+    prefix-cache hit or a wrong state slot changes the output. ``script`` (request id ->
+    tokens by output index) overrides the sampled token.
     """
 
     def __init__(
-        self, block_size: int, num_blocks: int, script: dict[str, list[int]] | None = None
+        self,
+        block_size: int,
+        num_blocks: int,
+        script: dict[str, list[int]] | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         self.block_size = block_size
-        self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        # slot -> (group, token): a block moved between groups must be rewritten first.
+        self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.script = script or {}
+        self.windows = tuple(windows)
+        self.states: dict[int, tuple[int, ...]] = {0: ()}  # slot -> the tokens it has seen
         self.num_steps = 0
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -72,14 +84,20 @@ class PagedFakeModel:
         for req in out.scheduled_requests:
             rid = req.request_id
             start, n = out.start_positions[rid], out.num_scheduled_tokens[rid]
-            table = out.block_ids[rid]
-            assert 0 not in table, "the null block is never part of a request's table"
-            assert len(table) * bs >= start + n and len(table) == -(-(start + n) // bs)
+            tables = out.block_ids[rid]
+            assert len(tables) == len(self.windows)
             fed = out.token_ids(req)
             assert fed == (req.prompt_token_ids + req.output_token_ids)[start : start + n]
-            for offset, token in enumerate(fed):
-                pos = start + offset
-                self.slots[table[pos // bs] * bs + pos % bs] = token
+            for g, (table, window) in enumerate(zip(tables, self.windows, strict=True)):
+                assert len(table) * bs >= start + n and len(table) == -(-(start + n) // bs)
+                # The null block only stands for blocks a window released: those before
+                # the first token the chunk's first query sees.
+                first = 0 if window is None else max(start - window + 1, 0)
+                assert 0 not in table[first // bs :], f"{rid}: null block inside the window"
+                for offset, token in enumerate(fed):
+                    pos = start + offset
+                    self.slots[table[pos // bs] * bs + pos % bs] = (g, token)
+        self._run_states(out)
         sampled: dict[str, list[int]] = {}
         for req in out.scheduled_requests:
             rid = req.request_id
@@ -87,17 +105,41 @@ class PagedFakeModel:
             assert out.samples(rid) == (end == req.num_tokens)
             if not out.samples(rid):
                 continue
-            table = out.block_ids[rid]
-            context = [self.slots[table[p // bs] * bs + p % bs] for p in range(end)]
-            assert None not in context
+            want = req.prompt_token_ids + req.output_token_ids
+            context = want[:end]
+            for g, (table, window) in enumerate(zip(out.block_ids[rid], self.windows, strict=True)):
+                first = 0 if window is None else max(end - window, 0)
+                seen = [self.slots[table[p // bs] * bs + p % bs] for p in range(first, end)]
+                if not self.script.get(rid):
+                    assert seen == [(g, t) for t in want[first:end]], (
+                        f"{rid}: group {g}'s KV cache holds wrong tokens"
+                    )
+                if window is None:
+                    context = [t for _, t in seen]  # the oracle's input, read back
             script = self.script.get(rid)
             token = script[req.num_output_tokens] if script else next_token(context)
-            if not script:
-                want = req.prompt_token_ids + req.output_token_ids
-                assert context == want, f"{rid}: KV cache holds wrong tokens"
             sampled[rid] = [token]
         self.num_steps += 1
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _run_states(self, out: SchedulerOutput) -> None:
+        """Read every request's state slot, then write final states and snapshots."""
+        if not out.state_slots:
+            return
+        writes: dict[int, tuple[int, ...]] = {}
+        for req in out.scheduled_requests:
+            rid = req.request_id
+            slots = out.state_slots[rid]
+            start, n = out.start_positions[rid], out.num_scheduled_tokens[rid]
+            seq = tuple(req.prompt_token_ids + req.output_token_ids)
+            assert self.states.get(slots.read) == seq[:start], f"{rid}: wrong state read"
+            assert slots.write != 0 and slots.write not in writes
+            writes[slots.write] = seq[: start + n]
+            for position, slot in slots.snapshots:
+                assert start < position <= start + n and slot not in (0, *writes)
+                assert position % self.block_size == 0
+                writes[slot] = seq[:position]
+        self.states.update(writes)
 
 
 def check_pool(pool: BlockPool, tables: Sequence[Sequence[int]]) -> None:
@@ -105,7 +147,8 @@ def check_pool(pool: BlockPool, tables: Sequence[Sequence[int]]) -> None:
     expected = [0] * pool.num_blocks
     for table in tables:
         for block_id in table:
-            expected[block_id] += 1
+            if block_id:  # the null block stands for a released one
+                expected[block_id] += 1
     actual = [b.ref_cnt for b in pool.blocks]
     assert pool.null_block.ref_cnt == 0
     assert actual[1:] == expected[1:], "ref counts differ from block-table references"
@@ -152,8 +195,16 @@ def step(
         on_output(out)
     scheduler.update_from_output(out, model.execute(out))
     kv = scheduler.kv_cache_manager
-    check_pool(kv.block_pool, [kv.get_block_ids(r) for r in scheduler.running])
-    assert set(kv.req_to_blocks) == {r.request_id for r in scheduler.running}
+    check_pool(kv.block_pool, [t for r in scheduler.running for t in kv.get_block_ids(r)])
+    for manager in kv.managers:
+        assert set(manager.req_to_blocks) == {r.request_id for r in scheduler.running}
+    # A block belongs to one KV cache group at a time (requests of one group may share it).
+    owners: dict[int, int] = {}
+    for r in scheduler.running:
+        for g, table in enumerate(kv.get_block_ids(r)):
+            for block_id in table:
+                if block_id:
+                    assert owners.setdefault(block_id, g) == g, f"block {block_id} in 2 groups"
     assert all(r.status == RequestStatus.RUNNING for r in scheduler.running)
     assert all(
         r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in scheduler.waiting

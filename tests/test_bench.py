@@ -155,3 +155,28 @@ def test_background_streams_restart_when_an_engine_ends_them() -> None:
     assert streams.num_restarts >= 6 and {b["prompt"] for b in sent} == {"a", "b"}
     assert all(b["ignore_eos"] and b["max_tokens"] == 3 for b in sent)
     assert all(len(times) == 3 for times in streams.requests[:6])
+
+
+def test_structured_outputs_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
+    from bench import structured_outputs
+
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    out = tmp_path / "so.json"
+    args = [str(model_dir), "--num-prompts", "3", "--prompt-tokens", "8", "--max-tokens", "6"]
+    assert structured_outputs.main([*args, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    # Both batches generate exactly max_tokens per request: the same work, comparable.
+    assert data["unconstrained"]["output_tokens"] == data["json_schema"]["output_tokens"] == 18
+    assert data["json_schema"]["mask_ms_per_step"] > 0 == data["unconstrained"]["mask_ms_per_step"]
+    assert data["streams_while_compiling"]["compile_s"] > 0
+
+
+def test_grammar_backends_bench_measures_llguidance(tmp_path: Path) -> None:
+    from bench import grammar_backends
+
+    out = tmp_path / "backends.json"
+    assert grammar_backends.main(["--backends", "llguidance", "--json", str(out)]) == 0
+    numbers = json.loads(out.read_text())["llguidance"]
+    assert numbers["mask_us_mean"] > 0 and numbers["compile_s"] > 0
+    # The keywords llguidance does not implement are refused, never ignored.
+    assert all(v.startswith("refused") for v in numbers["keywords"].values())

@@ -121,7 +121,8 @@ def test_kv_cache_space_env_and_bytes_flag_size_the_pool(tmp_path, monkeypatch) 
     engine = LLMEngine(config)
     tokens = budget // TINY_KV_BYTES_PER_TOKEN  # hand-computed: 2097 tokens
     assert engine.plan.num_blocks == tokens // 16 + 1  # + the null block
-    assert engine.max_model_len == tokens  # capped so one full request fits
+    # Capped so one full request fits in whole blocks: 131 x 16.
+    assert engine.max_model_len == tokens // 16 * 16 == 2096
     # The flag wins over the environment; too small a budget names the knob and the need.
     args = build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "1M"])
     assert engine_config(args, None).kv_cache_memory_bytes == 2**20

@@ -27,7 +27,18 @@ def admit(kv: KVCacheManager, req: Request) -> list[int]:
     assert new is not None
     req.num_computed_tokens = req.num_tokens
     kv.cache_blocks(req, req.num_computed_tokens)
-    return kv.get_block_ids(req)
+    return table(kv, req)
+
+
+def table(kv: KVCacheManager, req: Request) -> list[int]:
+    """The request's block table (the one KV cache group of these tests)."""
+    (ids,) = kv.get_block_ids(req)
+    return ids
+
+
+def hit_ids(hit) -> list[int]:
+    (blocks,) = hit.blocks
+    return [blk.block_id for blk in blocks]
 
 
 def free_ids(kv: KVCacheManager) -> list[int]:
@@ -83,9 +94,9 @@ def test_prefix_hit_shares_blocks():
     admit(kv, a)
     b = make_request("b", list(range(8)) + [50, 51, 52])
     hits, num_hit = kv.get_computed_blocks(b)
-    assert [blk.block_id for blk in hits] == [1, 2] and num_hit == 8
+    assert hit_ids(hits) == [1, 2] and num_hit == 8
     assert kv.allocate_slots(b, b.num_tokens - num_hit, hits) is not None
-    assert kv.get_block_ids(b) == [1, 2, 4]
+    assert table(kv, b) == [1, 2, 4]
     assert refs(kv, [1, 2, 3, 4]) == [2, 2, 1, 1]
     assert kv.prefix_cache_queries == 10 + 11 and kv.prefix_cache_hits == 8
 
@@ -95,20 +106,20 @@ def test_hit_never_covers_the_last_token():
     admit(kv, make_request("a", list(range(8))))
     # Same 8 tokens: 2 cached blocks, but the last token must be recomputed for logits.
     hits, num_hit = kv.get_computed_blocks(make_request("b", list(range(8))))
-    assert [blk.block_id for blk in hits] == [1] and num_hit == 4
+    assert hit_ids(hits) == [1] and num_hit == 4
     hits, num_hit = kv.get_computed_blocks(make_request("c", list(range(9))))
-    assert [blk.block_id for blk in hits] == [1, 2] and num_hit == 8
+    assert hit_ids(hits) == [1, 2] and num_hit == 8
 
 
 def test_prompt_logprobs_and_salt_skip_sharing():
     kv = KVCacheManager(BS, num_blocks=10)
     admit(kv, make_request("a", list(range(9))))
-    assert kv.get_computed_blocks(make_request("b", list(range(9)), prompt_logprobs=1)) == ([], 0)
-    assert kv.get_computed_blocks(make_request("c", list(range(9)), cache_salt="x")) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b", list(range(9)), prompt_logprobs=1))[1] == 0
+    assert kv.get_computed_blocks(make_request("c", list(range(9)), cache_salt="x"))[1] == 0
     salted = make_request("d", list(range(9)), cache_salt="x")
     admit(kv, salted)
     hits, _ = kv.get_computed_blocks(make_request("e", list(range(9)), cache_salt="x"))
-    assert [blk.block_id for blk in hits] == kv.get_block_ids(salted)[:2]
+    assert hit_ids(hits) == table(kv, salted)[:2]
 
 
 def test_generated_tokens_are_cached():
@@ -120,11 +131,11 @@ def test_generated_tokens_are_cached():
         assert kv.allocate_slots(a, 1) is not None
         a.num_computed_tokens += 1
         kv.cache_blocks(a, a.num_computed_tokens)
-    assert a.num_computed_tokens == 6 and kv.get_block_ids(a) == [1, 2]
+    assert a.num_computed_tokens == 6 and table(kv, a) == [1, 2]
     assert kv.block_pool.num_cached_blocks == 1  # tokens 4..5 fill only half of block 2
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7])
     hits, num_hit = kv.get_computed_blocks(b)
-    assert [blk.block_id for blk in hits] == [1] and num_hit == 4
+    assert hit_ids(hits) == [1] and num_hit == 4
 
 
 def test_free_is_tail_first_and_lru():
@@ -137,7 +148,7 @@ def test_free_is_tail_first_and_lru():
     assert free_ids(kv) == [6, 7, 3, 2, 1]
     kv.free(b)
     assert free_ids(kv) == [6, 7, 3, 2, 1, 5, 4]
-    assert kv.get_block_ids(a) == [] and refs(kv, list(range(1, 8))) == [0] * 7
+    assert table(kv, a) == [] and refs(kv, list(range(1, 8))) == [0] * 7
     kv.free(a)  # freeing twice is a no-op
     assert free_ids(kv) == [6, 7, 3, 2, 1, 5, 4]
 
@@ -150,11 +161,11 @@ def test_lazy_eviction_keeps_freed_prefix_until_reused():
     assert free_ids(kv) == [4, 5, 3, 2, 1]
     # Freed: the whole prefix still hits (up to the last-token rule).
     hits, _ = kv.get_computed_blocks(make_request("q", list(range(13))))
-    assert [blk.block_id for blk in hits] == [1, 2, 3]
+    assert hit_ids(hits) == [1, 2, 3]
     # A 12-token unrelated request takes 4, 5, then evicts 3 (a's last block first).
     assert admit(kv, make_request("c", list(range(200, 212)))) == [4, 5, 3]
     hits, num_hit = kv.get_computed_blocks(make_request("q2", list(range(13))))
-    assert [blk.block_id for blk in hits] == [1, 2] and num_hit == 8
+    assert hit_ids(hits) == [1, 2] and num_hit == 8
 
 
 def test_hash_collision_guard():
@@ -164,12 +175,12 @@ def test_hash_collision_guard():
     # Forge a collision: another request claiming a's block hashes with other tokens.
     forged = make_request("f", [7, 7, 7, 7, 7, 7, 7, 7, 7])
     forged.block_hashes = list(a.block_hashes)
-    assert kv.get_computed_blocks(forged) == ([], 0)
+    assert kv.get_computed_blocks(forged)[1] == 0
     # Only the second block differs: the first still hits, the walk stops at the second.
     half = make_request("g", [0, 1, 2, 3, 9, 9, 9, 9, 9])
     half.block_hashes = list(a.block_hashes)
     hits, num_hit = kv.get_computed_blocks(half)
-    assert [blk.block_id for blk in hits] == [1] and num_hit == 4
+    assert hit_ids(hits) == [1] and num_hit == 4
 
 
 def test_allocate_none_changes_nothing():
@@ -184,23 +195,23 @@ def test_allocate_none_changes_nothing():
     assert num_hit == 12
     assert kv.allocate_slots(b, b.num_tokens - num_hit, hits) is None
     assert (free_ids(kv), kv.block_pool.num_cached_blocks, kv.prefix_cache_queries) == before
-    assert refs(kv, [1, 2, 3, 4]) == [0, 0, 0, 0] and kv.get_block_ids(b) == []
+    assert refs(kv, [1, 2, 3, 4]) == [0, 0, 0, 0] and table(kv, b) == []
     # 16 tokens need exactly one new block: it fits, reusing the three hits.
     c = make_request("c", list(range(12)) + [40, 41, 42, 43])
     hits, num_hit = kv.get_computed_blocks(c)
     assert kv.allocate_slots(c, c.num_tokens - num_hit, hits) is not None
-    assert kv.get_block_ids(c) == [1, 2, 3, 4] and kv.get_num_free_blocks() == 0
+    assert table(kv, c) == [1, 2, 3, 4] and kv.get_num_free_blocks() == 0
 
 
 def test_allocate_grows_block_table_only_when_a_block_fills():
     kv = KVCacheManager(BS, num_blocks=10)
     req = make_request("a", [1, 2, 3])
-    assert [b.block_id for b in kv.allocate_slots(req, 3)] == [1]
+    assert [b.block_id for b in kv.allocate_slots(req, 3)[0]] == [1]
     req.num_computed_tokens = 3
-    assert kv.allocate_slots(req, 1) == []  # slot 3 of block 1
+    assert kv.allocate_slots(req, 1) == ([],)  # slot 3 of block 1
     req.num_computed_tokens = 4
-    assert [b.block_id for b in kv.allocate_slots(req, 5)] == [2, 3]
-    assert kv.get_block_ids(req) == [1, 2, 3]
+    assert [b.block_id for b in kv.allocate_slots(req, 5)[0]] == [2, 3]
+    assert table(kv, req) == [1, 2, 3]
 
 
 def test_reset_prefix_cache():
@@ -208,7 +219,7 @@ def test_reset_prefix_cache():
     a = make_request("a", list(range(9)))
     admit(kv, a)
     kv.reset_prefix_cache()
-    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b", list(range(9))))[1] == 0
     kv.free(a)
     assert kv.get_num_free_blocks() == 9
 
@@ -217,6 +228,6 @@ def test_caching_disabled():
     kv = KVCacheManager(BS, num_blocks=10, enable_caching=False)
     admit(kv, make_request("a", list(range(9))))
     b = make_request("b", list(range(9)))
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b)[1] == 0
     assert admit(kv, b) == [4, 5, 6]
     assert kv.prefix_cache_queries == 0 and kv.block_pool.num_cached_blocks == 0

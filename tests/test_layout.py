@@ -5,7 +5,8 @@
     worker/   everything on the device           never the engine, cli or server
     cli/      one module per sub-command         only cli/main imports the sub-commands
     server/   the HTTP face                      never cli
-    loader/, models/, ops/, tokenizer/           none of core, engine, worker, cli, server
+    loader/, models/, ops/, tokenizer/, cpu/,    none of core, engine, worker, cli, server
+    structured_output/, parsers/
 
 Every import counts, also those inside functions (a lazy import is still a dependency);
 only ``if TYPE_CHECKING:`` blocks are skipped.
@@ -143,7 +144,7 @@ def test_no_import_circle_through_package_inits() -> None:
     assert crossing == []
 
 
-LOWER_LAYERS = ("loader", "models", "ops", "tokenizer")
+LOWER_LAYERS = ("loader", "models", "ops", "tokenizer", "cpu", "structured_output", "parsers")
 
 
 @pytest.mark.parametrize("layer", LOWER_LAYERS)
@@ -157,7 +158,7 @@ def test_lower_layers_import_no_wing(layer: str) -> None:
 
 
 def test_core_imports_no_mlx_and_no_other_wing() -> None:
-    allowed = {"core", "config", "exceptions", "sampling_params", "utils"}
+    allowed = {"core", "config", "exceptions", "kv_cache_spec", "sampling_params", "utils"}
     for m in modules():
         if wing(m) != "core":
             continue
@@ -183,7 +184,7 @@ def test_only_the_cli_imports_the_cli_and_sub_commands_never_import_main() -> No
 
 
 def test_leaf_modules_import_nothing_from_the_package() -> None:
-    leaves = ("utils", "blas", "gguf_file", "exceptions", "repetition")
+    leaves = ("utils", "blas", "gguf_file", "exceptions", "repetition", "kv_cache_spec")
     for leaf in (f"mlxserve.{name}" for name in leaves):
         assert internal_imports(leaf) == set(), leaf
 

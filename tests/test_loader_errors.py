@@ -82,8 +82,8 @@ def test_unknown_model_type(model_dir: Path) -> None:
 
 def test_mlx_lm_architecture_not_run_says_why(model_dir: Path) -> None:
     path = model_dir / "config.json"
-    path.write_text(json.dumps({**CONFIG, "model_type": "qwen3_next"}))
-    with raises_for(path, r"unsupported model_type 'qwen3_next' \(recurrent gated-delta-net"):
+    path.write_text(json.dumps({**CONFIG, "model_type": "llama4"}))
+    with raises_for(path, r"unsupported model_type 'llama4' \(chunked local attention"):
         load_model(str(model_dir), skip_tokenizer_init=True)
 
 

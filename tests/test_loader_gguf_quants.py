@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from mlxserve import cpu
 from mlxserve.loader import load_model
+from mlxserve.loader.gguf_quants import FLOAT16_SCALES
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, mlx_lm_chunk_logits
 
@@ -82,10 +84,13 @@ def module_at(model: nn.Module, weight_name: str) -> nn.Module:
 
 
 def effective_weight(module: nn.QuantizedLinear) -> np.ndarray:  # (out, in) float32
-    """The weight a quantized layer computes with, by MLX's own dequantization."""
-    return np.array(
-        mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
-    )
+    """The weight a quantized layer computes with, by MLX's own dequantization.
+
+    Scales and biases go in as float32 (exact): MLX dequantizes in their dtype, while the
+    CPU kernels read 16-bit ones and compute in float32.
+    """
+    scales, biases = module.scales.astype(mx.float32), module.biases.astype(mx.float32)
+    return np.array(mx.dequantize(module.weight, scales, biases, module.group_size, module.bits))
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +106,10 @@ def test_layers_are_quantized_with_the_expected_bits(loaded: nn.Module) -> None:
             continue
         assert isinstance(module, nn.QuantizedLinear), name
         assert (module.bits, module.group_size) == (MLX_BITS[qtype], 32), name
-        assert module.scales.dtype == mx.float32  # CPU: float32 scales (see cast_weights)
+        # CPU: float32 scales for MLX's quantized matmul; the CPU kernels keep 16-bit
+        # ones as stored (the 32-value GGUF types' are float16), see cast_weights.
+        kept = isinstance(module, cpu.CpuQuantizedLinear) and qtype in FLOAT16_SCALES
+        assert module.scales.dtype == (mx.float16 if kept else mx.float32), name
 
 
 def test_weights_are_exact_or_within_half_a_step(kquant_gguf, loaded: nn.Module) -> None:

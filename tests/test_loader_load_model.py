@@ -16,6 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from mlx.utils import tree_flatten
 
+from mlxserve import cpu
 from mlxserve.loader import load_model
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, tiny_config
@@ -90,23 +91,32 @@ def test_dtype_sets_weights_and_activations(tiny, dtype: str, want: mx.Dtype) ->
     np.testing.assert_allclose(logits, reference, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_quantization_scales_stay_float32_on_cpu(tiny, dtype: str) -> None:
-    """On the CPU, 16-bit scales make MLX's quantized matmul ~10x slower: they stay float32,
-    so quantized layers there compute (and hand on) float32 whatever ``dtype`` says."""
+def test_quantization_scales_on_cpu(tiny, dtype: str, kernels: bool, monkeypatch) -> None:
+    """On the CPU, 16-bit scales make MLX's quantized matmul ~10x slower: on that path they
+    become float32, so quantized layers compute (and hand on) float32 whatever ``dtype``
+    says. mlxserve's CPU kernels read the stored (float16) scales at full speed, compute in
+    float32 and hand on ``dtype``."""
+    if kernels and not cpu.available():
+        pytest.skip(cpu.status())
+    if not kernels:
+        monkeypatch.setattr(cpu, "available", lambda: False)
     _, gguf_path = tiny
     loaded = load_model(str(gguf_path), dtype=dtype, skip_tokenizer_init=True)
     want = getattr(mx, dtype)
     layers = loaded.model.model.layers
     assert layers[0].input_layernorm.weight.dtype == want
     assert loaded.model.model.embed_tokens.weight.dtype == want  # F32 in the file: not quantized
+    scales = mx.float16 if kernels else mx.float32  # Q4_0, Q8_0, Q5_1 store float16 ones
     for proj in (layers[0].self_attn.q_proj, layers[1].mlp.down_proj, loaded.model.lm_head):
         assert isinstance(proj, nn.QuantizedLinear)
-        assert (proj.scales.dtype, proj.biases.dtype) == (mx.float32, mx.float32)
+        assert isinstance(proj, cpu.CpuQuantizedLinear) == kernels
+        assert (proj.scales.dtype, proj.biases.dtype) == (scales, scales)
     assert loaded.model.lm_head.bits == 5  # Q5_1
     assert (layers[0].self_attn.q_proj.bits, layers[0].mlp.up_proj.bits) == (4, 8)
     _, produced = run(loaded.model, want)
-    assert produced == mx.float32  # MLX promotes through the float32 scales
+    assert produced == (want if kernels else mx.float32)  # MLX promotes through float32
 
 
 HUB_SCRIPT = """

@@ -22,7 +22,7 @@ from mlxserve.models.mlx_lm_adapter import (
 )
 from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint
 from tests.paths import ROOT
-from tests.zoo_configs import DROP, MOE, WINDOW, ZOO, config
+from tests.zoo_configs import DROP, WINDOW, ZOO, config
 
 
 def build_case(tmp_path: Path, cfg: dict[str, Any], seed: int = 0, **kwargs) -> tuple:
@@ -74,24 +74,25 @@ REFUSED = {
         ),
         "deepseek_v3: cache layer 0: the attention call got keys/values other than",
     ),
-    "qwen3_next": (
-        config(
-            "qwen3_next",
-            num_hidden_layers=4,
-            linear_num_value_heads=2,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            full_attention_interval=2,
-            **MOE,
-            shared_expert_intermediate_size=32,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-            partial_rotary_factor=0.5,
-        ),
-        r"qwen3_next: cache layer 0 \(ArraysCache\): recurrent / linear-attention state",
+    "falcon_h1": (
+        {
+            "model_type": "falcon_h1",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 128,
+            "vocab_size": 320,
+            "mamba_d_ssm": 64,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 1,
+            "mamba_d_conv": 4,
+            "max_position_embeddings": 512,
+        },
+        r"falcon_h1: cache layer 0 \(CacheList\): layers with several caches",
     ),
     "plamo3": (
         config("plamo3", num_hidden_layers=4, window_size=WINDOW, sliding_window_pattern=2),
@@ -115,8 +116,8 @@ REFUSED = {
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_what_the_adapter_cannot_run_is_refused_at_load(name: str, tmp_path: Path) -> None:
-    """Attention by hand, MLA latent scores, recurrent state, a mask window other than the
-    cache's, scalar positions: each is refused with its reason when the model is built,
+    """Attention by hand, MLA latent scores, several caches in one layer, a mask window other
+    than the cache's, scalar positions: each is refused with its reason when the model is built,
     never run wrongly."""
     cfg, message = REFUSED[name]
     _, path = make_mlx_lm_checkpoint(tmp_path, cfg)
@@ -128,8 +129,8 @@ def test_what_the_adapter_cannot_run_is_refused_at_load(name: str, tmp_path: Pat
 def test_registry_says_why_an_mlx_lm_architecture_is_not_run() -> None:
     with pytest.raises(ValueError, match=r"'gemma2' \(computes attention by hand"):
         build_model({"model_type": "gemma2"}, {})
-    with pytest.raises(ValueError, match=r"'mamba' \(mlx-lm implements it, but mlxserve's"):
-        build_model({"model_type": "mamba"}, {})
+    with pytest.raises(ValueError, match=r"'rwkv7' \(mlx-lm implements it, but mlxserve's"):
+        build_model({"model_type": "rwkv7"}, {})
     assert not set(mlx_lm_zoo.MODEL_TYPES) & set(mlx_lm_zoo.NOT_SUPPORTED)
     assert {c["model_type"] for c in ZOO.values()} == set(mlx_lm_zoo.MODEL_TYPES)
 
@@ -140,7 +141,9 @@ def test_cache_specs_follow_make_cache(tmp_path: Path) -> None:
     full = LayerCacheSpec("full_attention", 2, 16, 16)
     window = LayerCacheSpec("sliding_window", 2, 16, 16, WINDOW)
     assert gpt_oss.cache_specs == (window, full, window, full)  # alternating, as gpt-oss
-    assert (gpt_oss.num_layers, gpt_oss.num_kv_heads, gpt_oss.head_dim) == (4, 2, 16)
+    layout = gpt_oss.kv_cache_layout  # two groups of two layers sharing two tensors
+    assert [(g.window, g.layers) for g in layout.groups] == [(WINDOW, (0, 2)), (None, (1, 3))]
+    assert layout.layer_tensors == (0, 0, 1, 1) and layout.tensor_shapes == ((2, 16, 16),) * 2
     assert window.bytes_per_token(mx.float16) == 2 * (16 + 16) * 2
 
     # Gemma 4: 6 layers, the last 2 reuse K/V of earlier ones, so 4 pools; global layers
@@ -152,8 +155,10 @@ def test_cache_specs_follow_make_cache(tmp_path: Path) -> None:
         ("full_attention", 32),
         ("sliding_window", 16),
     ]
-    with pytest.raises(UnsupportedModelError, match="its layers need KV pools of different shapes"):
-        _ = gemma4.head_dim  # the engine's uniform pool cannot hold it
+    layout = gemma4.kv_cache_layout  # shapes differ: one group, one tensor per layer
+    assert [g.layers for g in layout.groups] == [(0, 1, 2, 3)]
+    assert layout.tensor_shapes == ((2, 16, 16), (2, 16, 16), (2, 32, 32), (2, 16, 16))
+    assert "sliding-window blocks are kept" in layout.reason
     _, deepseek = build_case(tmp_path / "c", ZOO["deepseek_v2"])
     assert deepseek.kv_layer_shapes == [(4, 24, 16)] * 2  # K = nope + rope dims, V its own
 

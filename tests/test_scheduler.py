@@ -104,7 +104,7 @@ def test_resumed_decode_is_batched_before_older_chunk():
     out = step(sched, model)
     assert [r.request_id for r in sched.running] == ["b", "c"]  # b was admitted first
     assert layout(out) == [("c", 1, 1), ("b", 2, 3)] and out.num_decodes == 1
-    assert out.block_ids == {"b": [1, 3, 2, 5, 6], "c": [1, 7]}  # block 1 (token 1) shared
+    assert out.block_ids == {"b": ([1, 3, 2, 5, 6],), "c": ([1, 7],)}  # block 1 (token 1) shared
     assert sched.kv_cache_manager.block_pool.blocks[1].ref_cnt == 2
     run_to_completion(sched, model)
     for r in (a, b, c):
@@ -136,7 +136,7 @@ def test_preemption_requeues_newest_at_front_and_recomputes(caching: bool):
     sched.add_request(a)
     sched.add_request(b)
     out = step(sched, model)
-    assert out.block_ids == {"a": [1, 2], "b": [3, 4]}
+    assert out.block_ids == {"a": ([1, 2],), "b": ([3, 4],)}
     sched.add_request(c)
     out = step(sched, model)  # c does not fit: 0 free blocks
     assert layout(out) == [("a", 3, 1), ("b", 3, 1)] and len(sched.waiting) == 1
@@ -144,7 +144,7 @@ def test_preemption_requeues_newest_at_front_and_recomputes(caching: bool):
     # a needs a third block: b (newest) is preempted; a gets b's last block.
     out = step(sched, model)
     assert out.preempted_request_ids == ["b"] and layout(out) == [("a", 4, 1)]
-    assert out.block_ids == {"a": [1, 2, 4]}
+    assert out.block_ids == {"a": ([1, 2, 4],)}
     assert list(sched.waiting) == [b, c] and b.status == RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0 and b.num_preemptions == 1 and b.num_output_tokens == 2
     assert sched.make_stats().num_preemptions == 1
@@ -154,7 +154,7 @@ def test_preemption_requeues_newest_at_front_and_recomputes(caching: bool):
     out = step(sched, model)
     # b recomputes prompt + outputs (block 3, its first block, still cached if caching).
     assert layout(out) == ([("b", 2, 3)] if caching else [("b", 0, 5)])
-    assert out.block_ids["b"] == [3, 4, 2] and out.sampling_request_ids == {"b"}
+    assert out.block_ids["b"] == ([3, 4, 2],) and out.sampling_request_ids == {"b"}
     assert list(sched.waiting) == [c]
     run_to_completion(sched, model)
     for r in (a, b, c):
@@ -168,7 +168,7 @@ def test_request_preempting_itself_stops_the_running_pass():
     a, b = req("a", [1], max_tokens=3), req("b", [2, 3, 4, 5])
     sched.add_request(a)
     sched.add_request(b)
-    assert step(sched, model).block_ids == {"a": [1], "b": [2, 3]}
+    assert step(sched, model).block_ids == {"a": ([1],), "b": ([2, 3],)}
     out = step(sched, model)  # b (newest) needs a 3rd block: it is its own victim
     assert out.preempted_request_ids == ["b"] and layout(out) == [("a", 1, 1)]
     assert list(sched.waiting) == [b] and sched.running == [a]
@@ -181,12 +181,12 @@ def test_prefix_hit_through_scheduler_shares_blocks():
     sched, model = make(num_blocks=16, block_size=4)
     a = req("a", list(range(10)), max_tokens=5)
     sched.add_request(a)
-    assert step(sched, model).block_ids == {"a": [1, 2, 3]}
+    assert step(sched, model).block_ids == {"a": ([1, 2, 3],)}
     b = req("b", list(range(8)) + [70, 71, 72])
     sched.add_request(b)
     out = step(sched, model)
     assert layout(out) == [("a", 10, 1), ("b", 8, 3)]
-    assert out.block_ids["b"] == [1, 2, 4] and b.num_cached_tokens == 8
+    assert out.block_ids["b"] == ([1, 2, 4],) and b.num_cached_tokens == 8
     assert [sched.kv_cache_manager.block_pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [
         2,
         2,
@@ -315,7 +315,7 @@ def test_abort_waiting_and_running_frees_everything():
     assert a.status == RequestStatus.FINISHED_ABORTED and a.status.finish_reason == "abort"
     assert not sched.has_unfinished_requests() and sched.running == []
     kv = sched.kv_cache_manager
-    assert kv.get_num_free_blocks() == 31 and kv.req_to_blocks == {}
+    assert kv.get_num_free_blocks() == 31 and kv.managers[0].req_to_blocks == {}
     assert all(blk.ref_cnt == 0 for blk in kv.block_pool.blocks)
     out = sched.schedule()
     assert not out.scheduled_requests and out.finished_request_ids == ["b", "a"]
@@ -369,7 +369,7 @@ def test_output_maps_onto_attention_metadata():
     starts = [out.start_positions[rid] for rid in rids]
     query_lens = [out.num_scheduled_tokens[rid] for rid in rids]
     context_lens = [s + q for s, q in zip(starts, query_lens, strict=True)]
-    meta = AttentionMetadata.build(query_lens, context_lens, [out.block_ids[r] for r in rids], 4)
+    meta = AttentionMetadata.build(query_lens, context_lens, [out.block_ids[r][0] for r in rids], 4)
     assert meta.num_decodes == out.num_decodes == 2
     assert meta.positions() == [5, 2, 0, 1, 2, 3, 4, 5, 6, 7]
     # a: [1, 2], b: [3], c: [4, 5]: slot = block_id * block_size + position % block_size

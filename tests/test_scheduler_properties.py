@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from mlxserve.config import CacheConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestStatus
 from mlxserve.core.scheduler import Scheduler
+from mlxserve.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW, KVCacheGroupSpec
 from mlxserve.sampling_params import SamplingParams
 from tests.scheduler_harness import (
     VOCAB,
@@ -122,13 +123,124 @@ def test_random_streams_keep_invariants_and_finish(scenario):
     kv = sched.kv_cache_manager
     assert kv.get_num_free_blocks() == num_blocks - 1 and kv.usage == 0.0
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
-    assert kv.req_to_blocks == {} and kv.num_cached_blocks == {}
+    assert kv.managers[0].req_to_blocks == {} and kv.managers[0].num_cached_blocks == {}
     stats = sched.make_stats()
     assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
     event(f"requests: {min(len(added), 5)}+" if len(added) >= 5 else f"requests: {len(added)}")
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hit: {stats.prefix_cache_hits > 0}")
     event(f"aborted: {bool(aborted)}")
+
+
+# KV cache groups (full attention, windows) with or without recurrent state, as models have.
+HYBRIDS = [
+    ((None,), False),
+    ((3,), False),
+    ((None, 5), False),
+    ((None, 2, 7), False),
+    ((None,), True),
+    ((4,), True),
+    ((None, 6), True),
+]
+
+
+@st.composite
+def hybrid_scenarios(draw: st.DrawFn):
+    """As scenarios(), with KV cache groups, windows and recurrent state slots."""
+    windows, has_state = draw(st.sampled_from(HYBRIDS))
+    block_size = draw(st.integers(1, 5))
+    groups = tuple(
+        KVCacheGroupSpec(FULL_ATTENTION if w is None else SLIDING_WINDOW, w, ()) for w in windows
+    )
+    interval = draw(st.integers(0, 3)) * block_size
+    cache_config = CacheConfig(
+        draw(st.one_of(st.integers(2, 6), st.integers(7, 16))),
+        block_size,
+        draw(st.sampled_from([True, True, True, False])),
+        groups=groups,
+        num_state_slots=draw(st.integers(2, 12)) if has_state else 0,
+        snapshot_interval=interval if has_state else 0,
+    )
+    scheduler_config = SchedulerConfig(
+        max_model_len=draw(st.one_of(st.integers(2, 8), st.integers(9, 48))),
+        max_num_seqs=draw(st.integers(1, 4)),
+        max_num_batched_tokens=draw(st.integers(1, 16)),
+    )
+    limit = min(scheduler_config.max_model_len - 1, len(BASES[0]))
+    add = st.tuples(
+        st.just("add"),
+        prompts(limit),
+        st.one_of(st.none(), st.integers(1, 8)),
+        st.integers(0, 3),
+        st.booleans(),
+    )
+    step_op, abort_op = st.just(("step",)), st.tuples(st.just("abort"), st.integers(0, 30))
+    op = st.one_of(add, add, step_op, step_op, step_op, abort_op)
+    return windows, scheduler_config, cache_config, draw(st.lists(op, min_size=4, max_size=60))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=hybrid_scenarios())
+def test_hybrid_streams_keep_invariants_and_finish(scenario):
+    """Windows release blocks, state slots and snapshots come and go: the fake model still
+    reads every window's tokens and every state back exactly, and nothing leaks."""
+    windows, scheduler_config, cache_config, ops = scenario
+    sched = Scheduler(scheduler_config, cache_config)
+    model = PagedFakeModel(cache_config.block_size, cache_config.num_blocks, windows=windows)
+    pool_tokens = sched.num_pool_tokens
+    cap = sched.max_num_tokens
+    added: list[Request] = []
+    aborted: set[str] = set()
+    for op in ops:
+        if op[0] == "add":
+            _, prompt, max_tokens, min_tokens, ignore_eos = op
+            if max_tokens is not None:
+                min_tokens = min(min_tokens, max_tokens)
+            params = SamplingParams(
+                max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos
+            )
+            if not 1 <= len(prompt) <= scheduler_config.max_model_len - 1:
+                continue
+            r = Request(f"r{len(added)}", prompt, params, eos_token_ids=EOS)
+            fits = pool_tokens is None or len(prompt) <= pool_tokens
+            try:
+                sched.add_request(r)
+            except ValueError:
+                assert not fits
+                continue
+            assert fits
+            added.append(r)
+        elif op[0] == "step":
+            step(sched, model)
+        elif added:
+            r = added[op[1] % len(added)]
+            if not r.is_finished:
+                aborted.add(r.request_id)
+            sched.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+
+    run_to_completion(sched, model)
+
+    for r in added:
+        eos = frozenset() if r.sampling_params.ignore_eos else EOS
+        want = reference_generate(
+            r.prompt_token_ids, r.max_tokens, cap, eos, r.sampling_params.min_tokens
+        )
+        if r.request_id in aborted:
+            assert r.output_token_ids == want[: r.num_output_tokens]
+        else:
+            assert r.output_token_ids == want, r
+    kv = sched.kv_cache_manager
+    assert kv.get_num_free_blocks() == cache_config.num_blocks - 1
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    for manager in kv.managers:
+        assert manager.req_to_blocks == {} and manager.num_cached_blocks == {}
+    if kv.state_pool is not None:
+        states = kv.state_pool
+        assert states.live == {} and states.num_available() == states.num_slots - 1
+    stats = sched.make_stats()
+    event(f"groups {windows}, state {kv.state_pool is not None}")
+    event(f"prefix hit: {stats.prefix_cache_hits > 0}")
+    event(f"preempted: {stats.num_preemptions > 0}")
 
 
 @st.composite
@@ -154,7 +266,11 @@ def test_every_decode_runs_and_prefill_gets_its_share_each_step(scenario):
     sched = Scheduler(scheduler_config, cache_config)
     model = PagedFakeModel(cache_config.block_size, cache_config.num_blocks)
     added: list[Request] = []
-    for op in [*ops, *[("step",)] * 200]:
+    # Every step makes progress (at least a token), so the whole work bounds the steps.
+    work_steps = sum(op[1] + op[2] for op in ops if op[0] == "add")
+    for op in [*ops, *[("step",)] * work_steps]:
+        if op[0] == "step" and not sched.has_unfinished_requests():
+            continue
         if op[0] == "add":
             prompt = [(len(added) * 7 + i) % (VOCAB - 1) + 1 for i in range(op[1])]
             added.append(Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=op[2])))

@@ -89,7 +89,7 @@ BAD_REQUESTS = [
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-        "tools",
+        "tools.0.type",
     ),
     (
         "/v1/chat/completions",
@@ -115,7 +115,7 @@ BAD_REQUESTS = [
         "/v1/chat/completions",
         {
             "messages": [{"role": "user", "content": "x"}],
-            "response_format": {"type": "json_object"},
+            "response_format": {"type": "xml"},
         },
         "response_format.type",
     ),
@@ -146,7 +146,7 @@ def test_null_and_empty_unsupported_fields_count_as_absent(http) -> None:
     err = assert_openai_error(
         http.post("/v1/chat/completions", json=body | {"tools": [{"type": "function"}]}), 400
     )
-    assert err["param"] == "tools"
+    assert err["param"] == "tools.0.function"
 
 
 def test_malformed_json_and_non_object_bodies_are_400(http) -> None:

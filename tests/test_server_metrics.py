@@ -84,9 +84,29 @@ def test_metrics_parse_with_vllm_names(server, http) -> None:
         assert m(values, name + "_count") >= 1, name
         assert m(values, name + "_bucket", le="+Inf") == m(values, name + "_count")
     assert m(values, "vllm:request_success_total", finished_reason="length") >= 1
+    assert m(values, "mlxserve:prefix_caching_enabled", reason="") == 1
     # No *_created series (issue 11): the parsed samples hold none, nor does the text.
     assert not [name for name, _ in values if name.endswith("_created")]
     assert "_created" not in r.text
+
+
+def test_prefix_caching_off_is_reported_with_its_reason() -> None:
+    """Never silently off: the gauge is 0 and carries the reason."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlxserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(MODEL, prefix_caching_off="enable_prefix_caching is False")
+    text = generate_latest(metrics.registry).decode()
+    (sample,) = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "mlxserve:prefix_caching_enabled"
+    ]
+    assert sample.value == 0
+    assert sample.labels == {"model_name": MODEL, "reason": "enable_prefix_caching is False"}
 
 
 def test_counters_match_the_requests_made(server, http) -> None:

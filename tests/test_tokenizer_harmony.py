@@ -339,3 +339,71 @@ def test_output_keeps_its_channels(enc, request, kind: str, name: str) -> None:
     got, want = HarmonyParser().parse(served), oracle_parse(enc, COMPLETIONS[name])
     assert (got.content, got.reasoning_content) == (want.content, want.reasoning_content)
     assert [(c.name, c.arguments) for c in got.tool_calls] == want.tool_calls
+
+
+# A gpt-oss reply as the model writes it (the format in OpenAI's harmony guide): reasoning,
+# then a call; and reasoning, then the answer. The terminal <|call|> / <|return|> are EOS
+# tokens, which the server does not pass on as text.
+CALL_REPLY = (
+    "<|channel|>analysis<|message|>The user wants the weather in Paris.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+    '<|message|>{"city": "Paris"}'
+)
+ANSWER_REPLY = (
+    "<|channel|>analysis<|message|>Easy.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris is the capital."
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("reply", "want"),
+    [
+        (CALL_REPLY, ("The user wants the weather in Paris.", None, ["get_weather"])),
+        (ANSWER_REPLY, ("Easy.", "Paris is the capital.", [])),
+    ],
+)
+def test_the_server_splits_a_harmony_reply_by_channel(dir_tok, reply: str, want) -> None:
+    from mlxserve.sampling_params import SamplingParams
+    from mlxserve.server.chat_tools import ChatFeatures, ReplyFormatter
+
+    features = ChatFeatures(dir_tok)
+    plan = features.plan(
+        [{"role": "user", "content": "hi"}], [WEATHER_TOOL], None, True, SamplingParams()
+    )
+    whole = ReplyFormatter(plan, "")
+    message = whole.message(reply)
+    calls = message.get("tool_calls", [])
+    assert (
+        message["reasoning_content"],
+        message["content"],
+        [c["function"]["name"] for c in calls],
+    ) == want
+    if calls:
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        assert whole.finish_reason("stop") == "tool_calls"
+    for cut in range(1, len(reply)):  # streamed, split at every character
+        streamed = ReplyFormatter(plan, "")
+        deltas = streamed.delta(reply[:cut], False) + streamed.delta(reply[cut:], True)
+        text = {k: "".join(d.get(k, "") for d in deltas) for k in ("reasoning_content", "content")}
+        args = "".join(
+            tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", [])
+        )
+        assert text == {"reasoning_content": want[0], "content": want[1] or ""}, cut
+        assert args == (calls[0]["function"]["arguments"] if calls else ""), cut
+
+
+def test_a_forced_call_on_harmony_is_a_clear_400(dir_tok) -> None:
+    from mlxserve.exceptions import ParameterError
+    from mlxserve.sampling_params import SamplingParams
+    from mlxserve.server.chat_tools import ChatFeatures
+
+    with pytest.raises(ParameterError, match="harmony") as e:
+        ChatFeatures(dir_tok).plan([], [WEATHER_TOOL], "required", True, SamplingParams())
+    assert e.value.parameter == "tool_choice"

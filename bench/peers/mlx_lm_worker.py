@@ -11,6 +11,7 @@ of mlx-lm would: ``generate_step`` (the loop under ``stream_generate``) for one 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -29,6 +30,10 @@ def kv_bytes(model, length: int) -> int:
 
 
 def main(spec_path: str, out_path: str) -> None:
+    if os.environ.get("BENCH_BIND_BLAS"):  # "mlx-lm+openblas": mlxserve's BLAS binding only
+        from mlxserve import blas
+
+        blas.preload()
     import mlx.core as mx
     from mlx_lm import batch_generate, load
     from mlx_lm.generate import generate_step

@@ -55,10 +55,11 @@ class StepProfile:
 
 
 def device_info() -> dict[str, object]:
-    """Where the numbers come from: machine, MLX device and version, BLAS."""
+    """Where the numbers come from: machine, MLX device and version, BLAS, CPU kernels."""
     import mlx.core as mx
 
-    from mlxserve import blas
+    from mlxserve import blas, cpu
+    from mlxserve.utils import uses_gpu
 
     return {
         "platform": f"{platform.system()} {platform.machine()}",
@@ -68,6 +69,8 @@ def device_info() -> dict[str, object]:
         "device": str(mx.default_device()),
         "metal": bool(mx.metal.is_available()),
         "blas": blas.blas_status(),
+        # Built on first use; only meaningful (and only consulted by the loader) on the CPU.
+        "cpu_kernels": None if uses_gpu() else cpu.status(),
     }
 
 
@@ -268,6 +271,8 @@ def bench_command(args: argparse.Namespace) -> int:
     engine = make_engine(args.model, max_num_seqs=max(need, 64), **extra)
     info = device_info()
     print(f"device: {info['device']} ({info['platform']}, mlx {info['mlx']}); {info['blas']}")
+    if info["cpu_kernels"]:
+        print(info["cpu_kernels"])
     results: dict[str, object] = {"device": info, "spec": asdict(spec)}
     results["offline"] = run_offline(engine, spec)
     if spec.profile_batch:

@@ -1,4 +1,4 @@
-"""Command line: `mlxserve run` (chat in the terminal), `serve`, `bench`, `convert`.
+"""Command line: `mlxserve run` (chat in the terminal), `serve`, `bench`, `convert`, `doctor`.
 
 Each sub-command lives in its own module and registers itself here; they share the
 engine flags through :mod:`mlxserve.cli.engine_args` and never import this module.
@@ -14,10 +14,19 @@ from mlxserve import __version__
 from mlxserve.cli.bench import add_bench_command
 from mlxserve.cli.chat import add_run_command
 from mlxserve.cli.convert import add_convert_command
+from mlxserve.cli.doctor import add_doctor_command
 from mlxserve.cli.serve import add_serve_command
 
-DESCRIPTION = "Run, serve and benchmark LLMs on MLX: `mlxserve run`, `serve`, `convert`, `bench`."
-SUB_COMMANDS = (add_run_command, add_serve_command, add_convert_command, add_bench_command)
+DESCRIPTION = (
+    "Run, serve and benchmark LLMs on MLX: `mlxserve run`, `serve`, `convert`, `bench`, `doctor`."
+)
+SUB_COMMANDS = (
+    add_run_command,
+    add_serve_command,
+    add_convert_command,
+    add_bench_command,
+    add_doctor_command,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

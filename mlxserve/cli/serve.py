@@ -15,6 +15,7 @@ from mlxserve.cli.vllm_compat import (
     check_quantization,
     warn_no_effect,
 )
+from mlxserve.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 logger = logging.getLogger("mlxserve")
 
@@ -79,6 +80,28 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGTERM/SIGINT, how long requests in flight may still run before they are "
         "aborted with an error; a second signal exits at once (default: 5)",
     )
+    g = p.add_argument_group("tools and reasoning (vLLM's flags)")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on when the "
+        "model's tool-call format is known",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the format the model writes tool calls in (default: read from the chat "
+        "template; 'hermes' for templates that do not render tools)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split <think> reasoning into reasoning_content (default: on when the chat "
+        "template mentions </think>)",
+    )
+    g = p.add_argument_group("logging")
     g.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -167,7 +190,7 @@ def serve_command(args: argparse.Namespace) -> int:
         sock.close()
         raise
     names = names or (engine.model_name,)
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], prefix_caching_off=engine.prefix_caching_off)
     llm = AsyncLLM(engine, on_step=metrics.on_step)
     server_config = ServerConfig(
         model_names=names,
@@ -176,6 +199,8 @@ def serve_command(args: argparse.Namespace) -> int:
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         model_root=engine.loaded.source.name,  # as given (a repo id) or a file's name, no path
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(llm, metrics, server_config)
     logger.info(

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mlxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mlxserve.structured_output.grammar import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -61,6 +65,7 @@ class Request:
         "block_hashes",
         "cache_salt",
         "pooling",
+        "structured_output",
     )
 
     def __init__(
@@ -72,6 +77,7 @@ class Request:
         max_tokens: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -92,6 +98,8 @@ class Request:
         # An embedding request: "last" or "mean" pooling of the prompt's final hidden states.
         # It computes its prompt (prefill only), then finishes with a vector and no token.
         self.pooling: str | None = None
+        # The compiled constraint (structured outputs); the runner keeps the grammar state.
+        self.structured_output = structured_output
 
     @property
     def num_prompt_tokens(self) -> int:

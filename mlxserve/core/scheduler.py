@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mlxserve.config import CacheConfig, SchedulerConfig
-from mlxserve.core.kv_cache_manager import KVCacheManager
+from mlxserve.core.kv_cache_manager import KVCacheManager, StateSlots
 from mlxserve.core.request import Request, RequestStatus
 from mlxserve.exceptions import ParameterError
 
@@ -56,8 +56,9 @@ class SchedulerOutput:
     ``start .. start + n - 1``, where ``start = start_positions[r.request_id]`` (tokens
     already in the KV cache before this step) and ``n = num_scheduled_tokens[...]``. Its
     context after the step is ``start + n`` tokens; token at position p goes to slot
-    ``block_ids[p // block_size] * block_size + p % block_size``. Requests in
-    ``sampling_request_ids`` sample one token from the logits of their last fed token.
+    ``block_ids[g][p // block_size] * block_size + p % block_size`` in each KV cache group
+    g. Requests in ``sampling_request_ids`` sample one token from the logits of their last
+    fed token. Models with recurrent layers also get each request's ``state_slots``.
     """
 
     # Batch order: the first num_decodes requests are decodes (one token, prompt done),
@@ -65,12 +66,14 @@ class SchedulerOutput:
     scheduled_requests: list[Request]
     num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step
     total_num_scheduled_tokens: int
-    block_ids: dict[str, list[int]]  # request_id -> its whole block table after allocation
+    # request_id -> its whole block table in each KV cache group, after allocation
+    block_ids: dict[str, tuple[list[int], ...]]
     preempted_request_ids: list[str]
     finished_request_ids: list[str]  # finished/aborted since the previous schedule()
     start_positions: dict[str, int] = field(default_factory=dict)
     sampling_request_ids: set[str] = field(default_factory=set)
     num_decodes: int = 0
+    state_slots: dict[str, StateSlots] = field(default_factory=dict)  # recurrent layers
 
     def token_ids(self, request: Request) -> list[int]:
         """The tokens the runner feeds for request this step."""
@@ -101,6 +104,7 @@ class SchedulerOutput:
             start_positions={rid: self.start_positions[rid] for rid in num_scheduled},
             sampling_request_ids=self.sampling_request_ids & ids,
             num_decodes=sum(r.request_id in ids for r in self.scheduled_requests[:num_decodes]),
+            state_slots={rid: s for rid, s in self.state_slots.items() if rid in ids},
         )
 
 
@@ -142,12 +146,20 @@ class Scheduler:
             cache_config.num_blocks,
             cache_config.enable_prefix_caching,
             cache_config.initial_blocks,
+            groups=cache_config.groups,
+            num_state_slots=cache_config.num_state_slots,
+            snapshot_interval=cache_config.snapshot_interval,
         )
         self.max_model_len = scheduler_config.max_model_len
-        self.num_pool_tokens = self.kv_cache_manager.num_usable_blocks * self.block_size
+        # The most tokens one request can hold alone (None: any, all layers windowed).
+        self.num_pool_tokens = self.kv_cache_manager.max_request_tokens(
+            scheduler_config.max_num_batched_tokens
+        )
         # A request stops (length) at this many tokens: max_model_len, or when it would
         # no longer fit alone in the pool (its last sampled token needs no KV yet).
-        self.max_num_tokens = min(self.max_model_len, self.num_pool_tokens + 1)
+        self.max_num_tokens = self.max_model_len
+        if self.num_pool_tokens is not None:
+            self.max_num_tokens = min(self.max_model_len, self.num_pool_tokens + 1)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -165,7 +177,7 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         assert request.request_id not in self.requests, request
         assert 1 <= num_prompt < self.max_model_len, (num_prompt, self.max_model_len)
-        if num_prompt > self.num_pool_tokens:
+        if self.num_pool_tokens is not None and num_prompt > self.num_pool_tokens:
             raise ParameterError(
                 f"prompt has {num_prompt} tokens, but the whole KV cache holds "
                 f"{self.num_pool_tokens} tokens ({self.kv_cache_manager.num_usable_blocks} "
@@ -247,12 +259,9 @@ class Scheduler:
             and len(self.running) < max_num_seqs
         ):
             request = self.waiting[0]
-            if request.pooling == "mean":  # the mean needs every prompt token's hidden state
-                hit_blocks, num_hit_tokens = [], 0
-            else:
-                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            hit, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, prefill_budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit) is None:
                 break  # the head does not fit; later ones wait behind it (FCFS)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -295,16 +304,21 @@ class Scheduler:
             is_decode = num_scheduled[rid] == 1 and start >= request.num_prompt_tokens
             (decodes if is_decode else chunks).append(request)
         finished, self.finished_request_ids = self.finished_request_ids, []
+        kv = self.kv_cache_manager
+        state_slots = {}
+        if kv.state_pool is not None:
+            state_slots = {r.request_id: kv.get_state_slots(r) for r in scheduled}
         return SchedulerOutput(
             scheduled_requests=decodes + chunks,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            block_ids={r.request_id: self.kv_cache_manager.get_block_ids(r) for r in scheduled},
+            block_ids={r.request_id: kv.get_block_ids(r) for r in scheduled},
             preempted_request_ids=preempted,
             finished_request_ids=finished,
             start_positions=start_positions,
             sampling_request_ids=sampling,
             num_decodes=len(decodes),
+            state_slots=state_slots,
         )
 
     def update_from_output(

@@ -1,11 +1,11 @@
-/* A cblas_sgemm that sends matrix-vector products to cblas_sgemv.
+/* An sgemm that sends matrix-vector products to sgemv.
  *
  * MLX's CPU backend computes every float32 matmul with cblas_sgemm. OpenBLAS's sgemm
  * packs the whole weight matrix before multiplying, which for a single row of
  * activations (one decoding request) costs more than the product: sgemv reads the
- * weights once, ~3-4x faster for M = 1. Loaded with RTLD_GLOBAL before libmlx (see
- * mlxserve/blas.py), this cblas_sgemm is the one MLX binds; everything that is not a
- * matrix-vector product goes to the real sgemm, bound by mlxserve_bind().
+ * weights once, ~3-4x faster for M = 1. mlxserve/blas.py points libmlx's cblas_sgemm
+ * slot at mlxserve_sgemm; everything that is not a matrix-vector product goes to the
+ * real sgemm, bound by mlxserve_bind() (cblas_sgemm or scipy_cblas_sgemm, same ABI).
  */
 #include <string.h>
 
@@ -27,7 +27,7 @@ void mlxserve_bind(void *sgemm, void *sgemv) {
 
 long mlxserve_num_gemv_calls(void) { return num_gemv_calls; }
 
-void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+void mlxserve_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
     if (order == ROW_MAJOR && m == 1 && n > 1 && k > 0 && real_sgemv) {

@@ -68,17 +68,37 @@ class AsyncLLM:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         pooling_params: PoolingParams | None = None,
+        grammar_starts_after: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request; closing the iterator early aborts the request.
 
+        A structured-outputs constraint is compiled here, in a worker thread, so that a
+        large schema never stalls the engine thread (nor other requests' steps); an
+        invalid one raises ParameterError before anything is queued. With
+        ``grammar_starts_after`` (e.g. "</think>") it applies after that text only.
         With ``pooling_params`` it is an embedding request (see LLMEngine.add_request).
         """
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running")
+        arrival = time.monotonic()
+        structured = None
+        if params is not None and params.structured_outputs is not None:
+            structured = await asyncio.to_thread(
+                self.engine.compile_structured_output, params, grammar_starts_after
+            )
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._inbox.put(
-            ("add", request_id, prompt, params, prompt_token_ids, time.monotonic(), pooling_params)
+            (
+                "add",
+                request_id,
+                prompt,
+                params,
+                prompt_token_ids,
+                arrival,
+                structured,
+                pooling_params,
+            )
         )
         finished = False
         try:
@@ -152,7 +172,7 @@ class AsyncLLM:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, rid, prompt, params, token_ids, arrival, pooling = item
+            _, rid, prompt, params, token_ids, arrival, structured, pooling = item
             try:
                 self.engine.add_request(
                     rid,
@@ -160,6 +180,7 @@ class AsyncLLM:
                     params,
                     prompt_token_ids=token_ids,
                     arrival_time=arrival,
+                    structured_output=structured,
                     pooling_params=pooling,
                 )
             except Exception as e:  # noqa: BLE001 -- bad requests go back to their caller

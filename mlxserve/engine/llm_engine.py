@@ -23,11 +23,15 @@ from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutpu
 from mlxserve.engine.output_processor import OutputProcessor
 from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.exceptions import ParameterError
+from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.loader import LoadedModel, load_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
-from mlxserve.utils import uses_gpu
+from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
+from mlxserve.utils import cdiv, uses_gpu
+from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
+from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
 
 logger = logging.getLogger("mlxserve")
@@ -42,6 +46,8 @@ INITIAL_KV_BLOCKS = 256
 # On Metal a prefill chunk costs little next to the decodes sharing its step.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 32
+# Fewest blocks between two recurrent-state snapshots inside one prompt.
+SNAPSHOT_MIN_BLOCKS = 16
 
 
 def finish_embedding(vector: list[float], pooling: PoolingParams) -> list[float]:
@@ -57,6 +63,23 @@ def default_max_num_batched_tokens(serving: bool = False) -> int:
     if serving and not uses_gpu():
         return CPU_SERVING_MAX_NUM_BATCHED_TOKENS
     return DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+def snapshot_interval(layout: KVCacheLayout, block_size: int, dtype) -> int:
+    """Tokens between recurrent-state snapshots inside long prompts: as many as one
+    snapshot's bytes of K/V (so snapshots cost about what the prefix's KV costs), rounded
+    to whole blocks, at least SNAPSHOT_MIN_BLOCKS blocks; 0 without recurrent layers."""
+    if not layout.has_state:
+        return 0
+    per_token = max(layout.bytes_per_block(block_size, dtype) // block_size, 1)
+    blocks = cdiv(layout.state_bytes_per_slot() // per_token, block_size)
+    return max(blocks, SNAPSHOT_MIN_BLOCKS) * block_size
+
+
+def prefix_caching_off(enabled: bool) -> str | None:
+    """Why prefix caching is off, or None: every KV cache group and recurrent state the
+    adapter runs supports it (windows keep their last blocks, states are snapshotted)."""
+    return None if enabled else "enable_prefix_caching is False"
 
 
 class LLMEngine:
@@ -102,9 +125,15 @@ class LLMEngine:
             memory_fraction=config.memory_fraction,
             num_blocks=config.num_blocks,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
-        logger.info(self.plan.describe(config.max_num_seqs))
+        logger.info(self.plan.describe(config.max_num_seqs, self.max_num_batched_tokens))
+        # On Metal: keep weights + pool resident, cap the buffer cache to the plan's slack.
+        metal_memory.configure(
+            tree_bytes(loaded.model.parameters()), self.plan.kv_bytes, config.memory_fraction
+        )
         self.max_model_len = self.plan.max_model_len
+        layout = self.runner.layout
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens),
             CacheConfig(
@@ -112,12 +141,26 @@ class LLMEngine:
                 config.block_size,
                 config.enable_prefix_caching,
                 min(self.plan.num_blocks, INITIAL_KV_BLOCKS),
+                groups=layout.groups,
+                num_state_slots=self.plan.num_state_slots,
+                snapshot_interval=snapshot_interval(layout, config.block_size, loaded.dtype),
             ),
         )
         self.block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.state_pool = self.scheduler.kv_cache_manager.state_pool
+        # Why prefix caching is off (None: on); the start-up log and /metrics say so.
+        self.prefix_caching_off = prefix_caching_off(config.enable_prefix_caching)
+        logger.info(
+            "prefix caching: %s",
+            f"off ({self.prefix_caching_off})"
+            if self.prefix_caching_off
+            else "on"
+            + (" (recurrent state: snapshots at block boundaries)" if layout.has_state else ""),
+        )
         self.fanout = ParallelSampling()
         self.outputs = OutputProcessor(self.tokenizer, self.fanout)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # Prompt tokens computed so far (prefix-cache hits excluded), for throughput logs.
         self.num_prompt_tokens_computed = 0
@@ -140,12 +183,15 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
+        structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         """Queue a request; ParameterError (naming the field, with the numbers) if it
         can never run. The one place these checks live.
 
         With ``pooling_params`` it is an embedding request: the prompt is computed
         (prefill only, batched with everything else) and its output carries ``embedding``.
+        ``structured_output`` is ``compile_structured_output(params)`` done beforehand
+        (AsyncLLM compiles off the engine thread); otherwise it is compiled here.
         """
         if pooling_params is not None:
             self._check_pooling(pooling_params)
@@ -163,11 +209,15 @@ class LLMEngine:
         self._check_token_ids("logit_bias", list(params.logit_bias or ()))
         self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
         max_tokens = self._max_tokens(len(prompt_token_ids), params)
+        if structured_output is None:
+            structured_output = self.compile_structured_output(params)
         parent = self.fanout.add(request_id, params)  # reserves the n engine ids
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self.outputs.add(parent, text, prompt_token_ids, arrival)
         try:
-            first = parent.make_requests(prompt_token_ids, self.eos_token_ids, max_tokens, arrival)
+            first = parent.make_requests(
+                prompt_token_ids, self.eos_token_ids, max_tokens, arrival, structured_output
+            )
             if pooling_params is not None:
                 first.pooling = self.pooling_method
                 self.outputs.states[request_id].pooling = pooling_params
@@ -193,6 +243,26 @@ class LLMEngine:
                 f"got {dims}",
                 parameter="dimensions",
             )
+
+    def compile_structured_output(
+        self, params: SamplingParams, starts_after: str | None = None
+    ) -> StructuredOutputRequest | None:
+        """The compiled constraint of ``params`` (None without one); ParameterError if it
+        is invalid or cannot be combined with the other params. Thread-safe: call it off
+        the engine thread for large schemas. ``starts_after``: the constraint applies only
+        to the output after this text (e.g. "</think>" for a reasoning model)."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        for name, bad in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
+            if bad:
+                raise ParameterError(
+                    f"{name} cannot be combined with structured_outputs: a constrained "
+                    "request ends when its grammar does",
+                    parameter=name,
+                )
+        trigger = starts_after.encode() if starts_after else None
+        return StructuredOutputRequest(self.grammars.compile(so), trigger)
 
     def _check_token_ids(self, parameter: str, token_ids: list[int]) -> None:
         vocab = self.vocab_size
@@ -279,7 +349,8 @@ class LLMEngine:
             collected = (so, ro, self.scheduler.update_from_output(so, ro), failures)
         so = self.scheduler.schedule()
         if so.scheduled_requests or so.finished_request_ids:
-            self.runner.ensure_blocks(self.block_pool.num_allocated_blocks)
+            slots = self.state_pool.num_allocated_slots if self.state_pool is not None else 0
+            self.runner.ensure_blocks(self.block_pool.num_allocated_blocks, slots)
             try:
                 self._in_flight = (so, self.runner.launch(so))
             except Exception:

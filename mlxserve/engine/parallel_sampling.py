@@ -15,6 +15,7 @@ import copy
 from mlxserve.core.request import Request
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.structured_output.grammar import StructuredOutputRequest
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -46,8 +47,12 @@ class ParentRequest:
         eos_token_ids: frozenset[int],
         max_tokens: int,
         arrival_time: float,
+        structured_output: StructuredOutputRequest | None = None,
     ) -> Request:
-        """The engine requests of every sample; returns sample 0's, holds the others."""
+        """The engine requests of every sample; returns sample 0's, holds the others.
+
+        Each sample gets its own grammar state (in the runner) from the one compiled grammar.
+        """
         requests = [
             Request(
                 cid,
@@ -56,6 +61,7 @@ class ParentRequest:
                 eos_token_ids,
                 max_tokens,
                 arrival_time,
+                structured_output=structured_output,
             )
             for i, cid in enumerate(self.child_ids)
         ]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxserve import cpu
 from mlxserve.blas import fast_blas
 from mlxserve.loader import generation_config, hub
 from mlxserve.loader.gguf import load_gguf
@@ -145,11 +146,15 @@ def resolve_dtype(dtype: str, config: dict) -> mx.Dtype:
     return mx.bfloat16 if torch_dtype == "bfloat16" else mx.float16
 
 
-def cast_weights(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
+def cast_weights(
+    weights: dict[str, mx.array], dtype: mx.Dtype, keep_scales: bool = False
+) -> dict[str, mx.array]:
     """Float tensors to dtype; packed quantized ints untouched.
 
     Quantization scales/biases follow dtype too, except on the CPU where they are
-    float32: MLX's CPU quantized matmul is ~10x slower with 16-bit scales.
+    float32: MLX's CPU quantized matmul is ~10x slower with 16-bit scales. With
+    ``keep_scales`` they stay as stored (mlxserve's CPU kernels read 16-bit scales at
+    full speed, and fewer bytes per token is what decoding is bound by).
     """
     scale_dtype = dtype if uses_gpu() else mx.float32
     out = {}
@@ -157,7 +162,7 @@ def cast_weights(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.
         if not mx.issubdtype(w.dtype, mx.floating):
             out[name] = w
         elif name.endswith((".scales", ".biases")) and f"{name[:-7]}.weight" in weights:
-            out[name] = w.astype(scale_dtype)
+            out[name] = w if keep_scales else w.astype(scale_dtype)
         else:
             out[name] = w.astype(dtype)
     return out
@@ -179,8 +184,10 @@ def load_model(
     so quantized layers there compute in float32. ``tokenizer`` loads the tokenizer from
     another model; ``skip_tokenizer_init`` loads none (``LoadedModel.tokenizer`` is None).
     ``gguf_keep_float`` dequantizes GGUF tensors instead of keeping them quantized.
-    ``cpu_dequantize``: run quantized layers in float on the CPU (None: when an optimized
-    BLAS is loaded and the float copy fits, see :func:`should_dequantize`).
+    ``cpu_dequantize``: run quantized layers in float on the CPU (None: only when
+    mlxserve's CPU kernels are unavailable, an optimized BLAS is loaded and the float copy
+    fits, see :func:`should_dequantize`). Otherwise the CPU kernels (mlxserve.cpu) run
+    the quantized layers they support, when they could be built.
     """
     from mlxserve.models import build_model
 
@@ -199,12 +206,18 @@ def load_model(
         defaults = generation_config.from_model_dir(source.path)
         pooling = read_pooling_method(source.path)
     act_dtype = resolve_dtype(dtype, config)
+    # Only a quantized model on the CPU needs the kernels (built on first use).
+    quantized = any(name.endswith(".scales") for name in weights)
+    kernels = quantized and not uses_gpu() and cpu_dequantize is not True and cpu.available()
     try:
-        net = build_model(config, cast_weights(weights, act_dtype))
+        net = build_model(config, cast_weights(weights, act_dtype, keep_scales=kernels))
     except ValueError as e:
         raise ValueError(f"{source.path}: {e}") from None
     mx.eval(net.parameters())
-    if cpu_dequantize if cpu_dequantize is not None else should_dequantize(net, act_dtype):
+    if kernels:
+        count = cpu.use_kernels(net, act_dtype)
+        logger.info("%d quantized layers run in %s", count, cpu.status())
+    elif cpu_dequantize if cpu_dequantize is not None else should_dequantize(net, act_dtype):
         count = dequantize_model(net, act_dtype)
         logger.info(
             "dequantized %d quantized layers to %s: float matmuls use %s",

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxserve import ops
+from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.ops import AttentionMetadata
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
@@ -157,14 +158,19 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class KVCache:
-    """Per-layer K and V block pools, each ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+    """K and V block pools ``(num_blocks, block_size, num_kv_heads, head_dim)``, one pair per
+    K/V tensor (per layer, or shared by one layer of each KV cache group: see
+    mlxserve/kv_cache_spec.py), and the recurrent layers' state pools.
 
+    ``states[i]`` holds recurrent layer i's arrays (mlx-lm's ArraysCache entries), each
+    ``(num_state_slots, ...)``; slot 0 stays zero (the state of an empty prefix).
     Layers replace their entries every step (``ops.write_kv`` returns the updated pool) and
     drop the old arrays, so MLX can update the buffers in place.
     """
 
     keys: list[mx.array]
     values: list[mx.array]
+    states: list[list[mx.array]] = field(default_factory=list)
 
     @classmethod
     def allocate(
@@ -198,12 +204,35 @@ class KVCache:
     def allocate_for(
         cls, model: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype = mx.float16
     ) -> KVCache:
-        """Pools shaped for ``model``: its ``kv_layer_shapes`` when it has them (models whose
-        layers differ), else ``num_layers`` x (``num_kv_heads``, ``head_dim``)."""
+        """One pool per attention layer of ``model`` (every layer reads the same block
+        table): its ``kv_layer_shapes`` when it has them, else ``num_layers`` x
+        (``num_kv_heads``, ``head_dim``)."""
         shapes = getattr(model, "kv_layer_shapes", None)
         if shapes is None:
             shapes = [(model.num_kv_heads, model.head_dim, model.head_dim)] * model.num_layers
         return cls.allocate_layers(shapes, num_blocks, block_size, dtype)
+
+    @classmethod
+    def allocate_layout(
+        cls,
+        layout: KVCacheLayout,
+        num_blocks: int,
+        block_size: int,
+        dtype: mx.Dtype = mx.float16,
+        num_state_slots: int = 0,
+    ) -> KVCache:
+        """The engine's pools: one per K/V tensor of ``layout``, and ``num_state_slots``
+        state slots per recurrent layer (dtypes as the layer keeps them)."""
+        cache = cls.allocate_layers(layout.tensor_shapes, num_blocks, block_size, dtype)
+        for i in layout.state_layers:
+            spec = layout.specs[i]
+            cache.states.append(
+                [
+                    mx.zeros((num_state_slots, *shape), dtype=getattr(mx, name))
+                    for shape, name in zip(spec.state_shapes, spec.state_dtypes, strict=True)
+                ]
+            )
+        return cache
 
     def ensure_num_blocks(self, num_blocks: int) -> None:
         """Grow every pool to ``num_blocks`` blocks (new blocks zeroed); never shrinks.
@@ -211,12 +240,25 @@ class KVCache:
         Lazy like everything else: the copy happens inside the next evaluated step.
         """
         extra = num_blocks - self.num_blocks
-        if extra <= 0:
+        if extra <= 0 or not self.keys:
             return
         for pools in (self.keys, self.values):
             for i, pool in enumerate(pools):
                 zeros = mx.zeros((extra, *pool.shape[1:]), dtype=pool.dtype)
                 pools[i] = mx.concatenate([pool, zeros])
+
+    def ensure_num_state_slots(self, num_slots: int) -> None:
+        """Grow every state pool to ``num_slots`` slots (new ones zeroed); never shrinks."""
+        for arrays in self.states:
+            for i, pool in enumerate(arrays):
+                extra = num_slots - pool.shape[0]
+                if extra > 0:
+                    zeros = mx.zeros((extra, *pool.shape[1:]), dtype=pool.dtype)
+                    arrays[i] = mx.concatenate([pool, zeros])
+
+    def arrays(self) -> list[mx.array]:
+        """Every pool array (to evaluate them with a step)."""
+        return [*self.keys, *self.values, *(a for arrays in self.states for a in arrays)]
 
     @property
     def num_layers(self) -> int:
@@ -224,7 +266,11 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.keys[0].shape[0]
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.states[0][0].shape[0] if self.states else 0
 
     @property
     def block_size(self) -> int:

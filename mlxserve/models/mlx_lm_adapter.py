@@ -22,6 +22,15 @@ The interception surface (all of it)
    Layers that attend to another layer's K/V (Gemma 4's KV sharing: ``cache=None``, keys
    returned by an earlier layer's ``update_and_fetch``) read that layer's pool.
 
+3. **Recurrent mixers.** In a model with ``ArraysCache`` layers (gated delta nets, SSMs,
+   short convolutions), the deepest modules taking ``(x, mask, cache)`` are hooked: given
+   a state cache they regroup the flat rows per request and run on states from the pool's
+   slots (mlxserve/models/mlx_lm_recurrent.py); given an attention cache they run as is.
+
+With KV cache groups (mlxserve/kv_cache_spec.py), each layer reads its group's block tables
+(``group_metadata``, one AttentionMetadata per group) and its K/V tensor of the layout;
+without them every attention layer uses ``attn_metadata`` and a pool of its own.
+
 Whatever falls outside this surface is refused, never silently wrong: a layer that takes its
 K/V from ``update_and_fetch`` but computes attention by hand (soft-capping, MLA latent
 scores), a mask the model built itself, or keys changed between ``update_and_fetch`` and the
@@ -29,9 +38,9 @@ attention call. These checks run while the graph is built, so ``build`` runs one
 forward pass (not evaluated) and refuses such a model at load time.
 
 Cache kinds (one :class:`LayerCacheSpec` per ``make_cache()`` entry): ``KVCache`` is full
-attention, ``RotatingKVCache(max_size=W, keep=0)`` a sliding window of W tokens. Recurrent
-state (``ArraysCache``), chunked attention, cache lists and ``keep`` > 0 are not supported
-yet and raise :class:`UnsupportedModelError` naming the model_type.
+attention, ``RotatingKVCache(max_size=W, keep=0)`` a sliding window of W tokens,
+``ArraysCache`` a recurrent state. Chunked attention, cache lists and ``keep`` > 0 are not
+supported yet and raise :class:`UnsupportedModelError` naming the model_type.
 """
 
 from __future__ import annotations
@@ -45,36 +54,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxserve import ops
+from mlxserve.exceptions import UnsupportedModelError
+from mlxserve.kv_cache_spec import KVCacheLayout, LayerCacheSpec, make_layout
 from mlxserve.models.base import KVCache
-from mlxserve.ops import AttentionMetadata
+from mlxserve.models.mlx_lm_recurrent import PagedStateCache, hook_mixers
+from mlxserve.ops import AttentionMetadata, StateMetadata
+
+__all__ = ["LayerCacheSpec", "MlxLmModel", "PagedLayerCache", "UnsupportedModelError"]
 
 # mlx-lm releases the adapter is tested with: [min, max). The surface above leans on mlx-lm's
 # internals (cache protocol, the sdpa name), so another release must be tested first.
 TESTED_MLX_LM = ((0, 32, 2), (0, 33, 0))
 MLX_LM_PIN = "mlx-lm>=0.32.2,<0.33"
-
-
-class UnsupportedModelError(ValueError):
-    """An mlx-lm architecture (or one of its layers) the paged adapter cannot run yet."""
-
-
-@dataclass(frozen=True)
-class LayerCacheSpec:
-    """What one cache layer (one entry of the model's ``make_cache()``) needs from the pool.
-
-    ``kind`` is "full_attention" or "sliding_window"; with a window, a query at position p
-    attends to keys in (p - window, p], so blocks wholly before that can be released.
-    """
-
-    kind: str
-    num_kv_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    window: int | None = None
-
-    def bytes_per_token(self, dtype: mx.Dtype) -> int:
-        """K + V bytes one token takes in this layer's pool."""
-        return self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * dtype.size
 
 
 # ---- step context --------------------------------------------------------------------------
@@ -84,12 +75,14 @@ class _Step:
 
     model_type: str  # for error messages
     positions: mx.array  # (num_tokens,) int32
-    md: AttentionMetadata
+    md: AttentionMetadata  # the step's layout (query lengths, decodes), as every group's
+    group_mds: tuple[AttentionMetadata, ...]  # one per KV cache group (block tables)
     kv_cache: KVCache
     logits_indices: mx.array | None
     write_then_read: bool  # KV-shared layers read pools: write with ordered scatter
     kv_cast_after_fetch: bool  # the layers cast K/V (dtype only) after update_and_fetch
     owners: dict[int, PagedLayerCache]  # id(keys returned by update_and_fetch) -> view
+    state_md: StateMetadata | None = None
     # The last num_hidden_rows selected rows are wanted as hidden states (embeddings): the
     # hooked decoder stack keeps them here and hands only the others to the LM head.
     num_hidden_rows: int = 0
@@ -109,10 +102,14 @@ _STEP: ContextVar[_Step | _Probe | None] = ContextVar("mlxserve_paged_step", def
 class PagedLayerCache:
     """Stands in for one mlx-lm cache object during a paged step (see the module docstring)."""
 
-    def __init__(self, step: _Step, index: int, spec: LayerCacheSpec) -> None:
+    def __init__(
+        self, step: _Step, index: int, spec: LayerCacheSpec, group: int, tensor: int
+    ) -> None:
         self._step = step
         self.index = index
         self.spec = spec
+        self.group = group  # whose block tables (step.group_mds[group]) this layer reads
+        self.tensor = tensor  # which K/V pool of step.kv_cache holds its K/V
         self.keys: mx.array | None = None  # this step's K/V, as update_and_fetch returned them
         self.values: mx.array | None = None
         self.attended = False
@@ -152,16 +149,17 @@ class PagedLayerCache:
     ) -> mx.array:  # (num_tokens, num_heads, 1, v_head_dim)
         """This layer's paged attention (its own K/V, or another layer's when shared)."""
         self._check_call(keys, values, mask)
-        step, i = self._step, self.index
+        step, i = self._step, self.tensor
         pools = step.kv_cache
+        md = step.group_mds[self.group]
         q = queries[:, :, 0, :]  # (num_tokens, num_heads, k_head_dim)
         k, v = keys[:, :, 0, :], values[:, :, 0, :]  # (num_tokens, kv_heads, k/v_head_dim)
-        args = (step.md, scale, self.spec.window, sinks)
+        args = (md, scale, self.spec.window, sinks)
         if self.attended:  # a KV-shared layer: this step's K/V are already in the pool
             out = ops.paged_attention(q, pools.keys[i], pools.values[i], *args)
         elif step.write_then_read:  # others read this pool later: an ordered (scatter) write
             pools.keys[i], pools.values[i] = ops.write_kv(
-                pools.keys[i], pools.values[i], k, v, step.md.slot_mapping
+                pools.keys[i], pools.values[i], k, v, md.slot_mapping
             )
             out = ops.paged_attention(q, pools.keys[i], pools.values[i], *args)
         else:
@@ -251,43 +249,34 @@ class MlxLmModel(nn.Module):
         self.vocab_size = vocab_size
         self.max_position_embeddings = max_position_embeddings
         self._cache_specs = tuple(specs)
+        self._layout = make_layout(self._cache_specs)
         self._shares_kv = shares_kv
         self._kv_cast_after_fetch = kv_cast_after_fetch
         self._selects_rows = _hook_row_selection(model)
+        if self._layout.state_layers:
+            hook_mixers(list(model.layers), model_type)
+        # Without KV cache groups: the pool index of each attention layer.
+        attention = [i for i, spec in enumerate(specs) if spec.is_attention]
+        self._own_pool = {layer: n for n, layer in enumerate(attention)}
 
     @property
     def cache_specs(self) -> tuple[LayerCacheSpec, ...]:
-        """One spec per cache layer (one pool each), in ``make_cache()`` order."""
+        """One spec per cache layer, in ``make_cache()`` order."""
         return self._cache_specs
 
     @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """KV cache groups, K/V tensors and state layers (mlxserve/kv_cache_spec.py)."""
+        return self._layout
+
+    @property
     def kv_layer_shapes(self) -> list[tuple[int, int, int]]:
-        """(num_kv_heads, k_head_dim, v_head_dim) of each cache layer's pool."""
-        return [(s.num_kv_heads, s.k_head_dim, s.v_head_dim) for s in self._cache_specs]
+        """(num_kv_heads, k_head_dim, v_head_dim) of each attention layer's own pool."""
+        return [s.kv_shape for s in self._cache_specs if s.is_attention]
 
     @property
     def num_layers(self) -> int:
         return len(self._cache_specs)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self._uniform()[0]
-
-    @property
-    def head_dim(self) -> int:
-        return self._uniform()[1]
-
-    def _uniform(self) -> tuple[int, int]:
-        shapes = set(self.kv_layer_shapes)
-        (heads, k_dim, v_dim), *others = shapes
-        if others or k_dim != v_dim:
-            raise UnsupportedModelError(
-                f"{self.model_type}: its layers need KV pools of different shapes "
-                f"({sorted(shapes)} as (kv_heads, k_dim, v_dim)), and the engine allocates "
-                "one (num_kv_heads, head_dim) for every layer: not supported there yet "
-                "(KVCache.allocate_for makes per-layer pools)"
-            )
-        return heads, k_dim
 
     def __call__(
         self,
@@ -296,34 +285,61 @@ class MlxLmModel(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_cache: KVCache,
         logits_indices: mx.array | None = None,  # (num_rows,) int32
+        *,
+        group_metadata: tuple[AttentionMetadata, ...] | None = None,
+        state_metadata: StateMetadata | None = None,
         num_hidden_rows: int = 0,
     ) -> mx.array | tuple[mx.array, mx.array]:  # (num_rows or num_tokens, vocab_size)
-        """Logits of the selected rows; with ``num_hidden_rows``, the last that many selected
-        rows come back as final hidden states instead: ``(logits, hidden)`` (embeddings)."""
+        """One paged step: the logits of the selected rows. With ``group_metadata`` (one
+        per KV cache group of the layout) the pools are the layout's tensors; without,
+        ``attn_metadata`` serves every attention layer, each with its own pool
+        (``KVCache.allocate_for``). ``state_metadata`` places the recurrent layers'
+        states. With ``num_hidden_rows``, the last that many selected rows come back as
+        final hidden states instead: ``(logits, hidden)`` (embeddings)."""
         if num_hidden_rows and not self._selects_rows:
             raise UnsupportedModelError(
                 f"{self.model_type}: embeddings need the decoder stack's hidden states, and "
                 "the adapter found no decoder stack module to take them from"
             )
+        layout = self._layout
+        mds = group_metadata if group_metadata is not None else (attn_metadata,)
         step = _Step(
             self.model_type,
             positions,
             attn_metadata,
+            tuple(mds),
             kv_cache,
             logits_indices,
             self._shares_kv,
             self._kv_cast_after_fetch,
             {},
+            state_metadata,
             num_hidden_rows,
         )
-        views = [PagedLayerCache(step, i, spec) for i, spec in enumerate(self._cache_specs)]
+        views: list[PagedLayerCache | PagedStateCache] = []
+        for i, spec in enumerate(self._cache_specs):
+            where = f"{self.model_type}: cache layer {i}"
+            if not spec.is_attention:
+                views.append(PagedStateCache(step, i, layout.state_layers.index(i), where))
+            elif group_metadata is not None:
+                views.append(
+                    PagedLayerCache(step, i, spec, layout.layer_groups[i], layout.layer_tensors[i])
+                )
+            else:
+                views.append(PagedLayerCache(step, i, spec, 0, self._own_pool[i]))
         token = _STEP.set(step)
         try:
             logits = self.model(input_ids[:, None], cache=views)  # (rows, 1, vocab)
         finally:
             _STEP.reset(token)
         for view in views:
-            if not view.attended:
+            if isinstance(view, PagedStateCache):
+                if not view.used:
+                    raise UnsupportedModelError(
+                        f"{self.model_type}: recurrent cache layer {view.index} was not run "
+                        "by a hooked mixer"
+                    )
+            elif not view.attended:
                 raise UnsupportedModelError(
                     f"{self.model_type}: cache layer {view.index} "
                     + (

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxserve.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW
 from mlxserve.models.base import KVCache
 from mlxserve.models.mlx_lm_adapter import (
     _STEP,
@@ -29,10 +30,12 @@ from mlxserve.models.mlx_lm_adapter import (
     install,
     mlx_lm_classes,
 )
-from mlxserve.ops import AttentionMetadata
+from mlxserve.models.mlx_lm_recurrent import state_spec
+from mlxserve.ops import AttentionMetadata, StateMetadata
 
 # model_type -> the features its zoo case exercises (tests/zoo_configs.py).
 FULL, SWA, MOE = "full attention", "sliding window", "MoE"
+GDN = "gated delta net (recurrent state slots) + full attention"
 MODEL_TYPES: dict[str, str] = {
     "afmoe": f"{SWA}, {MOE} (shared expert, sigmoid routing)",
     "apertus": f"{FULL}, q/k norms, xIELU",
@@ -87,6 +90,14 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": f"{FULL}, {MOE} (shared expert)",
     "qwen3": f"{FULL}, q/k norms",
     "qwen3_moe": f"{FULL}, {MOE}",
+    "qwen3_next": f"{GDN}, {MOE} (shared expert), gated attention",
+    "qwen3_5": f"{GDN}, gated attention",
+    "lfm2": "short convolutions (recurrent state slots) + full attention, q/k norms",
+    "granitemoehybrid": "Mamba-2 (recurrent state slots) + full attention, shared MLP",
+    "mamba": "Mamba only (recurrent state slots, no KV blocks)",
+    "mamba2": "Mamba-2 only (recurrent state slots, no KV blocks)",
+    "nemotron_h": "Mamba-2 (recurrent state slots) + full attention + MLP-only layers",
+    "qwen3_5_moe": f"{GDN}, {MOE} (shared expert), gated attention",
     "seed_oss": FULL,
     "smollm3": f"{FULL}, NoPE layers",
     "solar_open": f"{FULL}, {MOE}",
@@ -101,8 +112,6 @@ MODEL_TYPES: dict[str, str] = {
 NOT_SUPPORTED: dict[str, str] = {
     "gemma2": "computes attention by hand (logit soft-capping), outside the interception",
     "deepseek_v3": "MLA over the latent cache scores RoPE keys by hand (needs an MLA op)",
-    "qwen3_next": "recurrent gated-delta-net state (not yet: per-request state slots)",
-    "qwen3_5": "recurrent gated-delta-net state (not yet: per-request state slots)",
     "llama4": "chunked local attention (ChunkedKVCache) is not supported yet",
     "plamo3": "masks windows of W + 1 tokens at prefill but its cache keeps W at decode",
     "gpt_bigcode": "turns cache.offset into a Python int (positions must be per token)",
@@ -120,8 +129,7 @@ QUANT_METHODS = {  # HF quantization_config.quant_method -> mlx settings (as mlx
 # Hand-written models stay the default for their model_types; the adapter is tested on them too.
 HAND_WRITTEN = ("llama", "mistral", "opt", "qwen2", "qwen3")
 
-# Their KV pools differ per layer (or K from V): they run on per-layer pools
-# (KVCache.allocate_for), which the engine does not allocate yet.
+# Their K/V pools differ per layer (or K from V): per-layer pools of the layout's shapes.
 PER_LAYER_POOLS = ("deepseek_v2", "gemma4_text", "youtu_llm")
 
 
@@ -136,8 +144,6 @@ def models_table() -> str:
         else:
             path = "mlx-lm adapter"
         what = MODEL_TYPES.get(model_type, "full attention, learned positions")
-        if model_type in PER_LAYER_POOLS:
-            what += "; block-pool API only, not the engine yet (per-layer KV pool shapes)"
         rows.append(f"| `{model_type}` | {path} | {what} |")
     for model_type, why in sorted(NOT_SUPPORTED.items()):
         rows.append(f"| `{model_type}` | not supported | {why} |")
@@ -250,8 +256,8 @@ def quantize_like_mlx_lm(model: nn.Module, config: dict[str, Any], weights: dict
 def cache_specs(model: nn.Module, model_type: str) -> tuple[list[LayerCacheSpec], bool, int]:
     """(one spec per make_cache() entry, whether layers share K/V, vocab size).
 
-    The cache kinds come from the model's own ``make_cache()``; head counts and sizes from
-    one (unevaluated) forward pass through those mlx-lm caches.
+    The cache kinds come from the model's own ``make_cache()``; head counts and sizes (and
+    recurrent state shapes) from one (unevaluated) forward pass through those mlx-lm caches.
     """
     from mlx_lm.models import cache as mlx_cache
 
@@ -259,9 +265,11 @@ def cache_specs(model: nn.Module, model_type: str) -> tuple[list[LayerCacheSpec]
     kinds: list[tuple[str, int | None]] = []
     for i, cache in enumerate(caches):
         if type(cache) is mlx_cache.KVCache:
-            kinds.append(("full_attention", None))
+            kinds.append((FULL_ATTENTION, None))
         elif type(cache) is mlx_cache.RotatingKVCache and cache.keep == 0:
-            kinds.append(("sliding_window", cache.max_size))
+            kinds.append((SLIDING_WINDOW, cache.max_size))
+        elif type(cache) is mlx_cache.ArraysCache:
+            kinds.append(("recurrent", None))
         else:
             raise UnsupportedModelError(f"{model_type}: {_unsupported_cache(i, cache)}")
     probe = _Probe()
@@ -272,6 +280,9 @@ def cache_specs(model: nn.Module, model_type: str) -> tuple[list[LayerCacheSpec]
         _STEP.reset(token)
     specs = []
     for i, ((kind, window), cache) in enumerate(zip(kinds, caches, strict=True)):
+        if kind == "recurrent":
+            specs.append(state_spec(cache, f"{model_type}: cache layer {i}"))
+            continue
         if cache.keys is None:
             raise UnsupportedModelError(f"{model_type}: cache layer {i} is never written")
         _, num_kv_heads, _, k_dim = cache.keys.shape
@@ -284,7 +295,7 @@ def _unsupported_cache(i: int, cache: object) -> str:
 
     name = type(cache).__name__
     if isinstance(cache, mlx_cache.ArraysCache):
-        why = "recurrent / linear-attention state is not supported yet (per-request state slots)"
+        why = f"a recurrent state kept in {name} (not a plain ArraysCache) is not supported"
     elif isinstance(cache, mlx_cache.RotatingKVCache):
         why = f"a sliding window that keeps its first {cache.keep} tokens is not supported"
     elif isinstance(cache, mlx_cache.ChunkedKVCache):
@@ -300,8 +311,10 @@ def check_paged_forward(model: MlxLmModel) -> None:
     """Build one paged step (two one-token requests, LM head on the second only) without
     evaluating it: the adapter's checks run while the graph is built."""
     block_size = 2
-    cache = KVCache.allocate_for(model, 3, block_size, mx.float32)
+    layout = model.kv_cache_layout
+    cache = KVCache.allocate_layout(layout, 3, block_size, mx.float32, num_state_slots=3)
     md = AttentionMetadata.build([1, 1], [1, 1], [[1], [2]], block_size)
+    state_md = StateMetadata.build([0, 0], [1, 2]) if layout.has_state else None
     try:
         logits = model(
             mx.zeros((2,), dtype=mx.int32),
@@ -309,6 +322,8 @@ def check_paged_forward(model: MlxLmModel) -> None:
             md,
             cache,
             logits_indices=mx.array([1], dtype=mx.int32),
+            group_metadata=(md,) * layout.num_groups,
+            state_metadata=state_md,
         )
     except UnsupportedModelError:
         raise

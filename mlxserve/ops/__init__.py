@@ -4,9 +4,11 @@
 (``mlxserve.ops.metal``) when Metal is available and the default stream is on the GPU, and
 the pure-MLX fallback otherwise. ``use_kernels(choice)`` ("auto", "metal" or "fallback",
 the engine's ``kernels`` setting) scopes a choice; ``check_kernels`` says at start-up
-whether a choice can run here. ``kernel_backend()`` says which implementation is in use
-and why. Models should call ``write_kv_and_attend``: it is the only entry that can write
-the pool in place with a Metal kernel (see ops/metal.py).
+whether a choice can run here. Each kernel variant is self-tested on first use
+(ops/selftest.py): on failure "auto" falls back for that op, "metal" raises.
+``kernel_backend()`` says which implementation is in use and why. Models should call
+``write_kv_and_attend``: it is the only entry that can write the pool in place with a Metal
+kernel (see ops/metal.py).
 
 Per-layer variants: ``window`` (sliding-window attention) and ``sinks`` (gpt-oss's per-head
 sink logits) run in both implementations; layers the kernels cannot take (K and V head sizes
@@ -24,15 +26,17 @@ from functools import cache, lru_cache
 import mlx.core as mx
 
 from mlxserve.exceptions import ParameterError
-from mlxserve.ops import fallback
-from mlxserve.ops.metadata import AttentionMetadata
+from mlxserve.ops import fallback, selftest
+from mlxserve.ops.metadata import AttentionMetadata, StateMetadata
 from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels, unsupported_reason
 
 __all__ = [
     "AttentionMetadata",
+    "StateMetadata",
     "check_kernels",
     "force_backend",
     "kernel_backend",
+    "metal_kernels",
     "paged_attention",
     "use_kernels",
     "write_kv",
@@ -46,6 +50,7 @@ logger = logging.getLogger("mlxserve")
 class _Override:
     backend: str
     kernels: MetalKernels | None
+    self_test: str | None  # selftest mode: "fallback", "raise", or None (no self-test)
 
 
 _override: list[_Override] = []  # innermost force_backend() last
@@ -72,7 +77,9 @@ def check_kernels(choice: str) -> None:
 
 def use_kernels(choice: str) -> AbstractContextManager[object]:
     """Scope the engine's kernel choice: "auto" picks what the machine has."""
-    return nullcontext() if choice == "auto" else force_backend(choice)
+    if choice == "auto":
+        return nullcontext()
+    return force_backend(choice, self_test="raise" if choice == "metal" else None)
 
 
 def kernel_backend() -> tuple[str, str]:
@@ -105,19 +112,24 @@ def force_backend(
     backend: str,
     factory: KernelFactory | None = None,
     config: MetalConfig | None = None,
+    self_test: str | None = None,
 ) -> Iterator[MetalKernels | None]:
     """Use `backend` ("metal" or "fallback") inside the block, whatever the machine has.
 
     For tests and for exporting graphs: `factory` replaces mx.fast.metal_kernel (e.g. the
     emulator in metal/checker). Forcing "metal" where Metal cannot run still builds the
-    graph (mx.export_function records it), but evaluating it raises.
+    graph (mx.export_function records it), but evaluating it raises. `self_test`
+    ("fallback" or "raise", see ops/selftest.py) verifies each kernel variant on first use;
+    None (the default here) trusts them.
     """
     if backend not in ("metal", "fallback"):
         raise ValueError(f"backend must be 'metal' or 'fallback', got {backend!r}")
+    if self_test not in (None, *selftest.MODES):
+        raise ValueError(f"self_test must be None or one of {selftest.MODES}, got {self_test!r}")
     kernels = None
     if backend == "metal" and (factory is not None or config is not None):
         kernels = MetalKernels(factory, config)
-    _override.append(_Override(backend, kernels))
+    _override.append(_Override(backend, kernels, self_test))
     try:
         yield kernels or (_default_kernels() if backend == "metal" else None)
     finally:
@@ -173,7 +185,8 @@ def paged_attention(
     """
     _check_window(window)
     kernels = _kernels_for(q, k_cache, v_cache)
-    if kernels is None:
+    mode = _self_test_mode()
+    if kernels is None or not selftest.attention_ok(kernels, q, k_cache, md, window, sinks, mode):
         return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
     return kernels.paged_attention(q, k_cache, v_cache, md, scale, window=window, sinks=sinks)
 
@@ -196,15 +209,32 @@ def write_kv_and_attend(
     """
     _check_window(window)
     kernels = _kernels_for(q, k_cache, v_cache)
-    if kernels is None:
+    mode = _self_test_mode()
+    if kernels is None or not selftest.attention_ok(kernels, q, k_cache, md, window, sinks, mode):
+        # Both ops: MLX would not order a fallback reader after the in-place write.
         k_cache, v_cache = fallback.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
         out = fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
+        return out, k_cache, v_cache
+    if not selftest.write_ok(kernels, k_cache.dtype, mode):
+        # The scatter outputs the new pools, so MLX orders the kernel reading them after it.
+        k_cache, v_cache = fallback.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
+        out = kernels.paged_attention(q, k_cache, v_cache, md, scale, window=window, sinks=sinks)
         return out, k_cache, v_cache
     k_cache, v_cache, token = kernels.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
     out = kernels.paged_attention(
         q, k_cache, v_cache, md, scale, window=window, sinks=sinks, token=token
     )
     return out, k_cache, v_cache
+
+
+def _self_test_mode() -> str | None:
+    """How kernel variants are verified: on Metal by machine choice ("auto"), fall back."""
+    return _override[-1].self_test if _override else "fallback"
+
+
+def metal_kernels() -> MetalKernels | None:
+    """The Metal kernels the ops use right now, or None when they use the fallback."""
+    return _metal()
 
 
 def _check_window(window: int | None) -> None:

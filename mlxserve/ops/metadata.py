@@ -93,3 +93,36 @@ class AttentionMetadata:
         for q, c in zip(self.query_lens, self.context_lens_host, strict=True):
             out.extend(range(c - q, c))
         return out
+
+
+@dataclass(frozen=True)
+class StateMetadata:
+    """Where each request's recurrent state is read from and written to in one step.
+
+    Per request (batch order, as AttentionMetadata): the state slot its step starts from
+    (slot 0 holds zeros: a fresh prefix) and the one its final state goes to. A snapshot
+    ``(request index, offset, slot)`` also writes the state after the first ``offset`` new
+    tokens of that request into ``slot`` (prefix caching). ``write_order`` is every written
+    slot: the final states in batch order, then the snapshots in order.
+    """
+
+    read_slots: mx.array  # (num_reqs,) int32
+    write_order: mx.array  # (num_reqs + num_snapshots,) int32
+    snapshots: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def build(
+        cls,
+        read_slots: list[int],
+        write_slots: list[int],
+        snapshots: list[tuple[int, int, int]] | tuple[tuple[int, int, int], ...] = (),
+    ) -> StateMetadata:
+        """Make metadata from host lists (the runner, tests)."""
+        assert len(read_slots) == len(write_slots)
+        written = list(write_slots) + [slot for _, _, slot in snapshots]
+        assert 0 not in written and len(set(written)) == len(written), written
+        return cls(
+            read_slots=mx.array(read_slots, dtype=mx.int32),
+            write_order=mx.array(written, dtype=mx.int32),
+            snapshots=tuple(snapshots),
+        )

@@ -86,6 +86,17 @@ KERNELS = {
     ),
 }
 HEADER_FILE = "attention_common.metal"
+# MLX binds inputs of fewer elements as `constant`, others as `device`: a different source.
+# Metadata inputs are padded to this size, so a kernel's source never changes with the batch
+# (before MLX 0.32 a changed source under the same kernel name evicted the compiled pipeline,
+# and the self-test must verify the very source the batches run).
+MIN_DEVICE_ELEMENTS = 8
+# attention paths -> the kernels each launches
+PATH_KERNELS = {
+    "decode": "paged_decode",
+    "split": "paged_decode_split+paged_decode_reduce",
+    "prefill": "paged_prefill",
+}
 
 
 def kernel_dir() -> Path:
@@ -124,6 +135,8 @@ class MetalKernels:
         self.config = config or MetalConfig()
         self._kernels: dict[str, Callable[..., list[mx.array]]] = {}
         self._constants: dict[tuple, mx.array] = {}
+        self.self_tests: dict[str, object] = {}  # variant -> ops.selftest.SelfTestResult
+        self._bound: dict[str, tuple[object, tuple]] = {}  # padded metadata, by kind
 
     def kernel(self, name: str) -> Callable[..., list[mx.array]]:
         """The kernel object for `name`, built on first use."""
@@ -146,6 +159,14 @@ class MetalKernels:
             self._constants[key] = mx.array([value] if vector else value, dtype=dtype)
         return self._constants[key]
 
+    def _device_bound(self, kind: str, key: object, make: Callable[[], tuple]) -> tuple:
+        """make()'s padded inputs, reused while `key` (the step's metadata, shared by every
+        layer) is the same object: one pad per step, not per layer."""
+        last = self._bound.get(kind)
+        if last is None or last[0] is not key:
+            last = self._bound[kind] = (key, make())
+        return last[1]
+
     # ---- write_kv ---------------------------------------------------------------------
     def write_kv(
         self,
@@ -163,8 +184,9 @@ class MetalKernels:
         _check_pool(k_cache, v_cache)
         num_tokens, num_kv_heads, head_dim = keys.shape
         row = num_kv_heads * head_dim
+        (slots,) = self._device_bound("slots", slot_mapping, lambda: (_at_least_8(slot_mapping),))
         (token,) = self.kernel("write_kv")(
-            inputs=[keys, values, slot_mapping, k_cache, v_cache],
+            inputs=[keys, values, slots, k_cache, v_cache],
             output_shapes=[(1,)],
             output_dtypes=[mx.int32],
             grid=(row, num_tokens, 1),
@@ -185,10 +207,12 @@ class MetalKernels:
         window: int | None = None,
         sinks: mx.array | None = None,  # (num_heads,)
         token: mx.array | None = None,
+        path: str | None = None,
     ) -> mx.array:  # (num_tokens, num_heads, head_dim)
         """Decode-only batches use the decode kernel (split-K for long contexts), mixed ones
         the varlen prefill kernel; `token` is write_kv's ordering token, if the pools were
-        just written. `window` and `sinks` as in ops.paged_attention."""
+        just written. `window` and `sinks` as in ops.paged_attention. `path` forces one of
+        PATHS (the self-test), else attention_path() picks it."""
         _check_pool(k_cache, v_cache)
         reason = unsupported_reason(q, k_cache, v_cache)
         if reason is not None:
@@ -207,7 +231,10 @@ class MetalKernels:
             sinks = self._constant(0.0, mx.float32, vector=True)
         elif sinks.dtype != mx.float32:
             sinks = sinks.astype(mx.float32)
-        common = [q, k_cache, v_cache, md.block_tables, md.context_lens]
+        block_tables, context_lens, query_start_loc = self._device_bound(
+            "md", md, lambda: _metadata_inputs(md)
+        )
+        common = [q, k_cache, v_cache, block_tables, context_lens]
         base = [
             ("T", k_cache.dtype),
             ("HEAD_DIM", head_dim),
@@ -217,18 +244,19 @@ class MetalKernels:
             ("WINDOW", window or 0),
         ]
         threads = num_simd * 32
-        if md.num_decodes < md.num_reqs:
+        path = path or self.attention_path(md, num_kv_heads, window)
+        if path == "prefill":
             tq = max(1, self.config.rows_per_tile // gqa)
             num_tiles = md.num_reqs + -(-num_tokens // tq) + 1
             (out,) = self.kernel("paged_prefill")(
-                inputs=[*common, md.query_start_loc, scale_arr, sinks, token],
+                inputs=[*common, query_start_loc, scale_arr, sinks, token],
                 output_shapes=[q.shape],
                 output_dtypes=[k_cache.dtype],
                 grid=(threads * num_kv_heads, num_tiles, 1),
                 threadgroup=(threads, 1, 1),
                 template=[*base, ("USE_SINKS", use_sinks), ("TQ", tq)],
             )
-        elif self._use_split(md, num_kv_heads, window):
+        elif path == "split":
             out = self._split_decode(
                 common, scale_arr, sinks, use_sinks, token, base, md, q.shape, threads
             )
@@ -243,12 +271,44 @@ class MetalKernels:
             )
         return out if out.dtype == out_dtype else out.astype(out_dtype)
 
-    def _use_split(self, md: AttentionMetadata, num_kv_heads: int, window: int | None) -> bool:
+    def attention_path(self, md: AttentionMetadata, num_kv_heads: int, window: int | None) -> str:
+        """Which of PATHS attends this batch: prefill kernel for batches with prefill chunks,
+        split-K decode for few long contexts, else the decode kernel."""
+        if md.num_decodes < md.num_reqs:
+            return "prefill"
         cfg = self.config
         attended = min(md.max_decode_context_len, window or md.max_decode_context_len)
-        return (
-            md.num_reqs * num_kv_heads < cfg.split_max_groups and attended >= cfg.split_min_context
-        )
+        if md.num_reqs * num_kv_heads < cfg.split_max_groups and attended >= cfg.split_min_context:
+            return "split"
+        return "decode"
+
+    def attention_variant(
+        self,
+        path: str,
+        dtype: mx.Dtype,
+        head_dim: int,
+        block_size: int,
+        gqa: int,
+        window: int | None,
+        use_sinks: bool,
+    ) -> str:
+        """The kernel(s) and template arguments `path` launches for these shapes, as text:
+        what the self-test verifies once (ops/selftest.py) and what its warning names."""
+        num_simd = max(self.config.num_simd, -(-head_dim // 32))
+        args = [
+            f"T={_dtype_name(dtype)}",
+            f"HEAD_DIM={head_dim}",
+            f"BLOCK_SIZE={block_size}",
+            f"GQA={gqa}",
+            f"NUM_SIMD={num_simd}",
+            f"WINDOW={window or 0}",
+            f"USE_SINKS={str(use_sinks).lower()}",
+        ]
+        if path == "prefill":
+            args.append(f"TQ={max(1, self.config.rows_per_tile // gqa)}")
+        if path == "split":
+            args.append(f"PARTITION_SIZE={self.config.partition_size}")
+        return f"{PATH_KERNELS[path]}<{', '.join(args)}>"
 
     def _split_decode(
         self, common, scale_arr, sinks, use_sinks, token, base, md, q_shape, threads
@@ -259,12 +319,14 @@ class MetalKernels:
         # Partitions: enough for the longest context, rounded up to a power of two so the
         # partial buffers keep their shape while contexts grow.
         num_parts = 1 << max(0, (-(-md.max_decode_context_len // part) - 1).bit_length())
+        # Unused rows keep the partials >= 8 elements: the reduce binds them as `device`.
+        rows = max(num_tokens, -(-MIN_DEVICE_ELEMENTS // (num_heads * num_parts)))
         partial_out, partial_max, partial_sum = self.kernel("paged_decode_split")(
             inputs=[*common, scale_arr, token],
             output_shapes=[
-                (num_tokens, num_heads, num_parts, head_dim),
-                (num_tokens, num_heads, num_parts),
-                (num_tokens, num_heads, num_parts),
+                (rows, num_heads, num_parts, head_dim),
+                (rows, num_heads, num_parts),
+                (rows, num_heads, num_parts),
             ],
             output_dtypes=[mx.float32, mx.float32, mx.float32],
             grid=(threads * num_kv_heads, num_tokens, num_parts),
@@ -274,7 +336,7 @@ class MetalKernels:
         width = -(-head_dim // 32) * 32
         t, dim, window = base[0], base[1], base[5]
         (out,) = self.kernel("paged_decode_reduce")(
-            inputs=[partial_out, partial_max, partial_sum, md.context_lens, sinks],
+            inputs=[partial_out, partial_max, partial_sum, common[4], sinks],
             output_shapes=[q_shape],
             output_dtypes=[t[1]],
             grid=(width, num_heads, num_tokens),
@@ -282,6 +344,36 @@ class MetalKernels:
             template=[t, dim, ("PARTITION_SIZE", part), window, ("USE_SINKS", use_sinks)],
         )
         return out
+
+
+def _at_least_8(a: mx.array, fill: int | None = 0) -> mx.array:
+    """`a` (1-D) padded to 8 entries with `fill` (None: its last value) if it is shorter."""
+    if a.size >= MIN_DEVICE_ELEMENTS:
+        return a
+    pad = mx.full((MIN_DEVICE_ELEMENTS - a.size,), 0, dtype=a.dtype)
+    if fill is None:
+        pad = mx.broadcast_to(a[-1:], pad.shape)
+    return mx.concatenate([a, pad])
+
+
+def _metadata_inputs(md: AttentionMetadata) -> tuple[mx.array, mx.array, mx.array]:
+    """(block_tables, context_lens, query_start_loc) as the kernels take them: each with
+    >= 8 elements, so MLX always binds them as `device` (see MIN_DEVICE_ELEMENTS)."""
+    tables = md.block_tables
+    num_reqs, width = tables.shape
+    if tables.size < MIN_DEVICE_ELEMENTS:  # wider rows of null blocks: width is only a stride
+        extra = -(-MIN_DEVICE_ELEMENTS // num_reqs) - width
+        tables = mx.concatenate([tables, mx.zeros((num_reqs, extra), dtype=tables.dtype)], 1)
+    return tables, _at_least_8(md.context_lens), _at_least_8(md.query_start_loc, fill=None)
+
+
+def write_variant(dtype: mx.Dtype) -> str:
+    """The write kernel's variant for pools of `dtype` (its only template argument)."""
+    return f"write_kv<T={_dtype_name(dtype)}>"
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
 
 
 def unsupported_reason(q: mx.array, k_cache: mx.array, v_cache: mx.array) -> str | None:

@@ -27,6 +27,7 @@ from mlxserve.server import openapi as doc
 from mlxserve.server.anthropic import AnthropicServing, add_anthropic_routes
 from mlxserve.server.anthropic import error_body as anthropic_error_body
 from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
+from mlxserve.server.chat_tools import ChatFeatures
 from mlxserve.server.embeddings import EmbeddingRequest, create_embedding
 from mlxserve.server.errors import (
     APIError,
@@ -64,6 +65,9 @@ class ServerConfig:
     log_stats_interval: float | None = 10.0  # seconds; None: no periodic stats line
     model_root: str | None = None  # the model's name or repo id (never a local path): /v1/models
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Chat replies: the tool-call format and the reasoning parser (None: from the template).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_names:
@@ -85,6 +89,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
         engine.tokenizer,
         engine.max_model_len,
         engine.model.vocab_size,
+        ChatFeatures(engine.tokenizer, config.tool_call_parser, config.reasoning_parser),
     )
     tokenizer = engine.tokenizer
     created = int(time.time())
@@ -210,10 +215,13 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
             if body.prompt is not None:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
                 return tokenizer.encode(body.prompt, add_special_tokens=add)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+            messages, tools = serving.features.template_inputs(
+                [m.to_template() for m in body.messages], tools
+            )
             try:
                 text = tokenizer.apply_chat_template(
-                    [m.to_template() for m in body.messages],
-                    add_generation_prompt=body.add_generation_prompt,
+                    messages, tools=tools, add_generation_prompt=body.add_generation_prompt
                 )
             except ValueError as e:
                 raise bad_request(str(e), "messages") from None

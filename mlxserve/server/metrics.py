@@ -64,7 +64,13 @@ class _Window:
 class ServerMetrics:
     """The server's Prometheus registry, fed from the engine thread."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        prefix_caching_off: str | None = None,
+    ) -> None:
+        """``prefix_caching_off``: why the engine does not cache prefixes (None: it does)."""
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -98,6 +104,13 @@ class ServerMetrics:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of tokens."
         )
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        # Never silently off (issue 12): 1 when on, else 0 with the reason as a label.
+        Gauge(
+            "mlxserve:prefix_caching_enabled",
+            "1 if automatic prefix caching is on; 0 with the reason why not.",
+            ["model_name", "reason"],
+            registry=r,
+        ).labels(model_name, prefix_caching_off or "").set(0 if prefix_caching_off else 1)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."

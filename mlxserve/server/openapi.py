@@ -50,7 +50,7 @@ class Usage(_Doc):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls", "error"]
 
 
 class CompletionLogprobsDoc(_Doc):
@@ -94,9 +94,22 @@ class ChatLogprobs(_Doc):
     refusal: None
 
 
+class FunctionCall(_Doc):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallDoc(_Doc):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Doc):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the reply is only tool calls
+    tool_calls: list[ToolCallDoc] | None = None
+    reasoning_content: str | None = None  # with a reasoning parser
 
 
 class ChatChoice(_Doc):

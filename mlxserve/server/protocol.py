@@ -8,6 +8,7 @@ float field also takes a JSON integer ("temperature": 1).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -25,6 +26,9 @@ from mlxserve.sampling_params import (
     SamplingParams,
 )
 from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.structured import StructuredFields, Tool, ToolChoice
+
+logger = logging.getLogger("mlxserve.server")
 
 # Engine requests one API call may start (prompts x n): one call must not fill the queue.
 MAX_SEQUENCES = MAX_N
@@ -32,6 +36,11 @@ MAX_SEQUENCES = MAX_N
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# Fields that change nothing about the output, accepted because common clients send them
+# (README "Fields accepted and ignored"); a field that would change the output is refused.
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
 
 
 def _doc(**schema: Any) -> Any:
@@ -57,14 +66,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ResponseFormat(_Strict):
-    """response_format: plain text only."""
-
-    # Only plain text (the default) is implemented; json_object / json_schema are a 400.
-    type: Literal["text"]
-
-
-class _SamplingFields(_Strict):
+class _SamplingFields(StructuredFields):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
     model: str | None = None
@@ -83,6 +85,12 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own bookkeeping; not used
+    # Accepted and ignored (IGNORED_FIELDS): storage, tags and routing hints of OpenAI's.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extra sampling parameters.
     top_k: int = _range(-1, INT32_MAX, 0)
     min_p: float = _range(0, 1, 0.0)
@@ -92,6 +100,12 @@ class _SamplingFields(_Strict):
     min_tokens: int = _range(0, INT32_MAX, 0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    def log_ignored(self, more: tuple[str, ...] = ()) -> None:
+        """One debug line naming the fields given that change nothing here."""
+        given = [f for f in (*IGNORED_FIELDS, "user", *more) if getattr(self, f) is not None]
+        if given:
+            logger.debug("request fields accepted and ignored: %s", ", ".join(given))
 
     def check_stream_options(self) -> None:
         """OpenAI refuses stream_options without stream; so do we."""
@@ -116,6 +130,7 @@ class _SamplingFields(_Strict):
 
         ``rename`` maps a SamplingParams field to the request field that set it.
         """
+        structured_outputs, _ = self.constraint()
         try:
             return SamplingParams(
                 n=self.n,
@@ -137,6 +152,7 @@ class _SamplingFields(_Strict):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured_outputs,
             )
         except ParameterError as e:
             raise request_error(e, rename or {}) from None
@@ -166,7 +182,7 @@ class CompletionRequest(_SamplingFields):
 
     def field_names(self) -> dict[str, str]:
         """SamplingParams / engine parameter -> the field of this request that set it."""
-        return {"prompt_logprobs": "logprobs"}
+        return {"prompt_logprobs": "logprobs"} | self.constraint()[1]
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (texts or token id lists)."""
@@ -247,7 +263,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = _range(1, INT32_MAX, None)
     logprobs: bool = False
     top_logprobs: int | None = _range(0, MAX_LOGPROBS, None)
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    # Whether the model may call several tools in one reply (default true).
+    parallel_tool_calls: bool | None = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -265,14 +284,21 @@ class ChatCompletionRequest(_SamplingFields):
 
     def field_names(self) -> dict[str, str]:
         """SamplingParams / engine parameter -> the field of this request that set it."""
-        names = {"logprobs": "top_logprobs"}
+        names = {"logprobs": "top_logprobs"} | self.constraint()[1]
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
+        if isinstance(self.tool_choice, BaseModel) or self.tool_choice == "required":
+            names |= {"structured_outputs": "tool_choice", "structured_outputs.grammar": "tools"}
         return names
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them."""
         return [m.to_template() for m in self.messages]
+
+    def tool_choice_name(self) -> str | None:
+        """tool_choice as "none" / "auto" / "required" / a function's name (None: unset)."""
+        choice = self.tool_choice
+        return choice if isinstance(choice, str) or choice is None else choice.function.name
 
 
 class TokenizeRequest(_Strict):
@@ -285,6 +311,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered as /v1/chat/completions renders them
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False

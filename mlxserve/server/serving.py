@@ -22,6 +22,7 @@ from mlxserve.core.request import RequestOutput
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.server.chat_tools import ChatFeatures, ChatPlan, ReplyFormatter
 from mlxserve.server.errors import APIError, bad_request, error_body
 from mlxserve.server.formatting import (
     CompletionLogprobs,
@@ -58,8 +59,10 @@ class OpenAIServing:
         tokenizer,
         max_model_len: int,
         vocab_size: int,
+        features: ChatFeatures | None = None,
     ) -> None:
         self.llm = llm
+        self.features = features or ChatFeatures(tokenizer)
         self.model_names = model_names
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -145,6 +148,7 @@ class OpenAIServing:
         self.check_accepting()
         model = self.check_model(req.model)
         params = req.sampling_params()
+        req.log_ignored()
         prompts = await run_in_threadpool(
             self._encode_prompts, req.prompts(), req.add_special_tokens
         )
@@ -237,7 +241,7 @@ class OpenAIServing:
             yield head | {"choices": [], "usage": totals.usage()}
 
     # ------------------------------------------------------------------- chat
-    def _render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def _render_chat(self, req: ChatCompletionRequest, plan: ChatPlan) -> tuple[str, list[int]]:
         kwargs = dict(req.chat_template_kwargs or {})
         clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if clash:
@@ -246,7 +250,8 @@ class OpenAIServing:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                req.template_messages(),
+                plan.messages,
+                tools=plan.tools,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 **kwargs,
@@ -260,9 +265,21 @@ class OpenAIServing:
         self.check_accepting()
         model = self.check_model(req.model)
         params = req.sampling_params()
-        text, ids = await run_in_threadpool(self._render_chat, req)
+        req.log_ignored(() if req.tools else ("parallel_tool_calls",))
+        try:
+            plan = self.features.plan(
+                req.template_messages(),
+                [t.model_dump(exclude_none=True) for t in req.tools or []],
+                req.tool_choice_name(),
+                req.parallel_tool_calls is not False,
+                params,
+            )
+        except ParameterError as e:
+            raise request_error(e, {}) from None
+        text, ids = await run_in_threadpool(self._render_chat, req, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = RequestGroup(self.llm, [(rid, text, ids, params)], self.in_flight)
+        starts_after = plan.grammar_starts_after(text, params)
+        group = RequestGroup(self.llm, [(rid, text, ids, params)], self.in_flight, starts_after)
         created = int(time.time())
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created}
@@ -270,7 +287,7 @@ class OpenAIServing:
                 await self._run(raw, group, req, "messages")
             except ClientDisconnected:
                 return Response(status_code=499)
-            chunks = self._chat_chunks(group, req, params, head | {"model": model})
+            chunks = self._chat_chunks(group, req, params, head | {"model": model}, plan, text)
             return SSEResponse(_event_stream(chunks, group, "chat"), group.close)
         try:
             (res,) = await self._collect(raw, group, 1, req, "messages")
@@ -279,6 +296,8 @@ class OpenAIServing:
         choices = []
         for j in sorted(res.samples):
             s = res.samples[j]
+            reply = ReplyFormatter(plan, text)
+            message = reply.message("".join(s.text))
             logprobs = None
             if req.logprobs:
                 logprobs = {
@@ -290,9 +309,9 @@ class OpenAIServing:
             choices.append(
                 {
                     "index": j,
-                    "message": {"role": "assistant", "content": "".join(s.text)},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": s.finish_reason,
+                    "finish_reason": reply.finish_reason(s.finish_reason),
                     "stop_reason": s.stop_reason,
                 }
             )
@@ -305,10 +324,13 @@ class OpenAIServing:
         req: ChatCompletionRequest,
         params: SamplingParams,
         head: dict[str, Any],
+        plan: ChatPlan,
+        prompt: str,
     ) -> AsyncIterator[dict]:
         extra = {"usage": None} if req.include_usage else {}
         totals = _StreamTotals(1)
         finished: set[int] = set()
+        replies = [ReplyFormatter(plan, prompt) for _ in range(params.n)]
         for j in range(params.n):
             role = {"role": "assistant", "content": ""}
             choice = {"index": j, "delta": role, "logprobs": None, "finish_reason": None}
@@ -316,25 +338,31 @@ class OpenAIServing:
         async for _, out in group.outputs():
             totals.add(0, out)
             for c in out.outputs:
-                has_logprobs = req.logprobs and c.token_ids
-                if c.index in finished or not (c.text or c.finish_reason or has_logprobs):
+                if c.index in finished:
                     continue
-                if c.finish_reason is not None:
-                    finished.add(c.index)
+                reply = replies[c.index]
+                deltas = reply.delta(c.text, final=c.finish_reason is not None)
                 logprobs = None
-                if req.logprobs:
+                if req.logprobs and c.token_ids:
                     content = chat_logprobs(
                         c.token_ids, c.logprobs or [], params.num_logprobs, self.token_text
                     )
                     logprobs = {"content": content, "refusal": None}
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": c.text} if c.text else {},
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                yield head | {"choices": [choice]} | extra
+                if c.finish_reason is None and not deltas and logprobs is None:
+                    continue  # text held back (a marker may be starting, partial UTF-8)
+                deltas = deltas or [{}]
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    choice = {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": logprobs if k == 0 else None,
+                        "finish_reason": reply.finish_reason(c.finish_reason) if last else None,
+                        "stop_reason": c.stop_reason if last else None,
+                    }
+                    yield head | {"choices": [choice]} | extra
+                if c.finish_reason is not None:
+                    finished.add(c.index)
         if req.include_usage:
             yield head | {"choices": [], "usage": totals.usage()}
 

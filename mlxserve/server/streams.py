@@ -66,10 +66,18 @@ class RequestGroup:
         requests: list[tuple[str, str | None, list[int], SamplingParams | None]],
         in_flight: InFlight | None = None,
         pooling_params: PoolingParams | None = None,  # embedding requests, all of them
+        grammar_starts_after: str | None = None,
     ) -> None:
         extra = {} if pooling_params is None else {"pooling_params": pooling_params}
         self._gens = [
-            llm.generate(rid, prompt, params, prompt_token_ids=ids, **extra)
+            llm.generate(
+                rid,
+                prompt,
+                params,
+                prompt_token_ids=ids,
+                grammar_starts_after=grammar_starts_after,
+                **extra,
+            )
             for rid, prompt, ids, params in requests
         ]
         self._queue: asyncio.Queue = asyncio.Queue()

@@ -111,6 +111,8 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat_template: Jinja syntax error on line {e.lineno}: {e}") from e
         self.wants_content_parts = iterates_over_content(ast)
+        # Whether it renders tools itself (reads the ``tools`` variable).
+        self.uses_tools = any(n.name == "tools" for n in ast.find_all(nodes.Name))
 
     def render(
         self,

@@ -258,6 +258,16 @@ class Tokenizer:
             )
         return templates
 
+    def compiled_chat_template(
+        self, chat_template: str | None = None, tools: Sequence[Any] | None = None
+    ) -> ChatTemplate:
+        """The template get_chat_template picks, compiled (once)."""
+        source = self.get_chat_template(chat_template, tools)
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = self._compiled[source] = ChatTemplate(source, self._env)
+        return compiled
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -285,10 +295,7 @@ class Tokenizer:
                 current_date=extra.get("current_date") or datetime.date.today().isoformat(),
                 model_identity=extra.get("model_identity") or MODEL_IDENTITY,
             )
-        source = self.get_chat_template(chat_template, tools)
-        compiled = self._compiled.get(source)
-        if compiled is None:
-            compiled = self._compiled[source] = ChatTemplate(source, self._env)
+        compiled = self.compiled_chat_template(chat_template, tools)
         return compiled.render(
             messages,
             add_generation_prompt=add_generation_prompt,

@@ -1,9 +1,17 @@
-"""Sizing the KV block pool from the memory MLX may use.
+"""Sizing the KV block pool (and the recurrent-state slots) from the memory MLX may use.
 
 budget      = memory_fraction x usable memory (Metal working set, or system RAM on CPU)
 kv_budget   = budget - weights - activation peak (probed, scaled to the token budget),
               or kv_cache_memory_bytes when given (vLLM's --kv-cache-memory-bytes)
-num_blocks  = kv_budget / bytes per block, never more than max_model_len x max_num_seqs needs
+state slots = 1 (zeros) + max_num_seqs (running) + 2 x max_num_seqs (prefix snapshots),
+              in at most half of kv_budget; only for models with recurrent layers
+num_blocks  = what is left / bytes per block (every K/V tensor of the layout), never more
+              than max_num_seqs requests of max_model_len can hold at once
+
+A block's bytes come from the model's KVCacheLayout (mlxserve/kv_cache_spec.py): per-layer
+head counts and K / V sizes, and with KV cache groups one layer of each group per tensor.
+What one request holds also follows the layout: a windowed group holds its window (plus
+the step's chunk), not the whole sequence.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.ops import AttentionMetadata
 from mlxserve.utils import GiB, cdiv, usable_memory
 
@@ -24,118 +33,186 @@ MIN_KV_TOKENS = 256
 # Tokens in the start-up probe that measures activation memory per token (small: on
 # the CPU backend a forward pass costs ~0.1 s per token of a 135M model).
 PROBE_TOKENS = 8
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
-    """K and V of one token across all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype.size
+# Prefix snapshots of recurrent state per running request (its prompt end and its latest
+# decode position), and the share of the KV budget state slots may take at most.
+SNAPSHOTS_PER_REQUEST = 2
+MAX_STATE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
 class KVPlan:
-    """The pool size and context length an engine starts with, and why."""
+    """The pool size, state slots and context length an engine starts with, and why."""
 
     num_blocks: int  # including the null block
     block_size: int
     max_model_len: int
     kv_bytes: int
-    bytes_per_token: int
+    bytes_per_block: int
+    layout: KVCacheLayout
+    num_state_slots: int = 0  # including the null slot; 0 without recurrent layers
+    state_bytes_per_slot: int = 0
 
     @property
     def num_tokens(self) -> int:
         return (self.num_blocks - 1) * self.block_size
 
-    def describe(self, max_num_seqs: int) -> str:
-        concurrency = self.num_tokens / self.max_model_len
-        return (
-            f"KV cache: up to {self.num_blocks - 1} blocks x {self.block_size} tokens = "
-            f"{self.num_tokens} tokens ({self.kv_bytes / GiB:.2f} GiB, "
-            f"{self.bytes_per_token // 1024} KiB/token, allocated as used); "
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.state_bytes_per_slot
+
+    def describe(self, max_num_seqs: int, max_num_batched_tokens: int) -> str:
+        layout = self.layout
+        concurrency = float("inf")
+        if layout.num_groups:
+            per_request = layout.blocks_per_request(
+                self.max_model_len, self.block_size, max_num_batched_tokens
+            )
+            concurrency = (self.num_blocks - 1) / max(per_request, 1)
+        if self.num_state_slots:  # one live state per running request
+            concurrency = min(concurrency, self.num_state_slots - 1)
+        text = f"{layout.describe()}; "
+        if layout.num_groups:
+            text = (
+                f"KV cache: up to {self.num_blocks - 1} blocks x {self.block_size} tokens "
+                f"({self.kv_bytes / GiB:.2f} GiB, {self.bytes_per_block // 1024} KiB/block, "
+                f"allocated as used); " + text
+            )
+        if self.num_state_slots:
+            text += (
+                f"state: {self.num_state_slots - 1} slots x "
+                f"{_size(self.state_bytes_per_slot)} ({self.state_bytes / GiB:.2f} GiB); "
+            )
+        return text + (
             f"max_model_len {self.max_model_len}; "
             f"max concurrency at max_model_len: {concurrency:.1f}x "
             f"(max_num_seqs {max_num_seqs})"
         )
 
 
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 1024:.1f} KiB"
+
+
+def max_tokens_in(layout: KVCacheLayout, blocks: int, block_size: int, chunk: int, cap: int) -> int:
+    """Most tokens (up to ``cap``) one request can hold in ``blocks`` blocks."""
+    low, high = 0, cap
+    while low < high:
+        mid = (low + high + 1) // 2
+        fits = layout.blocks_per_request(mid, block_size, chunk) <= blocks
+        low, high = (mid, high) if fits else (low, mid - 1)
+    return low
+
+
 def plan_kv_cache(
     *,
-    bytes_per_token: int,
+    layout: KVCacheLayout,
+    dtype,
     block_size: int,
     model_max_len: int,
     max_model_len: int | None,
     max_num_seqs: int,
+    max_num_batched_tokens: int,
     memory_fraction: float,
     weights_bytes: int,
     activation_bytes: int,
     num_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
     total_memory: int | None = None,
     kv_cache_memory_bytes: int | None = None,
 ) -> KVPlan:
-    """Choose num_blocks and max_model_len, or raise ValueError naming the knob to turn."""
+    """Choose num_blocks, state slots and max_model_len, or raise ValueError naming the
+    knob to turn. ``dtype`` is the K/V dtype (anything with ``.size`` bytes)."""
     if max_model_len is not None and max_model_len > model_max_len:
         raise ValueError(
             f"max_model_len {max_model_len} is larger than the model's context length "
             f"{model_max_len}"
         )
-    bytes_per_block = bytes_per_token * block_size
-    if num_blocks is not None:  # explicit pool size (tests, experts)
-        tokens = (num_blocks - 1) * block_size
-        length = max_model_len or min(model_max_len, tokens)
-        if length > tokens:
-            raise ValueError(
-                f"num_blocks {num_blocks} holds {tokens} tokens, fewer than max_model_len "
-                f"{length}; use num_blocks >= {cdiv(length, block_size) + 1}"
-            )
+    chunk = max_num_batched_tokens
+    bytes_per_block = max(layout.bytes_per_block(block_size, dtype), 1)
+    per_slot = layout.state_bytes_per_slot()
+    wanted_slots = 0
+    if layout.has_state:
+        snapshots = SNAPSHOTS_PER_REQUEST * max_num_seqs if enable_prefix_caching else 0
+        wanted_slots = 1 + max_num_seqs + snapshots
+
+    def plan(blocks: int, length: int, slots: int) -> KVPlan:
+        kv_bytes = (blocks - 1) * bytes_per_block
         return KVPlan(
-            num_blocks, block_size, length, (num_blocks - 1) * bytes_per_block, bytes_per_token
+            blocks, block_size, length, kv_bytes, bytes_per_block, layout, slots, per_slot
         )
-    need_min = MIN_KV_TOKENS if max_model_len is None else max(max_model_len, 1)
-    if kv_cache_memory_bytes is not None:  # an explicit budget, as vLLM's knob
-        kv_budget = kv_cache_memory_bytes
-        if kv_budget < need_min * bytes_per_token:
+
+    def blocks_for(tokens: int) -> int:
+        return layout.blocks_per_request(tokens, block_size, chunk)
+
+    if num_blocks is not None:  # explicit pool size (tests, experts)
+        cap = max_tokens_in(layout, num_blocks - 1, block_size, chunk, model_max_len)
+        length = max_model_len or cap
+        if blocks_for(length) > num_blocks - 1:
             raise ValueError(
-                f"kv_cache_memory_bytes (--kv-cache-memory-bytes, $VLLM_CPU_KVCACHE_SPACE) "
-                f"{kv_budget} holds {kv_budget // bytes_per_token} tokens of KV "
-                f"({bytes_per_token} bytes each), fewer than {need_min}; use at least "
-                f"{need_min * bytes_per_token}"
+                f"num_blocks {num_blocks} holds {cap} tokens, fewer than max_model_len "
+                f"{length}; use num_blocks >= {blocks_for(length) + 1}"
             )
-        return _plan(
-            kv_budget, bytes_per_token, block_size, model_max_len, max_model_len, max_num_seqs
-        )
+        return plan(num_blocks, length, wanted_slots)
     total = total_memory if total_memory is not None else usable_memory()
     budget = int(total * memory_fraction)
     kv_budget = budget - weights_bytes - activation_bytes
-    if kv_budget < need_min * bytes_per_token:
+    explicit = kv_cache_memory_bytes is not None  # an explicit budget, as vLLM's knob
+    if explicit:
+        kv_budget = kv_cache_memory_bytes
+    slots = 0
+    if layout.has_state:
+        affordable = int(max(kv_budget, 0) * MAX_STATE_SHARE) // max(per_slot, 1)
+        slots = min(wanted_slots, 1 + affordable)
+        if slots < 2 and explicit:
+            raise ValueError(
+                f"kv_cache_memory_bytes (--kv-cache-memory-bytes, $VLLM_CPU_KVCACHE_SPACE) "
+                f"{kv_cache_memory_bytes} does not hold one request's recurrent state "
+                f"({per_slot / 2**20:.1f} MiB) in its half for states; use at least "
+                f"{2 * 2 * per_slot}"
+            )
+        if slots < 2:
+            raise ValueError(
+                f"not enough memory for one request's recurrent state "
+                f"({per_slot / 2**20:.1f} MiB): memory_fraction (--gpu-memory-utilization) "
+                f"{memory_fraction} of {total / GiB:.1f} GiB leaves {max(kv_budget, 0) / GiB:.2f} "
+                "GiB after weights and activations. Use a larger memory_fraction"
+            )
+        if slots - 1 < max_num_seqs:
+            logger.warning(
+                "recurrent state memory holds %d requests' states at once (max_num_seqs %d); "
+                "more wait for a slot",
+                slots - 1,
+                max_num_seqs,
+            )
+        kv_budget -= slots * per_slot
+    need_min = MIN_KV_TOKENS if max_model_len is None else max(max_model_len, 1)
+    if layout.num_groups == 0:  # recurrent layers only: blocks are never used
+        return plan(2, max_model_len or model_max_len, slots)
+    budget_blocks = max(kv_budget, 0) // bytes_per_block
+    if budget_blocks < blocks_for(need_min):
+        need_bytes = blocks_for(need_min) * bytes_per_block + slots * per_slot
+        if explicit:
+            room = max_tokens_in(layout, budget_blocks, block_size, chunk, need_min)
+            raise ValueError(
+                f"kv_cache_memory_bytes (--kv-cache-memory-bytes, $VLLM_CPU_KVCACHE_SPACE) "
+                f"{kv_cache_memory_bytes} holds {room} tokens of KV, fewer than {need_min}; "
+                f"use at least {need_bytes}"
+            )
         # Rounded up, so the suggested value really fits.
-        fits = (
-            math.ceil(100 * (weights_bytes + activation_bytes + need_min * bytes_per_token) / total)
-            / 100
-        )
+        fits = math.ceil(100 * (weights_bytes + activation_bytes + need_bytes) / total) / 100
+        room = max_tokens_in(layout, budget_blocks, block_size, chunk, need_min)
         raise ValueError(
             f"not enough memory for the KV cache: memory_fraction (--gpu-memory-utilization) "
             f"{memory_fraction} of {total / GiB:.1f} GiB is {budget / GiB:.2f} GiB, but the "
             f"weights take {weights_bytes / GiB:.2f} GiB and activations "
             f"{activation_bytes / GiB:.2f} GiB, leaving room for "
-            f"{max(kv_budget, 0) // bytes_per_token} tokens of KV (need {need_min}). "
+            f"{room} tokens of KV (need {need_min}). "
             + (f"Use memory_fraction >= {fits:.2f}" if fits <= 1 else "Use a smaller model")
             + (", or a smaller max_model_len (--max-model-len)" if max_model_len else "")
         )
-    return _plan(kv_budget, bytes_per_token, block_size, model_max_len, max_model_len, max_num_seqs)
-
-
-def _plan(
-    kv_budget: int,
-    bytes_per_token: int,
-    block_size: int,
-    model_max_len: int,
-    max_model_len: int | None,
-    max_num_seqs: int,
-) -> KVPlan:
-    """Blocks and context length from a KV budget already known to hold the minimum."""
-    bytes_per_block = bytes_per_token * block_size
-    tokens = kv_budget // bytes_per_token
     if max_model_len is None:
-        length = min(model_max_len, tokens)  # capped so one full request fits
+        # Capped so one full request fits.
+        length = max_tokens_in(layout, budget_blocks, block_size, chunk, model_max_len)
         if length < model_max_len:
             logger.warning(
                 "max_model_len capped at %d (model supports %d) to fit the KV cache; raise "
@@ -146,21 +223,22 @@ def _plan(
     else:
         length = max_model_len
     # No more blocks than max_num_seqs full-length requests can use.
-    useful = cdiv(length * max_num_seqs, block_size)
-    blocks = min(tokens // block_size, useful) + 1  # + the null block
-    return KVPlan(blocks, block_size, length, (blocks - 1) * bytes_per_block, bytes_per_token)
+    useful = blocks_for(length) * max_num_seqs
+    return plan(min(budget_blocks, useful) + 1, length, slots)  # + the null block
 
 
-def probe_activation_bytes(model, allocate, block_size: int, num_tokens: int) -> float:
+def probe_activation_bytes(model, allocate, extra, block_size: int, num_tokens: int) -> float:
     """Peak memory of a forward pass per token, measured on a ``num_tokens``-token prompt.
 
-    ``allocate(num_blocks)`` makes a K/V pool for ``model``; it is dropped afterwards.
+    ``allocate(num_blocks)`` makes a K/V pool (with two state slots) for ``model``;
+    ``extra(md)`` the model's other step arguments (KV cache groups, state slots). Both
+    are dropped afterwards.
     """
     n = num_tokens
     num_blocks = cdiv(n, block_size) + 1
     cache = allocate(num_blocks)
     md = AttentionMetadata.build([n], [n], [list(range(1, num_blocks))], block_size)
-    mx.eval(cache.keys, cache.values)
+    mx.eval(cache.arrays())
     mx.synchronize()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -170,6 +248,7 @@ def probe_activation_bytes(model, allocate, block_size: int, num_tokens: int) ->
         md,
         cache,
         logits_indices=mx.array([n - 1], dtype=mx.int32),
+        **extra(md),
     )
     mx.eval(logits)
     per_token = max(mx.get_peak_memory() - base, 0) / n

@@ -2,7 +2,7 @@
 
     LLMEngine (requests, scheduling, outputs)     ModelRunner (one per device / rank)
       plan_kv_cache(...) -> KVPlan           ->   probe activation memory, size the pool
-      ensure_blocks(n)                       ->   create / grow the K/V arrays
+      ensure_blocks(n, slots)                ->   create / grow the K/V (and state) arrays
       launch(SchedulerOutput) -> StepHandle  ->   flat arrays, model, sampler, mx.async_eval
       collect(StepHandle) -> ModelRunnerOutput -> wait; sampled tokens as host lists
 
@@ -15,6 +15,10 @@ Batch layout on the flat token axis (decodes first, as AttentionMetadata wants):
     samples:      ^    ^                ^          ^      (last row of each request
                                                            whose chunk reaches its end)
 
+The pool follows the model's KVCacheLayout (mlxserve/kv_cache_spec.py): one K/V tensor per
+layer, or per layer slot of its KV cache groups, each group with its own block tables
+(one AttentionMetadata per group), and state slots for recurrent layers (StateMetadata).
+
 A step that raises is not charged to the whole batch (worker/isolation.py): the runner
 re-runs it for halves of its requests until the request(s) that fail alone are found;
 those are reported in ``ModelRunnerOutput.failed`` and every other request gets the
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -33,13 +38,15 @@ import numpy as np
 from mlxserve import ops
 from mlxserve.core.request import Logprobs, Request
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
+from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
 from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
+from mlxserve.worker.kv_inputs import probe_arguments, step_metadata
 from mlxserve.worker.memory import (
     PROBE_TOKENS,
     KVPlan,
-    kv_bytes_per_token,
     plan_kv_cache,
     probe_activation_bytes,
     tree_bytes,
@@ -63,6 +70,7 @@ class _RequestState:
     """What the runner keeps per live request between steps."""
 
     sampling: SamplingState
+    grammar: GrammarState | None = None  # structured outputs: where the output is in it
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     # Set once the whole prompt is scored: a preempted request recomputes its prompt,
     # but its prompt logprobs are not computed (or reported) twice.
@@ -77,6 +85,8 @@ class _Part:
     result: SamplerOutput | None
     plp_targets: list[tuple[Request, int]]  # (request, position of the scored prompt token)
     prompt_logprobs: tuple[mx.array, ...] | None
+    # The samplers' logits (S, V) while their grammar bitmasks are being computed.
+    logits: mx.array | None = None
     # Embedding requests in this step: (request, chunk starts at 0, chunk ends the prompt),
     # and per request the sum (mean pooling) or the last row of its chunk's hidden states.
     poolers: list[tuple[Request, bool, bool]] = field(default_factory=list)
@@ -86,6 +96,8 @@ class _Part:
         out = list(self.prompt_logprobs or ())
         if self.pooled is not None:
             out.append(self.pooled)
+        if self.result is None and self.logits is not None:
+            out.append(self.logits)
         if self.result is not None:
             r = self.result
             out += [
@@ -131,12 +143,20 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size: int = model.vocab_size
         self.kernels = kernels  # "auto" | "metal" | "fallback", checked at start-up
+        # Adapted mlx-lm models say what each layer needs; hand-written ones are uniform.
+        self.layout: KVCacheLayout = getattr(model, "kv_cache_layout", None) or uniform_layout(
+            model.num_layers, model.num_kv_heads, model.head_dim
+        )
+        self._takes_layout = hasattr(model, "kv_cache_layout")
         self.kv_cache: KVCache | None = None  # made by the first ensure_blocks()
         mx.random.seed(seed)
         self._rng = random.Random(seed)
         self._states: dict[str, _RequestState] = {}
         # Mean pooling over a prompt computed in chunks: the running sum of hidden states.
         self._pool_sums = PoolingSums()
+        # Host time spent on grammar bitmasks, and in how many steps (bench/ reads them).
+        self.num_mask_steps = 0
+        self.mask_seconds = 0.0
 
     # ------------------------------------------------------------- the pool
     @property
@@ -153,6 +173,7 @@ class ModelRunner:
         memory_fraction: float,
         num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> KVPlan:
         """Size the pool (worker/memory.py), probing a forward pass's activation peak."""
         m = self.model
@@ -160,53 +181,64 @@ class ModelRunner:
         if num_blocks is None and kv_cache_memory_bytes is None:
             n = min(PROBE_TOKENS, max_num_batched_tokens)
             with ops.use_kernels(self.kernels):
-                per_token = probe_activation_bytes(m, self._allocate, self.block_size, n)
+                per_token = probe_activation_bytes(
+                    m, self._allocate, self._probe_args, self.block_size, n
+                )
             activation = int(per_token * max_num_batched_tokens)
-        bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
         return plan_kv_cache(
-            bytes_per_token=bytes_per_token,
+            layout=self.layout,
+            dtype=self.dtype,
             block_size=self.block_size,
             model_max_len=m.max_position_embeddings or max_model_len or 4096,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             memory_fraction=memory_fraction,
             weights_bytes=tree_bytes(m.parameters()),
             activation_bytes=activation,
             num_blocks=num_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
-    def ensure_blocks(self, num_blocks: int) -> None:
-        """Make the K/V arrays hold at least ``num_blocks`` blocks (new ones zeroed).
+    def _probe_args(self, md: AttentionMetadata) -> dict[str, object]:
+        return probe_arguments(self.layout, md) if self._takes_layout else {}
+
+    def ensure_blocks(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        """Make the K/V arrays hold at least ``num_blocks`` blocks and the state arrays
+        ``num_state_slots`` slots (new ones zeroed).
 
         Call it on the thread that steps: the arrays (or their growth) are lazy until the
         next launch evaluates them.
         """
         if self.kv_cache is None:
-            self.kv_cache = self._allocate(num_blocks)
+            self.kv_cache = self._allocate(num_blocks, num_state_slots)
         else:
             self.kv_cache.ensure_num_blocks(num_blocks)
+            self.kv_cache.ensure_num_state_slots(num_state_slots)
 
-    def _allocate(self, num_blocks: int) -> KVCache:
-        m = self.model
-        return KVCache.allocate(
-            m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.dtype
-        )
+    def _allocate(self, num_blocks: int, num_state_slots: int = 2) -> KVCache:
+        slots = num_state_slots if self.layout.has_state else 0
+        return KVCache.allocate_layout(self.layout, num_blocks, self.block_size, self.dtype, slots)
 
-    def _pool(self) -> tuple[list[mx.array], list[mx.array]]:
+    def _pool(self) -> tuple[list[mx.array], list[mx.array], list[list[mx.array]]]:
         assert self.kv_cache is not None, "ensure_blocks() comes before the first launch()"
-        return list(self.kv_cache.keys), list(self.kv_cache.values)
+        kv = self.kv_cache
+        return list(kv.keys), list(kv.values), [list(arrays) for arrays in kv.states]
 
-    def _restore(self, pool: tuple[list[mx.array], list[mx.array]]) -> None:
+    def _restore(self, pool: tuple[list[mx.array], list[mx.array], list[list[mx.array]]]) -> None:
         """Put back the pool arrays of before a failed build (drops its lazy writes)."""
         assert self.kv_cache is not None
-        self.kv_cache.keys[:], self.kv_cache.values[:] = pool
+        keys, values, states = pool
+        self.kv_cache.keys[:], self.kv_cache.values[:] = keys, values
+        for arrays, saved in zip(self.kv_cache.states, states, strict=True):
+            arrays[:] = saved
 
     def _settle_pool(self) -> None:
         """Evaluate the pool after a failed step; if even that fails, its contents are lost."""
         assert self.kv_cache is not None
         try:
-            mx.eval(self.kv_cache.keys, self.kv_cache.values)
+            mx.eval(self.kv_cache.arrays())
         except Exception as e:  # noqa: BLE001 -- the engine must drop every request
             self.kv_cache = None  # the next ensure_blocks() makes a fresh, zeroed pool
             self._states.clear()
@@ -222,9 +254,13 @@ class ModelRunner:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             stop_ids = frozenset(request.eos_token_ids) | params.all_stop_token_ids
             sampling = SamplingState(params, seed, request.prompt_token_ids, stop_ids=stop_ids)
-            for tok in request.output_token_ids:  # a preempted request resumes
+            so = request.structured_output
+            grammar = None if so is None else so.new_state(stop_ids)
+            for tok in request.output_token_ids:  # a request resumes (its state was lost)
                 sampling.append(tok)
-            state = _RequestState(sampling)
+                if grammar is not None:
+                    grammar.accept(tok)
+            state = _RequestState(sampling, grammar)
             self._states[request.request_id] = state
         return state
 
@@ -242,11 +278,17 @@ class ModelRunner:
         if not so.scheduled_requests:
             return handle
         handle.parts = self._build_isolating(so, handle.failed)
-        outs = [*self.kv_cache.keys, *self.kv_cache.values]
+        outs = self.kv_cache.arrays()
         for part in handle.parts:
             outs += part.arrays()
         try:
-            mx.async_eval(*outs)  # the one evaluation of this step
+            mx.async_eval(*outs)  # the forward pass (and sampling, without grammars)
+            masked = [part for part in handle.parts if part.result is None and part.samplers]
+            if masked:
+                # Grammar bitmasks on the host while the forward pass computes, then
+                # the sampler of those parts on top of it.
+                self._sample_masked(masked)
+                mx.async_eval(*(a for part in masked for a in part.arrays()))
         except Exception as e:  # noqa: BLE001 -- collect() finds whose fault it was
             handle.error = describe(e)
         return handle
@@ -294,7 +336,8 @@ class ModelRunner:
         pool = self._pool()  # held during the eval: no donation, so a failure can restore
         try:
             parts = self._build_isolating(so, output.failed)
-            mx.eval(self.kv_cache.keys, self.kv_cache.values, [p.arrays() for p in parts])
+            self._sample_masked([p for p in parts if p.result is None and p.samplers])
+            mx.eval(self.kv_cache.arrays(), [p.arrays() for p in parts])
             reads = [self._read(part) for part in parts]
         except Exception as e:  # noqa: BLE001 -- the caller splits this part further
             self._restore(pool)
@@ -336,7 +379,7 @@ class ModelRunner:
         # The scheduler orders decodes (one token each) first, as the attention op wants.
         input_ids: list[int] = []
         positions: list[int] = []
-        query_lens, context_lens, tables = [], [], []
+        query_lens, context_lens = [], []
         sample_rows: list[int] = []
         samplers: list[Request] = []
         plp_rows: list[int] = []  # rows whose logits score the next prompt token
@@ -352,7 +395,6 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(n)
             context_lens.append(end)
-            tables.append(so.block_ids[rid])
             if req.pooling is not None:
                 pooling.add(req, row0, start, n, so.samples(rid))
                 continue
@@ -366,7 +408,9 @@ class ModelRunner:
             if so.samples(rid):
                 sample_rows.append(row0 + n - 1)
                 samplers.append(req)
-        md = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
+        md, extra = step_metadata(
+            self.layout, so, query_lens, context_lens, self.block_size, self._takes_layout
+        )
         rows = sample_rows + plp_rows + pooling.rows
         out = self.model(
             mx.array(input_ids, dtype=mx.int32),
@@ -374,14 +418,16 @@ class ModelRunner:
             md,
             self.kv_cache,
             logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
+            **extra,
             **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
         )
         logits, hidden = out if pooling.rows else (out, None)
         pooled = None if hidden is None else pooling.reduce(hidden)
         result = None
-        if samplers:
+        sample_logits = logits[: len(samplers)] if samplers else None
+        if samplers and not any(self._states[r.request_id].grammar for r in samplers):
             states = [self._states[r.request_id].sampling for r in samplers]
-            result = sample(logits[: len(samplers)], make_sampling_batch(states, logits.shape[-1]))
+            result = sample(sample_logits, make_sampling_batch(states, logits.shape[-1]))
         plp = None
         if plp_rows:
             plp = prompt_logprobs(
@@ -389,7 +435,21 @@ class ModelRunner:
                 [r.prompt_token_ids[pos] for r, pos in plp_targets],
                 max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
             )
-        return _Part(samplers, result, plp_targets, plp, pooling.requests, pooled)
+        return _Part(samplers, result, plp_targets, plp, sample_logits, pooling.requests, pooled)
+
+    def _sample_masked(self, parts: list[_Part]) -> None:
+        """Sample the parts that have grammar rows, with their token bitmasks (host work
+        done while the launched forward pass computes)."""
+        for part in parts:
+            assert part.logits is not None
+            states = [self._states[r.request_id] for r in part.samplers]
+            t0 = time.perf_counter()
+            bitmask = fill_bitmasks([s.grammar for s in states], part.logits.shape[-1])
+            self.mask_seconds += time.perf_counter() - t0
+            batch = make_sampling_batch([s.sampling for s in states], part.logits.shape[-1])
+            batch.bitmask = mx.array(bitmask)
+            part.result = sample(part.logits, batch)
+        self.num_mask_steps += 1
 
     def _read(self, part: _Part) -> _Read:
         """Wait for a part and copy its results to the host (request states untouched)."""
@@ -427,7 +487,14 @@ class ModelRunner:
     def _commit(self, read: _Read, output: ModelRunnerOutput) -> None:
         """Apply a part's results to the request states and the step's output."""
         for req, tok, entry in read.samples:
-            self._states[req.request_id].sampling.append(tok)
+            state = self._states[req.request_id]
+            if state.grammar is not None:
+                try:
+                    state.grammar.accept(tok)
+                except ValueError as e:  # cannot happen for a token sampled under its mask
+                    output.failed[req.request_id] = str(e)
+                    continue
+            state.sampling.append(tok)
             output.sampled_token_ids[req.request_id] = [tok]
             if entry is not None:
                 output.logprobs[req.request_id] = entry

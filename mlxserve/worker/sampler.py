@@ -60,6 +60,9 @@ class SamplingBatch:
     num_logprobs: int  # max top-k logprobs asked by any row
     want_logprobs: bool  # any row asked for logprobs (0 = only the chosen token's)
     all_greedy: bool
+    # Structured outputs: (N, ceil(V / 32)) int32, bit t % 32 of word t // 32 set when
+    # token t is allowed; every bit set in rows without a grammar. None: no row has one.
+    bitmask: mx.array | None = None
 
 
 def make_sampling_batch(states: list[SamplingState], vocab_size: int) -> SamplingBatch:
@@ -159,6 +162,14 @@ def apply_logits_processors(logits: mx.array, batch: SamplingBatch) -> mx.array:
     return logits
 
 
+def apply_bitmask(logits: mx.array, bitmask: mx.array) -> mx.array:
+    """-inf where a row's bitmask does not allow the token; allowed logits unchanged."""
+    token = mx.arange(logits.shape[-1], dtype=mx.int32)  # (V,)
+    words = bitmask[:, token // 32]  # (N, V) the word holding each token's bit
+    allowed = mx.right_shift(words, token % 32) & 1  # (N, V)
+    return mx.where(allowed.astype(mx.bool_), logits, -mx.inf)
+
+
 def filter_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
     """Temperature, then top-k / top-p / min-p masking (rows that do not ask are untouched)."""
     temp = mx.where(batch.temperature > 0, batch.temperature, 1.0)
@@ -186,6 +197,8 @@ def sample(logits: mx.array, batch: SamplingBatch) -> SamplerOutput:
     """Pick one token per row of ``logits`` (N, V)."""
     raw = logits.astype(mx.float32)
     processed = apply_logits_processors(raw, batch)
+    if batch.bitmask is not None:
+        processed = apply_bitmask(processed, batch.bitmask)
     greedy = mx.argmax(processed, axis=-1)
     if batch.all_greedy:
         token_ids = greedy

@@ -1,0 +1,188 @@
+"""`mlxserve doctor [MODEL]`: what this machine runs and how — one report to paste in a bug.
+
+Platform and OS, MLX (and whether it is in the supported range), the Metal device (name,
+GPU cores, memory, recommended working set), which attention kernels run and each kernel
+variant's self-test, the BLAS under MLX's CPU backend, and the memory plan an engine with
+these flags would start with (the model is loaded as `serve` would load it). Exit status 1
+when a kernel variant failed its self-test, so CI on a Mac can run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+
+from mlxserve import ops
+from mlxserve.blas import FIX as BLAS_FIX
+from mlxserve.blas import blas_status, fast_blas
+from mlxserve.cli.engine_args import add_engine_args, engine_config
+from mlxserve.config import EngineConfig
+from mlxserve.ops import selftest
+from mlxserve.ops.metal import MetalKernels
+from mlxserve.utils import GiB, usable_memory
+
+# The MLX range pyproject.toml pins (tests/test_mlx_floor.py keeps them equal).
+MLX_FLOOR = (0, 32, 0)
+MLX_CEILING = (0, 33)
+OPENBLAS_HINT = f"for ~10x faster float32 matmuls: {BLAS_FIX}; mlxserve binds it at start-up"
+
+
+def add_doctor_command(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "doctor",
+        help="check this machine: MLX, Metal, kernels, BLAS, memory plan",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument(
+        "model", nargs="?", default=None, help="model for the memory plan (default: embedded)"
+    )
+    add_engine_args(parser)
+    parser.set_defaults(handler=run_doctor)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Print the report; exit status 1 when a kernel variant failed its self-test (CI)."""
+    config = engine_config(args, args.model or args.model_flag)
+    failed = False
+    for line in report(config):
+        print(line, flush=True)  # line by line: the system facts show before the model loads
+        failed |= line.startswith("self-test:") and ": FAILED" in line
+    return 1 if failed else 0
+
+
+def report(config: EngineConfig) -> Iterator[str]:
+    """The report's lines, system facts first; loading the model comes last."""
+    yield f"platform:   {platform.platform()} ({platform.machine()}, Python {_python()})"
+    yield f"os:         {os_version()}"
+    yield f"mlx:        {mlx_line(mx.__version__)}"
+    yield f"metal:      {metal_line(mx.metal.is_available(), _device_info, gpu_core_count)}"
+    backend, reason = ops.kernel_backend()
+    yield f"kernels:    {backend} ({reason}); setting kernels={config.kernels!r}"
+    yield f"blas:       {blas_line(sys.platform, fast_blas(), blas_status())}"
+    yield from model_lines(config)
+
+
+def _python() -> str:
+    return platform.python_version()
+
+
+def os_version() -> str:
+    """macOS's product version, else the kernel's name and release."""
+    mac = platform.mac_ver()[0]
+    return f"macOS {mac}" if mac else f"{platform.system()} {platform.release()}"
+
+
+def _parse(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+def mlx_line(version: str) -> str:
+    """MLX's version and whether mlxserve supports it."""
+    supported = f">={'.'.join(map(str, MLX_FLOOR))},<{'.'.join(map(str, MLX_CEILING))}"
+    v = _parse(version)
+    if v < MLX_FLOOR:
+        verdict = f"TOO OLD: mlxserve needs {supported} (older MLX misloads Q4_1 GGUF weights)"
+    elif v[:2] >= MLX_CEILING:
+        verdict = f"newer than tested ({supported}): please report problems"
+    else:
+        verdict = f"supported ({supported})"
+    return f"{version} — {verdict}"
+
+
+def _device_info() -> dict:
+    return dict(mx.device_info())
+
+
+def gpu_core_count() -> int | None:
+    """The GPU's core count from the IORegistry (macOS), or None (MLX does not report it)."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        out = subprocess.run(
+            ["ioreg", "-rc", "AGXAccelerator", "-d", "1"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r'"gpu-core-count"\s*=\s*(\d+)', out)
+    return int(m.group(1)) if m else None
+
+
+def metal_line(
+    available: bool, device_info: Callable[[], dict], cores: Callable[[], int | None]
+) -> str:
+    """The Metal device, or why there is none."""
+    if not available:
+        return "not available (mx.metal.is_available() is False): MLX runs on its CPU backend"
+    info = device_info()
+    n = cores()
+    parts = [
+        f"{info.get('device_name', '?')} ({info.get('architecture', '?')})",
+        f"{n} GPU cores" if n else "GPU cores unknown",
+        f"memory {info.get('memory_size', 0) / GiB:.1f} GiB",
+        f"recommended working set {info.get('max_recommended_working_set_size', 0) / GiB:.1f} GiB",
+        f"max buffer {info.get('max_buffer_length', 0) / GiB:.1f} GiB",
+    ]
+    return ", ".join(parts)
+
+
+def blas_line(platform_name: str, fast: str | None, status: str) -> str:
+    """The BLAS MLX's CPU backend uses, and how to get OpenBLAS on Linux when it is missing."""
+    if platform_name == "darwin":
+        return "Accelerate (MLX on macOS); model ops run on Metal"
+    if fast:
+        return status
+    return f"MLX's bundled reference BLAS ({status}); {OPENBLAS_HINT}"
+
+
+def kernel_lines(
+    kernels: MetalKernels | None, dtype: mx.Dtype, head_dim: int, block_size: int, gqa: int
+) -> list[str]:
+    """Each kernel variant this model uses with its self-test result (running the tests not
+    run yet), or why none ran."""
+    if kernels is None:
+        return ["self-tests: not run (the fallback is in use; the kernels need a Metal GPU)"]
+    lines = []
+    for r in selftest.run_all(kernels, dtype, head_dim, block_size, gqa):
+        verdict = "ok" if r.ok else f"FAILED, using the fallback: {r.detail}"
+        lines.append(f"self-test:  {r.variant}: {verdict}")
+    return lines
+
+
+def model_lines(config: EngineConfig) -> Iterator[str]:
+    """The model and the memory plan an engine with `config` starts with."""
+    from mlxserve.engine.llm_engine import LLMEngine
+    from mlxserve.worker.memory import tree_bytes
+
+    engine = LLMEngine(config)
+    loaded, model = engine.loaded, engine.model
+    heads = int(loaded.config.get("num_attention_heads") or model.num_kv_heads)
+    yield (
+        f"model:      {loaded.source.name} ({loaded.source.path}); dtype "
+        f"{str(loaded.dtype).removeprefix('mlx.core.')}; {model.num_layers} layers, {heads} "
+        f"heads, {model.num_kv_heads} KV heads, head_dim {model.head_dim}; weights "
+        f"{tree_bytes(model.parameters()) / GiB:.2f} GiB"
+    )
+    with ops.use_kernels(config.kernels):
+        kernels = ops.metal_kernels()
+        yield from kernel_lines(
+            kernels,
+            loaded.dtype,
+            model.head_dim,
+            config.block_size,
+            max(1, heads // model.num_kv_heads),
+        )
+    where = "Metal recommended working set" if mx.metal.is_available() else "system RAM"
+    yield (
+        f"memory:     {usable_memory() / GiB:.1f} GiB usable ({where}) x memory_fraction "
+        f"{config.memory_fraction}"
+    )
+    yield f"memory:     {engine.plan.describe(config.max_num_seqs, engine.max_num_batched_tokens)}"

@@ -1,0 +1,198 @@
+"""Compile the CPU kernels' MLX extension on first use, cache it, load it.
+
+The extension (csrc/qmm_ext.cpp + the kernels) links against the libmlx of the installed
+mlx wheel, through MLX's own headers (the wheel ships them) and nanobind (a dependency;
+the module joins mlx.core's nanobind domain so mx.array passes through). It is built with
+the system C/C++ compilers into $XDG_CACHE_HOME/mlxserve/cpu (else ~/.cache/...), once
+per combination of sources, mlx, nanobind and Python; later imports only load it.
+Anything missing (no compiler, no Python headers) raises BuildError saying what.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = ["qmm.c", "qmm_scalar.c", "qmm_avx2.c", "qmm_avx512.c", "qmm_neon.c"]
+HEADERS = ["qmm.h", "qmm_impl.h", "qmm_ext.cpp"]
+# Per-file flags: each instruction set in its own file, chosen at run time (qmm.c).
+X86_FLAGS = {
+    "qmm_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "qmm_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+}
+
+
+class BuildError(RuntimeError):
+    """The extension could not be built here; the message says what is missing."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlxserve" / "cpu"
+
+
+def _tool(env: str, *names: str) -> str:
+    for name in [os.environ.get(env, ""), *names]:
+        found = name and shutil.which(name)
+        if found:
+            return found
+    raise BuildError(f"no {env} compiler found (tried {', '.join(names)}; set ${env})")
+
+
+def _inputs() -> tuple[str, dict[str, str]]:
+    """The build's identity (a hash) and the paths it needs."""
+    import mlx.core as mx
+
+    try:
+        import nanobind
+    except ImportError:
+        raise BuildError("nanobind is not installed (pip install nanobind)") from None
+    mlx_root = Path(mx.__file__).resolve().parent
+    paths = {
+        "mlx_include": str(mlx_root / "include"),
+        "mlx_lib": str(mlx_root / "lib"),
+        "nanobind": str(Path(nanobind.include_dir()).parent),
+        "python_include": sysconfig.get_paths()["include"],
+        "nanobind_version": nanobind.__version__,
+    }
+    if not (Path(paths["mlx_include"]) / "mlx" / "array.h").exists():
+        raise BuildError(f"this mlx wheel ships no C++ headers ({paths['mlx_include']})")
+    if not (Path(paths["python_include"]) / "Python.h").exists():
+        raise BuildError(
+            f"Python headers missing ({paths['python_include']}/Python.h): apt install python3-dev"
+        )
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update((CSRC / name).read_bytes())
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for part in (
+        mx.__version__,
+        nanobind.__version__,
+        suffix,
+        platform.machine(),
+        paths["mlx_lib"],
+    ):
+        digest.update(str(part).encode())
+    return digest.hexdigest()[:16], paths
+
+
+def module_name(tag: str) -> str:
+    return f"_mlxserve_qmm_{tag}"
+
+
+def _compilers() -> tuple[str, str]:
+    """The C and C++ compilers ($CC / $CXX, else the usual names on PATH)."""
+    return _tool("CC", "cc", "gcc", "clang"), _tool("CXX", "c++", "g++", "clang++")
+
+
+def _compile_all(paths: dict[str, str], name: str, work: Path, out: Path) -> None:
+    cc, cxx = _compilers()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    nb = Path(paths["nanobind"])
+    jobs: list[list[str]] = []
+    objects = []
+    for src in SOURCES:
+        obj = work / (src + ".o")
+        flags = X86_FLAGS.get(src, []) if x86 else []
+        jobs.append(
+            [cc, "-O3", "-fPIC", "-std=gnu11", *flags, "-c", str(CSRC / src), "-o", str(obj)]
+        )
+        objects.append(obj)
+    nb_flags = ["-I", str(nb / "include"), "-I", str(nb / "ext" / "robin_map" / "include")]
+    nb_flags += ["-I", paths["python_include"], "-fvisibility=hidden", "-fPIC", "-O2", "-std=c++20"]
+    # nanobind's runtime takes most of the build and changes only with nanobind, Python
+    # and the compiler: it is kept apart in the cache, so a new mlxserve rebuilds in seconds.
+    nb_cmd = [cxx, *nb_flags, "-DNB_BUILD", "-DNB_COMPACT_ASSERTIONS", "-fno-strict-aliasing"]
+    nb_cmd += ["-c", str(nb / "src" / "nb_combined.cpp")]
+    nb_key = hashlib.sha256("\0".join([*nb_cmd, paths["nanobind_version"]]).encode())
+    nb_obj = cache_dir() / f"nanobind-{nb_key.hexdigest()[:16]}.o"
+    nb_staged = work / "nanobind.o"
+    if not nb_obj.exists():
+        jobs.append([*nb_cmd, "-o", str(nb_staged)])
+    ext_obj = work / "qmm_ext.o"
+    jobs.append(
+        [cxx, *nb_flags, "-DNB_DOMAIN=mlx", f"-DMLXSERVE_EXT_NAME={name}"]
+        + ["-I", paths["mlx_include"], "-I", str(CSRC), "-c", str(CSRC / "qmm_ext.cpp")]
+        + ["-o", str(ext_obj)]
+    )
+    _run_parallel(jobs)
+    if not nb_obj.exists():
+        os.replace(nb_staged, nb_obj)  # atomic, as the extension itself
+    link = [cxx, "-shared", "-o", str(out), str(ext_obj), str(nb_obj), *map(str, objects)]
+    link += ["-L", paths["mlx_lib"], "-lmlx", f"-Wl,-rpath,{paths['mlx_lib']}", "-lpthread"]
+    _run_parallel([link])
+
+
+def _run_parallel(jobs: list[list[str]]) -> None:
+    """Run compiler commands, os.cpu_count() at a time; BuildError with the first failure."""
+    width = max(1, os.cpu_count() or 1)
+    pending = list(jobs)
+    while pending:
+        batch, pending = pending[:width], pending[width:]
+        procs = [
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for cmd in batch
+        ]
+        for cmd, proc in zip(batch, procs, strict=True):
+            try:
+                log, _ = proc.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise BuildError(f"compiling timed out: {' '.join(cmd[:4])} ...") from None
+            if proc.returncode != 0:
+                raise BuildError(f"{' '.join(cmd)} failed:\n{log.strip()[-1500:]}")
+
+
+def built_path() -> Path:
+    """Where the extension for this mlx/nanobind/Python lives once built."""
+    tag, _ = _inputs()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return cache_dir() / f"{module_name(tag)}{suffix}"
+
+
+def build(log=None) -> Path:
+    """The cached extension's path, compiling it first if needed (one builder at a time)."""
+    if sys.platform == "win32":
+        raise BuildError("not supported on Windows")
+    tag, paths = _inputs()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    out = cache_dir() / f"{module_name(tag)}{suffix}"
+    if out.exists():
+        return out
+    _compilers()  # no compiler: say so before announcing a build
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".lock-{tag}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same one
+        if out.exists():
+            return out
+        if log is not None:
+            log(f"compiling mlxserve's CPU kernels once (~30 s; cached in {out.parent})")
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            staged = Path(tmp) / out.name
+            _compile_all(paths, module_name(tag), Path(tmp), staged)
+            os.replace(staged, out)  # atomic: nobody loads a half-written file
+    return out
+
+
+def load(path: Path) -> ModuleType:
+    """Import the built extension from its cache path."""
+    name = path.name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    if spec is None:
+        raise BuildError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module

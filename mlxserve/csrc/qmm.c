@@ -1,0 +1,245 @@
+/* Dispatch (instruction set chosen at run time) and the thread pool of the kernels. */
+#define _GNU_SOURCE
+#include "qmm.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+/* ------------------------------------------------------------ instruction sets */
+
+static const char *const ISA_NAMES[QMM_NUM_ISAS] = {"scalar", "avx2", "avx512", "neon"};
+static int forced_isa = -1;
+
+int mlxserve_qmm_isa_supported(int isa) {
+    switch (isa) {
+    case QMM_SCALAR:
+        return 1;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    case QMM_AVX2:
+        __builtin_cpu_init();
+        return mlxserve_qmm_built_avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    case QMM_AVX512:
+        __builtin_cpu_init();
+        return mlxserve_qmm_built_avx512 && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("f16c");
+#endif
+#if defined(__aarch64__)
+    case QMM_NEON:
+        return mlxserve_qmm_built_neon;
+#endif
+    default:
+        return 0;
+    }
+}
+
+static int best_isa(void) {
+    static int best = -1;
+    if (best < 0) {
+        best = QMM_SCALAR;
+        const int order[] = {QMM_AVX512, QMM_AVX2, QMM_NEON};
+        for (int i = 0; i < 3; i++)
+            if (mlxserve_qmm_isa_supported(order[i])) {
+                best = order[i];
+                break;
+            }
+    }
+    return best;
+}
+
+int mlxserve_qmm_isa(void) { return forced_isa >= 0 ? forced_isa : best_isa(); }
+
+int mlxserve_qmm_force_isa(int isa) {
+    if (isa == QMM_NUM_ISAS) {
+        forced_isa = -1;
+        return 0;
+    }
+    if (isa < 0 || isa >= QMM_NUM_ISAS || !mlxserve_qmm_isa_supported(isa)) return -1;
+    forced_isa = isa;
+    return 0;
+}
+
+const char *mlxserve_qmm_isa_name(int isa) {
+    return isa >= 0 && isa < QMM_NUM_ISAS ? ISA_NAMES[isa] : "unknown";
+}
+
+int mlxserve_qmm(const qmm_problem *p) {
+    if (p->bits < 2 || p->bits > 8 || p->bits == 7 || p->group_size < 32 || p->group_size % 32 ||
+        p->K % p->group_size || p->M < 0 || p->N < 0 || p->scale_type < QMM_F32 ||
+        p->scale_type > QMM_BF16)
+        return -1;
+    if (p->M == 0 || p->N == 0) return 0;
+    switch (mlxserve_qmm_isa()) {
+    case QMM_AVX512:
+        mlxserve_qmm_avx512(p);
+        break;
+    case QMM_AVX2:
+        mlxserve_qmm_avx2(p);
+        break;
+    case QMM_NEON:
+        mlxserve_qmm_neon(p);
+        break;
+    default:
+        mlxserve_qmm_scalar(p);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ thread pool
+ *
+ * Workers spin a short while after each call (decode issues ~200 matmuls per step a few
+ * microseconds apart), then sleep on a condition variable. Items are claimed from a
+ * ticket that carries the call's generation, so a worker that wakes late (the OS ran
+ * something else on its core) finds the call over and touches nothing: the caller
+ * waits only for items actually claimed, never for a worker to show up.
+ */
+
+#define MAX_THREADS 256
+#define SPIN_NS 200000L
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    pthread_mutex_t call; /* one parallel_for at a time; others run on their caller */
+    int started, threads, wanted, sleepers;
+    long calls;                /* caller-side generation counter */
+    atomic_long generation;    /* the call workers should join */
+    atomic_uint_fast64_t ticket; /* generation << 32 | next item */
+    atomic_long done;          /* items finished in the current call */
+    _Atomic(qmm_work_fn) fn;
+    _Atomic(void *) ctx;
+    atomic_long n_items;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER};
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Claim and run items of call `gen` until none is left (or the call is over). */
+static void run_items(long gen, qmm_work_fn fn, void *ctx, long n) {
+    uint_fast64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    for (;;) {
+        if ((long)(t >> 32) != (gen & 0xFFFFFFFFL) || (long)(t & 0xFFFFFFFFu) >= n) return;
+        if (atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            fn(ctx, (int64_t)(t & 0xFFFFFFFFu));
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+            t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    long seen = (long)(intptr_t)arg; /* the generation before this worker's first call */
+    for (;;) {
+        long g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        if (g == seen) {
+            const long until = now_ns() + SPIN_NS;
+            for (int i = 0; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) ==
+                            seen;
+                 i++) {
+                cpu_relax();
+                if ((i & 63) == 63 && now_ns() > until) {
+                    pthread_mutex_lock(&pool.mu);
+                    pool.sleepers++;
+                    while ((g = atomic_load(&pool.generation)) == seen)
+                        pthread_cond_wait(&pool.wake, &pool.mu);
+                    pool.sleepers--;
+                    pthread_mutex_unlock(&pool.mu);
+                    break;
+                }
+            }
+        }
+        seen = g;
+        run_items(g, atomic_load_explicit(&pool.fn, memory_order_relaxed),
+                  atomic_load_explicit(&pool.ctx, memory_order_relaxed),
+                  atomic_load_explicit(&pool.n_items, memory_order_relaxed));
+    }
+    return NULL;
+}
+static int default_threads(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static void after_fork_in_child(void) { pool.started = pool.threads = pool.sleepers = 0; }
+
+static void start_pool(void) {
+    int want = pool.wanted > 0 ? pool.wanted : default_threads();
+    if (want > MAX_THREADS) want = MAX_THREADS;
+    if (!pool.started) {
+        pthread_atfork(NULL, NULL, after_fork_in_child);
+        pool.started = 1;
+        pool.threads = 1; /* the caller */
+    }
+    while (pool.threads < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        void *seen = (void *)(intptr_t)atomic_load(&pool.generation);
+        const int err = pthread_create(&t, &attr, worker, seen);
+        pthread_attr_destroy(&attr);
+        if (err) break;
+        pool.threads++;
+    }
+}
+
+int mlxserve_qmm_set_threads(int n) {
+    pthread_mutex_lock(&pool.call);
+    pool.wanted = n > 0 ? n : 0;
+    pthread_mutex_unlock(&pool.call);
+    return mlxserve_qmm_threads();
+}
+
+int mlxserve_qmm_threads(void) {
+    int want = pool.wanted > 0 ? pool.wanted : default_threads();
+    return want > MAX_THREADS ? MAX_THREADS : want;
+}
+
+void mlxserve_qmm_parallel_for(int64_t n_items, qmm_work_fn fn, void *ctx) {
+    const int want = mlxserve_qmm_threads();
+    if (n_items <= 1 || n_items > 0x7FFFFFFF || want <= 1 ||
+        pthread_mutex_trylock(&pool.call) != 0) {
+        for (int64_t i = 0; i < n_items; i++) fn(ctx, i);
+        return;
+    }
+    start_pool();
+    const long gen = ++pool.calls;
+    atomic_store_explicit(&pool.fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&pool.ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&pool.n_items, n_items, memory_order_relaxed);
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.ticket, (uint_fast64_t)(gen & 0xFFFFFFFFL) << 32,
+                          memory_order_release);
+    atomic_store_explicit(&pool.generation, gen, memory_order_release);
+    pthread_mutex_lock(&pool.mu);
+    if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    run_items(gen, fn, ctx, n_items);
+    for (int i = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < n_items; i++) {
+        if (i < 4096)
+            cpu_relax();
+        else
+            sched_yield(); /* a helper holding an item was descheduled: give it the core */
+    }
+    pthread_mutex_unlock(&pool.call);
+}

@@ -1,0 +1,49 @@
+/* qmm_impl.h with one float per "vector": the portable path, and the others' reference. */
+#include <string.h>
+
+#include "qmm.h"
+
+#define VW 1
+typedef float vf;
+static inline vf vzero(void) { return 0.0f; }
+static inline vf vload(const float *p) { return *p; }
+static inline void vstore(float *p, vf v) { *p = v; }
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+static inline vf vset1(float f) { return f; }
+static inline float vsum(vf v) { return v; }
+
+static inline void deq4(const uint8_t *p, vf *q) {
+    for (int i = 0; i < 16; i++) {
+        q[2 * i] = (float)(p[i] & 15);
+        q[2 * i + 1] = (float)(p[i] >> 4);
+    }
+}
+
+static inline void deq8(const uint8_t *p, vf *q) {
+    for (int i = 0; i < 32; i++) q[i] = (float)p[i];
+}
+
+/* IEEE half -> float, subnormals and infinities included. */
+static void cvt_f16(const uint16_t *s, int64_t n, float *d) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t h = s[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
+        uint32_t u;
+        if (exp == 31) {
+            u = sign | 0x7F800000u | (man << 13);
+        } else if (exp != 0) {
+            u = sign | ((exp + 112) << 23) | (man << 13);
+        } else if (man == 0) {
+            u = sign;
+        } else { /* subnormal: value = man * 2^-24 */
+            float f = (float)man * 5.9604644775390625e-8f;
+            memcpy(&u, &f, 4);
+            u |= sign;
+        }
+        memcpy(d + i, &u, 4);
+    }
+}
+
+#define QMM_ENTRY mlxserve_qmm_scalar
+#define MV_ROWS 4
+#define MR 4
+#include "qmm_impl.h"

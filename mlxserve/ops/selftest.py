@@ -1,0 +1,228 @@
+"""Self-test of each Metal kernel variant on its first use, against the fallback.
+
+The kernels are compiled by Apple's compiler only on the user's machine, so a variant (a
+kernel with its template arguments: dtype, head_dim, block size, GQA ratio, window, ...) is
+not trusted until it has run once here: the first time the dispatcher is about to use it, it
+runs on a small input of the same variant and is compared with the MLX fallback; the pool
+write is read back slot by slot. A compile or launch error, a mismatch or a lost write is
+logged once, with the kernel, the variant and the MLX and OS versions, and that op uses the
+fallback from then on. Mode "raise" (``kernels='metal'``, for CI) raises instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlxserve.ops import fallback
+from mlxserve.ops.metadata import AttentionMetadata
+from mlxserve.ops.metal import PATH_KERNELS, MetalKernels, write_variant
+
+logger = logging.getLogger("mlxserve")
+
+MODES = ("fallback", "raise")
+# Kernel vs fallback, both in the pool dtype; an injected or real bug is far outside these.
+TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 6e-2}
+MAX_WINDOW_CONTEXT = 8192  # longer windows are tested without reaching their edge
+
+
+class KernelSelfTestError(RuntimeError):
+    """A Metal kernel variant failed its self-test while kernels='metal' was forced."""
+
+
+@dataclass(frozen=True)
+class SelfTestResult:
+    """Outcome of one variant's self-test; `detail` says what went wrong ("" when ok)."""
+
+    variant: str
+    ok: bool
+    detail: str = ""
+
+
+def platform_versions() -> str:
+    """MLX and OS versions, as a warning or `mlxserve doctor` names them."""
+    mac = platform.mac_ver()[0]
+    system = f"macOS {mac}" if mac else f"{platform.system()} {platform.release()}"
+    return f"MLX {mx.__version__}, {system}"
+
+
+def attention_ok(
+    kernels: MetalKernels,
+    q: mx.array,
+    k_cache: mx.array,
+    md: AttentionMetadata,
+    window: int | None,
+    sinks: mx.array | None,
+    mode: str | None,
+) -> bool:
+    """Whether the attention variant this batch would launch passed its self-test (run now
+    on first use). mode None skips the test (explicit factories: tests, exports)."""
+    if mode is None:
+        return True
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    gqa = q.shape[1] // num_kv_heads
+    path = kernels.attention_path(md, num_kv_heads, window)
+    use_sinks = sinks is not None
+    dtype = k_cache.dtype
+    variant = kernels.attention_variant(path, dtype, head_dim, block_size, gqa, window, use_sinks)
+    return _verified(
+        kernels,
+        variant,
+        lambda: _test_attention(kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks),
+        mode,
+    )
+
+
+def write_ok(kernels: MetalKernels, dtype: mx.Dtype, mode: str | None) -> bool:
+    """Whether the in-place pool write for `dtype` passed its self-test (run on first use)."""
+    if mode is None:
+        return True
+    return _verified(kernels, write_variant(dtype), lambda: _test_write(kernels, dtype), mode)
+
+
+def run_all(
+    kernels: MetalKernels,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    gqa: int,
+    window: int | None = None,
+    use_sinks: bool = False,
+) -> list[SelfTestResult]:
+    """Self-test (or recall) every variant a model of these shapes uses: the write and each
+    attention path (``mlxserve doctor``). Failures are logged as on first use."""
+    variants = [(write_variant(dtype), lambda: _test_write(kernels, dtype))]
+    for path in PATH_KERNELS:
+        variant = kernels.attention_variant(
+            path, dtype, head_dim, block_size, gqa, window, use_sinks
+        )
+        variants.append(
+            (
+                variant,
+                lambda path=path: _test_attention(
+                    kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
+                ),
+            )
+        )
+    for variant, test in variants:
+        _verified(kernels, variant, test, "fallback")
+    return [kernels.self_tests[variant] for variant, _ in variants]
+
+
+def _verified(kernels: MetalKernels, variant: str, test: Callable[[], str], mode: str) -> bool:
+    result = kernels.self_tests.get(variant)
+    if result is None:
+        try:
+            detail = test()
+        except Exception as e:  # noqa: BLE001 -- any failure to build, compile or run
+            detail = f"compile or launch error: {type(e).__name__}: {_first_line(e)}"
+        result = SelfTestResult(variant, not detail, detail)
+        kernels.self_tests[variant] = result
+        if not result.ok and mode == "fallback":
+            logger.warning(
+                "Metal kernel %s failed its self-test (%s) with %s; this op uses the MLX "
+                "fallback from now on (slower, same results). Please report this.",
+                variant,
+                detail,
+                platform_versions(),
+            )
+    if not result.ok and mode == "raise":
+        raise KernelSelfTestError(
+            f"Metal kernel {variant} failed its self-test ({result.detail}) with "
+            f"{platform_versions()}; kernels='metal' (MLXSERVE_KERNELS) allows no fallback"
+        )
+    return result.ok
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+def _dtype_key(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def _test_write(kernels: MetalKernels, dtype: mx.Dtype) -> str:
+    """Write 4 rows into a 4-block pool; every slot must read back as written or untouched."""
+    rng = np.random.default_rng(0)
+    shape = (4, 4, 2, 32)  # blocks, block size, kv heads, head_dim
+    slots = np.array([5, 6, 13, 2], dtype=np.int32)
+    pools = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    rows = [rng.standard_normal((len(slots), *shape[2:])).astype(np.float32) for _ in range(2)]
+    k_cache, v_cache = (mx.array(p).astype(dtype) for p in pools)
+    mx.eval(k_cache, v_cache)
+    before = [np.array(p.astype(mx.float32)) for p in (k_cache, v_cache)]
+    keys, values = (mx.array(r).astype(dtype) for r in rows)
+    k_new, v_new, token = kernels.write_kv(k_cache, v_cache, keys, values, mx.array(slots))
+    mx.eval(k_new, v_new, token)
+    for name, got, old, new in zip(
+        ("k_cache", "v_cache"), (k_new, v_new), before, (keys, values), strict=True
+    ):
+        got = np.array(got.astype(mx.float32)).reshape(-1, *shape[2:])
+        want = old.reshape(-1, *shape[2:]).copy()
+        want[slots] = np.array(new.astype(mx.float32))
+        if np.array_equal(got, want):
+            continue
+        if np.array_equal(got[slots], old.reshape(-1, *shape[2:])[slots]):
+            return f"lost write: {name} slots {slots.tolist()} kept their old contents"
+        bad = np.unique(np.nonzero((got != want).any(axis=(1, 2)))[0]).tolist()
+        return f"mismatch: {name} slots {bad} differ from the rows written"
+    return ""
+
+
+def _test_attention(
+    kernels: MetalKernels,
+    path: str,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    gqa: int,
+    window: int | None,
+    use_sinks: bool,
+) -> str:
+    """Attend a small batch on `path` with the kernels and with the fallback; compare."""
+    rng = np.random.default_rng(1)
+    num_kv_heads = 2
+    long = 2 * block_size + 3
+    if window and window + 2 <= MAX_WINDOW_CONTEXT:
+        long = max(long, window + 2)  # reach past the window's edge
+    if path == "prefill":  # a decode, and a chunk that crosses a block edge after a prefix
+        requests = [(1, block_size + 2), (min(5, long), long)]
+    else:
+        requests = [(1, block_size + 2), (1, long)]
+    query_lens = [q for q, _ in requests]
+    context_lens = [c for _, c in requests]
+    tables, next_block = [], 1
+    for c in context_lens:
+        n = -(-c // block_size)
+        tables.append(list(range(next_block, next_block + n))[::-1])  # not in order
+        next_block += n
+    md = AttentionMetadata.build(query_lens, context_lens, tables, block_size)
+    pool_shape = (next_block, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (
+        mx.array(rng.standard_normal(pool_shape).astype(np.float32)).astype(dtype) for _ in range(2)
+    )
+    num_heads = gqa * num_kv_heads
+    q = mx.array(rng.standard_normal((sum(query_lens), num_heads, head_dim)).astype(np.float32))
+    q = q.astype(dtype)
+    sinks = mx.array(rng.standard_normal(num_heads).astype(np.float32)) if use_sinks else None
+    scale = head_dim**-0.5
+    mx.eval(k_cache, v_cache, q)
+    want = fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
+    got = kernels.paged_attention(q, k_cache, v_cache, md, scale, window, sinks, path=path)
+    mx.eval(want, got)
+    want = np.array(want.astype(mx.float32))
+    got = np.array(got.astype(mx.float32))
+    tol = TOLERANCE[_dtype_key(dtype)]
+    if not np.all(np.isfinite(got)):
+        return "mismatch: non-finite output"
+    if not np.allclose(got, want, atol=tol, rtol=tol):
+        err = float(np.max(np.abs(got - want)))
+        return f"mismatch: max abs error {err:.3g} vs the fallback (tolerance {tol:g})"
+    return ""

@@ -1,0 +1,96 @@
+"""Grammars that make the model call a tool (tool_choice "required" or a named function).
+
+One Lark grammar (llguidance's dialect: ``%json {schema}`` embeds a JSON schema) per tool
+format, so a forced call is written the way the format's parser reads it, and its
+arguments validate against the tool's JSON schema (objects without
+``additionalProperties`` take only the properties they declare).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from mlxserve.structured_output.sources import (
+    DEFAULT_WHITESPACE,
+    close_objects,
+    json_schema_for_grammar,
+)
+
+# Formats whose parser reads Hermes-style JSON in <tool_call> tags (Qwen3-Coder's parser
+# accepts it besides its XML).
+_HERMES_LIKE = ("hermes", "qwen3_coder")
+
+
+def call_grammar(
+    parser: str,
+    functions: list[dict[str, Any]],
+    parallel: bool,
+    special_token: Callable[[str], int | None] = lambda _: None,
+) -> str:
+    """A Lark grammar for one call (or, with ``parallel``, one or more) to one of
+    ``functions`` (OpenAI function objects: name, parameters), in ``parser``'s format.
+
+    ``special_token(text)`` is the id of a special token (Mistral's markers), if any.
+    """
+    repeat = "+" if parallel else ""
+    if parser in _HERMES_LIKE:
+        bodies = [_object({"name": _const(f["name"]), "arguments": _params(f)}) for f in functions]
+        return _lark(
+            f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>" "\\n"?\n',
+            bodies,
+        )
+    if parser == "llama3_json":
+        bodies = [_object({"name": _const(f["name"]), "parameters": _params(f)}) for f in functions]
+        rest = ' ("; " body)*' if parallel else ""
+        return _lark(f"start: body{rest}\n", bodies)
+    if parser == "mistral":
+        marker = _token("[TOOL_CALLS]", special_token)
+        args = _token("[ARGS]", special_token)
+        names = [json.dumps(f["name"]) for f in functions]
+        bodies = [_params(f) for f in functions]
+        calls = " | ".join(f"{n} {args} body{i}" for i, n in enumerate(names))
+        lines = [f"start: call{repeat}", f"call: {marker} ({calls})"]
+        lines += [f"body{i}: {_json(b)}" for i, b in enumerate(bodies)]
+        return "\n".join(lines) + "\n"
+    raise ValueError(f"no tool-call grammar for the {parser!r} format")
+
+
+def _lark(head: str, bodies: list[dict]) -> str:
+    alternatives = " | ".join(f"body{i}" for i in range(len(bodies)))
+    lines = [head + f"body: {alternatives}"]
+    lines += [f"body{i}: {_json(b)}" for i, b in enumerate(bodies)]
+    return "\n".join(lines) + "\n"
+
+
+def _json(schema: dict) -> str:
+    """An embedded JSON schema, read as a response_format schema is (whitespace, \\d)."""
+    options = {"whitespace_flexible": True, "whitespace_pattern": DEFAULT_WHITESPACE}
+    return f"%json {json.dumps(json_schema_for_grammar(schema) | {'x-guidance': options})}"
+
+
+def _const(value: str) -> dict:
+    return {"const": value}
+
+
+def _object(properties: dict[str, Any]) -> dict:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def _params(function: dict[str, Any]) -> dict:
+    """The function's argument schema (no schema: any object). Objects hold only the
+    properties they declare unless they say otherwise: a function takes the arguments it
+    names, and a small model would otherwise invent more until max_tokens."""
+    schema = function.get("parameters")
+    return close_objects(schema) if isinstance(schema, dict) and schema else {"type": "object"}
+
+
+def _token(text: str, special_token: Callable[[str], int | None]) -> str:
+    token_id = special_token(text)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)

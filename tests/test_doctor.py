@@ -1,0 +1,142 @@
+"""`mlxserve doctor`: the facts it reports, on this machine and on faked ones."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from mlxserve.cli import doctor
+from mlxserve.utils import GiB
+from tests.paths import ROOT
+from tests.test_mlx_floor import mlx_ranges
+
+DOCTOR = [sys.executable, "-m", "mlxserve.cli", "doctor"]
+
+
+def run_doctor(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(DOCTOR + args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_doctor_reports_this_machine_and_the_embedded_model() -> None:
+    out = run_doctor(["--num-blocks", "65"])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    text = out.stdout
+    assert f"os:         {platform.system()} {platform.release()}" in lines or (
+        f"os:         macOS {platform.mac_ver()[0]}" in lines
+    )
+    assert f"mlx:        {mx.__version__} — supported (>=0.32.0,<0.33)" in lines
+    if not mx.metal.is_available():
+        assert "metal:      not available (mx.metal.is_available() is False)" in text
+        assert "kernels:    fallback (mx.metal.is_available() is False" in text
+        assert any(line.startswith("self-tests: not run") for line in lines)
+    else:  # a Mac: every variant of the model was self-tested, and passed
+        checks = [line for line in lines if line.startswith("self-test:  ")]
+        assert len(checks) == 4 and all(line.endswith(": ok") for line in checks), checks
+    blas = next(line for line in lines if line.startswith("blas:"))
+    if sys.platform == "linux":
+        assert "OpenBLAS bound from" in blas or "pip install scipy-openblas32" in blas
+    # SmolLM2-135M: 30 layers, 9 heads, 3 KV heads of 64; float32 KV on the CPU is
+    # 2 x 30 x 3 x 64 x 4 B = 45 KiB per token, 720 KiB per 16-token block (float16 on
+    # Metal: 360 KiB)
+    assert "SmolLM2-135M-Instruct" in text
+    assert "30 layers, 9 heads, 3 KV heads, head_dim 64" in text
+    per_block = "720 KiB/block" if not mx.metal.is_available() else "360 KiB/block"
+    assert "up to 64 blocks x 16 tokens" in text and per_block in text
+    assert "max_model_len 1024" in text
+
+
+@pytest.mark.parametrize("model", ["/no/such/model.gguf", "bad.gguf"])
+def test_a_bad_model_is_a_one_line_error(tmp_path, model: str) -> None:
+    if model == "bad.gguf":
+        (tmp_path / model).write_bytes(b"not a gguf file at all")
+        model = str(tmp_path / model)
+    out = run_doctor([model])
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if not line.startswith("INFO")]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and model in errors[0], out.stderr
+    assert "platform:" in out.stdout  # the system facts came first
+
+
+def test_mlx_version_verdicts_and_the_pinned_range() -> None:
+    floor, ceiling = mlx_ranges()[0]
+    assert doctor.MLX_FLOOR == tuple(int(p) for p in floor.split("."))
+    assert doctor.MLX_CEILING == tuple(int(p) for p in ceiling.split("."))
+    assert "TOO OLD" in doctor.mlx_line("0.31.2")
+    assert "supported" in doctor.mlx_line("0.32.0")
+    assert "supported" in doctor.mlx_line("0.32.4.dev20260101+abc")
+    assert "newer than tested" in doctor.mlx_line("0.33.0")
+
+
+def test_metal_device_line_from_a_faked_device() -> None:
+    info = {
+        "device_name": "Apple M2 Pro",
+        "architecture": "applegpu_g14s",
+        "memory_size": 32 * GiB,
+        "max_recommended_working_set_size": int(21.5 * GiB),
+        "max_buffer_length": 16 * GiB,
+    }
+    line = doctor.metal_line(True, lambda: info, lambda: 19)
+    assert line == (
+        "Apple M2 Pro (applegpu_g14s), 19 GPU cores, memory 32.0 GiB, "
+        "recommended working set 21.5 GiB, max buffer 16.0 GiB"
+    )
+    assert "GPU cores unknown" in doctor.metal_line(True, lambda: info, lambda: None)
+    assert doctor.metal_line(False, dict, lambda: None).startswith("not available")
+
+
+def test_blas_line_says_how_to_get_openblas() -> None:
+    missing = doctor.blas_line("linux", None, "no OpenBLAS found")
+    assert "no OpenBLAS found" in missing and "pip install scipy-openblas32" in missing
+    assert doctor.blas_line("linux", "/x/libopenblas.so.0", "OpenBLAS loaded") == "OpenBLAS loaded"
+    assert doctor.blas_line("darwin", None, "-").startswith("Accelerate")
+
+
+def test_kernel_self_tests_are_reported_per_variant() -> None:
+    """A broken decode kernel (emulated): doctor names it FAILED, the others ok."""
+    if sys.platform != "linux":
+        pytest.skip("the Metal emulator runs on Linux")
+    from metal.checker.emulator import Emulator
+    from mlxserve.ops.metal import MetalKernels
+    from tests.test_metal_selftest import broken
+
+    kernels = MetalKernels(broken(Emulator(), "paged_decode", "wrong"))
+    lines = doctor.kernel_lines(kernels, mx.float16, 64, 16, 3)
+    assert len(lines) == 4
+    verdicts = {line.split("<")[0].removeprefix("self-test:  "): line for line in lines}
+    assert set(verdicts) == {
+        "write_kv",
+        "paged_decode",
+        "paged_decode_split+paged_decode_reduce",
+        "paged_prefill",
+    }
+    assert "T=float16, HEAD_DIM=64, BLOCK_SIZE=16, GQA=3" in verdicts["paged_decode"]
+    assert "FAILED, using the fallback: mismatch" in verdicts["paged_decode"]
+    for name, line in verdicts.items():
+        if name != "paged_decode":
+            assert line.endswith(": ok"), line
+    assert doctor.kernel_lines(None, mx.float16, 64, 16, 3)[0].startswith("self-tests: not run")
+
+
+def test_a_failed_self_test_makes_the_exit_status_1(monkeypatch, capsys) -> None:
+    """The whole command in-process, its kernels a broken emulated prefill (CI on a Mac
+    relies on the status)."""
+    if sys.platform != "linux":
+        pytest.skip("the Metal emulator runs on Linux")
+    from metal.checker.emulator import Emulator
+    from mlxserve import ops
+    from mlxserve.cli.main import build_parser
+    from mlxserve.ops.metal import MetalKernels
+    from tests.test_metal_selftest import broken
+
+    kernels = MetalKernels(broken(Emulator(), "paged_prefill", "wrong"))
+    monkeypatch.setattr(ops, "metal_kernels", lambda: kernels)
+    args = build_parser().parse_args(["doctor", "--num-blocks", "65"])
+    assert doctor.run_doctor(args) == 1
+    out = capsys.readouterr().out
+    assert "self-test:  paged_prefill<T=float32, HEAD_DIM=64" in out
+    assert out.count(": FAILED") == 1
