@@ -115,7 +115,7 @@ def test_stream_text_final_message_and_event_order(client, server, oracle) -> No
     # Anthropic's documented sequence: one text block, deltas, then the message's end.
     n = names.count("content_block_delta")
     assert n >= 1 and names == [
-        "message_start", "content_block_start", "ping", *["content_block_delta"] * n,
+        "message_start", "ping", "content_block_start", *["content_block_delta"] * n,
         "content_block_stop", "message_delta", "message_stop",
     ]  # fmt: skip
     assert datas[0]["message"]["usage"]["input_tokens"] == num_prompt
@@ -138,7 +138,7 @@ def test_errors_in_anthropics_shape(client, server) -> None:
     with pytest.raises(anthropic.NotFoundError) as e:
         create(client, model="nope")
     assert e.value.body["type"] == "error"
-    with pytest.raises(anthropic.BadRequestError, match="not supported yet"):
+    with pytest.raises(anthropic.BadRequestError, match="type 'image' are not supported"):
         create(client, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
     r = httpx.post(server.url + "/v1/messages", json={"model": "tiny"}, headers={"x-api-key": KEY})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]

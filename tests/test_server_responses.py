@@ -95,7 +95,7 @@ def test_errors_name_the_field(client, server) -> None:
         create(client, input="x", temperature=-1)
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        create(client, input=[{"type": "function_call_output", "call_id": "c", "output": "1"}])
+        create(client, input=[{"type": "web_search_call", "id": "w"}])
     assert e.value.body["param"] == "input"
     values = read_metrics(server.url)
     assert metric(values, "vllm:kv_cache_usage_perc", model_name="tiny") == 0

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,6 +28,12 @@ from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, SSEResponse
+from mlxserve.server.tool_messages import (
+    anthropic_messages,
+    anthropic_tool_choice,
+    anthropic_tools,
+    call_input,
+)
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -51,21 +59,6 @@ class AnthropicMessage(_Strict):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
-    def text(self) -> str:
-        """The message's text; a block kind mlxserve cannot take yet is a 400 naming it."""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for block in self.content:
-            kind = block.get("type")
-            if kind != "text":
-                raise bad_request(
-                    f"content blocks of type {kind!r} are not supported yet (only 'text')",
-                    "messages.content",
-                )
-            parts.append(TextBlock.model_validate(block).text)
-        return "".join(parts)
-
 
 class _Body(_Strict):
     model: str
@@ -73,25 +66,26 @@ class _Body(_Strict):
     system: str | list[TextBlock] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    # Reasoning follows the model (its reasoning parser); "thinking" blocks carry it.
     thinking: dict[str, Any] | None = None
 
-    def check_unimplemented(self) -> None:
-        if self.tools:
-            raise bad_request("tools are not supported yet", "tools")
-        if self.tool_choice is not None and self.tool_choice.get("type") not in ("auto", "none"):
-            raise bad_request("tool_choice needs tools, which are not supported yet", "tool_choice")
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise bad_request("thinking is not supported yet", "thinking")
-
-    def chat_messages(self) -> list[dict[str, str]]:
-        """System first (blocks joined), then the turns, as the chat template takes them."""
-        out = []
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """System first (blocks joined), then the turns, in OpenAI chat terms."""
+        out: list[dict[str, Any]] = []
         if self.system:
             system = self.system
             text = system if isinstance(system, str) else "".join(b.text for b in system)
             out.append({"role": "system", "content": text})
-        out += [{"role": m.role, "content": m.text()} for m in self.messages]
-        return out
+        return out + anthropic_messages(self.messages)
+
+    def tool_args(self) -> dict[str, Any]:
+        """ChatRun's tools, tool_choice and parallel_tool_calls for this body."""
+        choice, parallel = anthropic_tool_choice(self.tool_choice)
+        return {
+            "tools": anthropic_tools(self.tools),
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+        }
 
 
 class MessagesRequest(_Body):
@@ -125,8 +119,10 @@ class CountTokensRequest(_Body):
     """POST /v1/messages/count_tokens."""
 
 
-def stop_reason(res: ChatResult) -> tuple[str, str | None]:
+def stop_reason(res: ChatResult, called_tools: bool = False) -> tuple[str, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for how the generation ended."""
+    if called_tools and res.finish_reason == "stop":
+        return "tool_use", None
     if res.finish_reason == "length":
         return "max_tokens", None
     if isinstance(res.stop_reason, str):
@@ -159,59 +155,111 @@ class AnthropicServing:
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         self.serving.check_model(req.model)
-        req.check_unimplemented()
         run = ChatRun(self.serving, "count")
-        _, ids = run.render(req.chat_messages())
+        _, ids, _ = await run_in_threadpool(
+            run.prepare, req.chat_messages(), SamplingParams(), **req.tool_args()
+        )
         return {"input_tokens": len(ids)}
 
     async def messages(self, raw: Request, req: MessagesRequest) -> Response:
         model = self.serving.check_model(req.model)
-        req.check_unimplemented()
         params = req.sampling_params()
         run = ChatRun(self.serving, "msg", "messages")
-        msg_id = "msg_" + uuid.uuid4().hex
-        if not await started(run, raw, run.start(raw, params, messages=req.chat_messages())):
+        start = run.start(raw, params, messages=req.chat_messages(), **req.tool_args())
+        if not await started(run, raw, start):
             return Response(status_code=499)
-        head = {"id": msg_id, "type": "message", "role": "assistant", "model": model}
+        head = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant"}
+        head["model"] = model
         if not req.stream:
             try:
                 res = await run.collect(raw)
             except ClientDisconnected:
                 return Response(status_code=499)
-            reason, sequence = stop_reason(res)
-            content = [{"type": "text", "text": res.text}]
+            parsed = run.parsed()
+            content = []
+            if parsed.reasoning_content:
+                content.append(
+                    {"type": "thinking", "thinking": parsed.reasoning_content, "signature": ""}
+                )
+            if parsed.content or not parsed.tool_calls:
+                content.append({"type": "text", "text": parsed.content})
+            for call in parsed.tool_calls:
+                content.append(
+                    {
+                        "type": "tool_use",
+                        "id": call.id,
+                        "name": call.name,
+                        "input": call_input(call.arguments),
+                    }
+                )
+            reason, sequence = stop_reason(res, bool(parsed.tool_calls))
             body = head | {"content": content, "stop_reason": reason, "stop_sequence": sequence}
             return JSONResponse(body | {"usage": _usage(res)})
-
-        async def events():
-            start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
-            usage = _usage(run.result) | {"output_tokens": 0}
-            yield event(
-                "message_start", {"type": "message_start", "message": start | {"usage": usage}}
-            )
-            block = {"type": "text", "text": ""}
-            yield event(
-                "content_block_start",
-                {"type": "content_block_start", "index": 0, "content_block": block},
-            )
-            yield event("ping", {"type": "ping"})
-            async for text in run.deltas():
-                delta = {"type": "text_delta", "text": text}
-                yield event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": delta},
-                )
-            yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
-            reason, sequence = stop_reason(run.result)
-            delta = {"stop_reason": reason, "stop_sequence": sequence}
-            out_usage = {"output_tokens": run.result.completion_tokens}
-            yield event(
-                "message_delta", {"type": "message_delta", "delta": delta, "usage": out_usage}
-            )
-            yield event("message_stop", {"type": "message_stop"})
-
-        frames = framed(events(), run, lambda e: event("error", error_body(e.status, e.message)))
+        frames = framed(
+            _events(run, head), run, lambda e: event("error", error_body(e.status, e.message))
+        )
         return SSEResponse(frames, run.close)
+
+
+async def _events(run: ChatRun, head: dict[str, Any]) -> AsyncIterator[str]:
+    """Anthropic's event stream of one reply: a block per kind of output, in order."""
+    start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
+    usage = _usage(run.result) | {"output_tokens": 0}
+    yield event("message_start", {"type": "message_start", "message": start | {"usage": usage}})
+    yield event("ping", {"type": "ping"})
+    index, open_kind, num_calls = -1, None, 0
+
+    def block_start(kind: str, block: dict[str, Any]) -> list[str]:
+        nonlocal index, open_kind
+        frames = (
+            [event("content_block_stop", {"type": "content_block_stop", "index": index})]
+            if open_kind
+            else []
+        )
+        index, open_kind = index + 1, kind
+        frames.append(
+            event(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": block},
+            )
+        )
+        return frames
+
+    def block_delta(delta: dict[str, Any]) -> str:
+        return event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
+
+    async for d in run.parsed_deltas():
+        if d.reasoning_content:
+            if open_kind != "thinking":
+                for f in block_start(
+                    "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                ):
+                    yield f
+            yield block_delta({"type": "thinking_delta", "thinking": d.reasoning_content})
+        if d.content:
+            if open_kind != "text":
+                for f in block_start("text", {"type": "text", "text": ""}):
+                    yield f
+            yield block_delta({"type": "text_delta", "text": d.content})
+        for tc in d.tool_calls:
+            if tc.id is not None:  # a new call: its own block
+                num_calls += 1
+                block = {"type": "tool_use", "id": tc.id, "name": tc.name, "input": {}}
+                for f in block_start("tool_use", block):
+                    yield f
+            if tc.arguments:
+                yield block_delta({"type": "input_json_delta", "partial_json": tc.arguments})
+    if open_kind is None:  # an empty reply: one empty text block
+        for f in block_start("text", {"type": "text", "text": ""}):
+            yield f
+    yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+    reason, sequence = stop_reason(run.result, num_calls > 0)
+    delta = {"stop_reason": reason, "stop_sequence": sequence}
+    out_usage = {"output_tokens": run.result.completion_tokens}
+    yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": out_usage})
+    yield event("message_stop", {"type": "message_stop"})
 
 
 def _usage(res: ChatResult) -> dict[str, int]:

@@ -18,7 +18,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from mlxserve.exceptions import ParameterError
+from mlxserve.parsers import OutputParser, ParsedDelta, ParsedMessage
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.server.chat_tools import ChatPlan
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.streams import (
     ClientDisconnected,
@@ -46,7 +48,12 @@ class ChatResult:
 
 
 class ChatRun:
-    """A chat conversation (or a raw prompt) as one engine request."""
+    """A chat conversation (or a raw prompt) as one engine request.
+
+    With tools (OpenAI function tools and a tool_choice name, server/tool_messages.py
+    translates each API's) the server's ChatFeatures plan the prompt and the constraint, and
+    the reply is parsed into content, reasoning and tool calls, as on /v1/chat/completions.
+    """
 
     def __init__(self, serving, prefix: str, prompt_param: str = "messages") -> None:
         self.serving = serving
@@ -54,15 +61,34 @@ class ChatRun:
         self.prompt_param = prompt_param  # the request field a rejected prompt is blamed on
         self.result = ChatResult()
         self.group: RequestGroup | None = None
+        self.parser: OutputParser | None = None
+        self.parallel_tool_calls = True
+        # Engine parameter -> the request field that set it (for 400s).
+        self.field_names: dict[str, str] = {}
 
-    def render(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> tuple[str, list]:
-        """The chat template applied to ``messages`` (call in a worker thread): text, ids."""
+    def prepare(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> tuple[str, list[int], ChatPlan]:
+        """Plan tools and reasoning, then render (call in a worker thread): text, ids, plan."""
+        try:
+            plan = self.serving.features.plan(
+                messages, tools or [], tool_choice, parallel_tool_calls, params
+            )
+        except ParameterError as e:
+            raise self._engine_error(e) from None
         tok = self.serving.tokenizer
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+            text = tok.apply_chat_template(
+                plan.messages, tools=plan.tools, add_generation_prompt=True
+            )
         except ValueError as e:
             raise bad_request(str(e), self.prompt_param) from None
-        return text, tok.encode_rendered_chat(text)
+        return text, tok.encode_rendered_chat(text), plan
 
     async def start(
         self,
@@ -70,22 +96,33 @@ class ChatRun:
         params: SamplingParams,
         messages: list[dict[str, Any]] | None = None,
         prompt: str | None = None,
-        **template_kwargs: Any,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | None = None,
+        parallel_tool_calls: bool = True,
     ) -> None:
         """Render and submit; returns once the engine accepted it (APIError 400 if not).
 
         Raises ClientDisconnected if the client left meanwhile.
         """
         self.serving.check_accepting()
+        starts_after = None
         if messages is not None:
-            text, ids = await run_in_threadpool(self.render, messages, **template_kwargs)
+            text, ids, plan = await run_in_threadpool(
+                self.prepare, messages, params, tools, tool_choice, parallel_tool_calls
+            )
+            self.parser = plan.output_parser(text)
+            self.parallel_tool_calls = parallel_tool_calls
+            starts_after = plan.grammar_starts_after(text, params)
         else:
             assert prompt is not None
             text = prompt
             ids = await run_in_threadpool(self.serving.tokenizer.encode, prompt)
         self.result.prompt_tokens = len(ids)
         self.group = RequestGroup(
-            self.serving.llm, [(self.request_id, text, ids, params)], self.serving.in_flight
+            self.serving.llm,
+            [(self.request_id, text, ids, params)],
+            self.serving.in_flight,
+            grammar_starts_after=starts_after,
         )
         try:
             await run_unless_disconnected(raw, self.group.start())
@@ -95,7 +132,9 @@ class ChatRun:
 
     def _engine_error(self, e: ValueError) -> APIError:
         if isinstance(e, ParameterError) and e.parameter not in (None, "prompt"):
-            return bad_request(str(e), e.parameter)
+            param = e.parameter
+            name = self.field_names.get(param) or self.field_names.get(param.split(".")[0], param)
+            return bad_request(str(e), name)
         return bad_request(str(e), self.prompt_param)
 
     async def deltas(self) -> AsyncIterator[str]:
@@ -113,6 +152,32 @@ class ChatRun:
                 raise APIError(500, out.error)
             if c.text:
                 yield c.text
+
+    async def parsed_deltas(self) -> AsyncIterator[ParsedDelta]:
+        """The reply as it is generated, parsed: content, reasoning, whole tool calls."""
+        async for text in self.deltas():
+            delta = self.parser.feed(text) if self.parser else ParsedDelta(content=text)
+            if delta:
+                yield self._limit(delta)
+        if self.parser is not None:
+            delta = self.parser.finish()
+            if delta:
+                yield self._limit(delta)
+
+    def parsed(self) -> ParsedMessage:
+        """The whole reply, parsed (after collect())."""
+        text = self.result.text
+        if self.parser is None:
+            return ParsedMessage(text, "", [])
+        message = self.parser.parse(text)
+        if not self.parallel_tool_calls:
+            message.tool_calls = message.tool_calls[:1]
+        return message
+
+    def _limit(self, delta: ParsedDelta) -> ParsedDelta:
+        if not self.parallel_tool_calls:  # the first call only
+            delta.tool_calls = [tc for tc in delta.tool_calls if tc.index == 0]
+        return delta
 
     async def collect(self, raw: Request) -> ChatResult:
         """The whole generation (ClientDisconnected if the client leaves first)."""

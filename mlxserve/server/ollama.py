@@ -25,12 +25,14 @@ from starlette.responses import JSONResponse, Response
 
 from mlxserve import __version__
 from mlxserve.exceptions import ParameterError
+from mlxserve.parsers import ToolCall
 from mlxserve.pooling_params import PoolingParams
-from mlxserve.sampling_params import SamplingParams
+from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed, started
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
+from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -58,6 +60,10 @@ NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0, "penalize_newl
 class OllamaMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    thinking: str | None = None  # earlier reasoning: not part of the next prompt
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    images: list[str] | None = None
 
 
 class _Common(_Strict):
@@ -70,11 +76,15 @@ class _Common(_Strict):
     format: str | dict[str, Any] | None = None
     think: bool | None = None
 
-    def check_unimplemented(self) -> None:
-        if self.format not in (None, ""):
-            raise bad_request("format (structured output) is not supported yet", "format")
-        if self.think:
-            raise bad_request("think is not supported yet", "think")
+    def constraint(self) -> StructuredOutputsParams | None:
+        """``format``: "json" (any JSON object) or a JSON schema, enforced by a grammar."""
+        if self.format in (None, ""):
+            return None
+        if self.format == "json":
+            return StructuredOutputsParams(json_object=True)
+        if isinstance(self.format, dict):
+            return StructuredOutputsParams(json=self.format)
+        raise bad_request(f"format must be 'json' or a JSON schema, got {self.format!r}", "format")
 
     def sampling_params(self) -> SamplingParams:
         """The options as SamplingParams; a bad or unimplemented one is a 400 naming it."""
@@ -93,7 +103,9 @@ class _Common(_Strict):
             else:
                 raise bad_request(f"option {key!r} is not supported by mlxserve", f"options.{key}")
         try:
-            return SamplingParams(**values)
+            params = SamplingParams(**values)
+            params.structured_outputs = self.constraint()
+            return params
         except (ParameterError, TypeError) as e:
             name = getattr(e, "parameter", None)
             option = next((k for k, v in OPTION_FIELDS.items() if v == name), name)
@@ -224,18 +236,22 @@ class OllamaServing:
     # ------------------------------------------------------------ generation
     async def chat(self, raw: Request, req: OllamaChatRequest) -> Response:
         model = self.model_name(req.model)
-        req.check_unimplemented()
-        if req.tools:
-            raise bad_request("tools are not supported yet", "tools")
+        if any(m.images for m in req.messages):
+            raise bad_request("images are not supported (no vision models here)", "messages")
         params = req.sampling_params()
-        messages = [m.model_dump() for m in req.messages]
+        messages = ollama_messages([m.model_dump(exclude_none=True) for m in req.messages])
         if not messages:
             raise bad_request("messages must not be empty", "messages")
-        return await self._run(raw, req.stream, params, model, "message", messages=messages)
+        tools = [
+            function_tool(f.get("name"), f.get("description"), f.get("parameters"), "tools")
+            for f in (t.get("function") or {} for t in req.tools or ())
+        ]
+        return await self._run(
+            raw, req.stream, params, model, "message", messages=messages, tools=tools or None
+        )
 
     async def generate(self, raw: Request, req: OllamaGenerateRequest) -> Response:
         model = self.model_name(req.model)
-        req.check_unimplemented()
         for name in ("suffix", "context", "images"):
             if getattr(req, name):
                 raise bad_request(f"{name} is not supported", name)
@@ -253,13 +269,22 @@ class OllamaServing:
         self, raw: Request, stream: bool, params: SamplingParams, model: str, key: str, **what
     ) -> Response:
         run = ChatRun(self.serving, "ollama", "messages" if key == "message" else "prompt")
+        run.field_names = {"structured_outputs": "format"}
         if not await started(run, raw, run.start(raw, params, **what)):
             return Response(status_code=499)
 
-        def piece(text: str) -> dict[str, Any]:
-            if key == "message":
-                return {"message": {"role": "assistant", "content": text}}
-            return {"response": text}
+        def piece(content: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
+            if key == "response":
+                return {"response": content} | ({"thinking": thinking} if thinking else {})
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = [
+                    {"function": {"name": c.name, "arguments": call_input(c.arguments)}}
+                    for c in calls
+                ]
+            return {"message": message}
 
         head = {"model": model}
         if not stream:
@@ -267,12 +292,15 @@ class OllamaServing:
                 res = await run.collect(raw)
             except ClientDisconnected:
                 return Response(status_code=499)
-            body = head | {"created_at": now_iso()} | piece(res.text) | _done_fields(res)
-            return JSONResponse(body)
+            parsed = run.parsed()
+            reply = piece(parsed.content, parsed.reasoning_content, parsed.tool_calls)
+            return JSONResponse(head | {"created_at": now_iso()} | reply | _done_fields(res))
 
         async def lines():
-            async for text in run.deltas():
-                yield _line(head | {"created_at": now_iso()} | piece(text) | {"done": False})
+            async for d in run.parsed_deltas():
+                calls = [ToolCall(tc.id or "", tc.name or "", tc.arguments) for tc in d.tool_calls]
+                reply = piece(d.content, d.reasoning_content, calls)
+                yield _line(head | {"created_at": now_iso()} | reply | {"done": False})
             yield _line(head | {"created_at": now_iso()} | piece("") | _done_fields(run.result))
 
         frames = framed(lines(), run, lambda e: _line({"error": e.message}))

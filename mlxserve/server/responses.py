@@ -21,24 +21,40 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlxserve.exceptions import ParameterError
-from mlxserve.sampling_params import INT32_MAX, SamplingParams
+from mlxserve.parsers import ToolCall
+from mlxserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, SSEResponse
+from mlxserve.server.tool_messages import responses_items, responses_tool_choice, responses_tools
 
 # Responses kept for previous_response_id / GET: each holds its conversation's text.
 MAX_STORED_RESPONSES = 1000
-TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class TextFormat(_Strict):
-    type: Literal["text"]
+    """text.format: plain text, any JSON object, or a JSON schema (enforced by a grammar)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.schema_ if self.schema_ is not None else {})
+        return None
 
 
 class TextConfig(_Strict):
@@ -66,50 +82,27 @@ class ResponsesRequest(_Strict):
     user: str | None = None  # an end-user id for the caller's own bookkeeping; not used
     truncation: Literal["disabled"] | None = None
 
-    def check_unimplemented(self) -> None:
-        if self.tools:
-            raise bad_request("tools are not supported yet", "tools")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise bad_request("tool_choice needs tools, which are not supported yet", "tool_choice")
-
     def sampling_params(self) -> SamplingParams:
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens
             )
+            if self.text is not None and self.text.format is not None:
+                params.structured_outputs = self.text.format.constraint()
         except ParameterError as e:
             name = {"max_tokens": "max_output_tokens"}.get(e.parameter or "", e.parameter)
+            if name and name.startswith("structured_outputs"):
+                name = "text.format"
             raise bad_request(str(e), name) from None
+        return params
 
-    def input_messages(self) -> list[dict[str, str]]:
-        """``input`` as chat messages; an item kind mlxserve cannot take yet is a 400."""
-        if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
-        out = []
-        for i, item in enumerate(self.input):
-            kind = item.get("type", "message")
-            role = item.get("role")
-            if kind != "message" or role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(
-                    f"input[{i}]: items of type {kind!r} are not supported yet", "input"
-                )
-            content = item.get("content")
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise bad_request(
-                            f"input[{i}]: content of type {kind!r} is not supported", "input"
-                        )
-                    texts.append(str(part.get("text", "")))
-                content = "".join(texts)
-            if not isinstance(content, str):
-                raise bad_request(f"input[{i}].content must be a string or text parts", "input")
-            out.append({"role": "system" if role == "developer" else role, "content": content})
-        if not out:
-            raise bad_request("input must not be empty", "input")
-        return out
+    def tool_args(self) -> dict[str, Any]:
+        """ChatRun's tools, tool_choice and parallel_tool_calls for this body."""
+        return {
+            "tools": responses_tools(self.tools),
+            "tool_choice": responses_tool_choice(self.tool_choice),
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+        }
 
 
 class ResponseStore:
@@ -146,28 +139,46 @@ class ResponsesServing:
 
     async def create(self, raw: Request, req: ResponsesRequest) -> Response:
         model = self.serving.check_model(req.model)
-        req.check_unimplemented()
         params = req.sampling_params()
-        history: list[dict[str, str]] = []
+        history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             _, history = self.store.get(req.previous_response_id)
-        conversation = history + req.input_messages()
+        items = (
+            [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+        )
+        conversation = history + responses_items(items)
         messages = conversation
         if req.instructions:
             messages = [{"role": "system", "content": req.instructions}] + conversation
         run = ChatRun(self.serving, "resp", "input")
-        if not await started(run, raw, run.start(raw, params, messages=messages)):
+        run.field_names = {"structured_outputs": "text.format"}
+        start = run.start(raw, params, messages=messages, **req.tool_args())
+        if not await started(run, raw, start):
             return Response(status_code=499)
-        resp_id, item_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+        resp_id = "resp_" + uuid.uuid4().hex
         base = _response(resp_id, model, req, "in_progress", [], None)
 
-        def finish(res: ChatResult) -> dict:
+        def finish(res: ChatResult, output: list[dict[str, Any]], calls: list[ToolCall]) -> dict:
             status = "incomplete" if res.finish_reason == "length" else "completed"
-            out = [_message(item_id, res.text, "completed")]
-            body = _response(resp_id, model, req, status, out, res)
+            body = _response(resp_id, model, req, status, output, res)
             if req.store:
-                assistant = {"role": "assistant", "content": res.text}
-                self.store.put(body, conversation + [assistant])
+                text = "".join(
+                    p["text"]
+                    for item in output
+                    if item["type"] == "message"
+                    for p in item["content"]
+                )
+                turn: dict[str, Any] = {"role": "assistant", "content": text}
+                if calls:
+                    turn["tool_calls"] = [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }
+                        for c in calls
+                    ]
+                self.store.put(body, conversation + [turn])
             return body
 
         if not req.stream:
@@ -175,7 +186,14 @@ class ResponsesServing:
                 res = await run.collect(raw)
             except ClientDisconnected:
                 return Response(status_code=499)
-            return JSONResponse(finish(res))
+            parsed = run.parsed()
+            output = []
+            if parsed.reasoning_content:
+                output.append(_reasoning(parsed.reasoning_content))
+            if parsed.content or not parsed.tool_calls:
+                output.append(_message("msg_" + uuid.uuid4().hex, parsed.content, "completed"))
+            output += [_function_call(c) for c in parsed.tool_calls]
+            return JSONResponse(finish(res, output, parsed.tool_calls))
 
         async def events():
             seq = iter(range(1 << 62))
@@ -184,26 +202,112 @@ class ResponsesServing:
                 payload = {"type": kind, "sequence_number": next(seq)} | data
                 return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-            where = {"item_id": item_id, "output_index": 0, "content_index": 0}
             yield event("response.created", response=base)
             yield event("response.in_progress", response=base)
-            yield event(
-                "response.output_item.added",
-                output_index=0,
-                item=_message(item_id, "", "in_progress"),
-            )
-            yield event("response.content_part.added", **where, part=_text_part(""))
-            async for text in run.deltas():
-                yield event("response.output_text.delta", **where, delta=text, logprobs=[])
-            res = run.result
-            yield event("response.output_text.done", **where, text=res.text, logprobs=[])
-            yield event("response.content_part.done", **where, part=_text_part(res.text))
-            yield event(
-                "response.output_item.done",
-                output_index=0,
-                item=_message(item_id, res.text, "completed"),
-            )
-            body = finish(res)
+            output: list[dict[str, Any]] = []
+            calls: list[ToolCall] = []
+            message: dict[str, Any] | None = None  # the open output message
+            reasoning = ""
+
+            def close_message() -> list[str]:
+                nonlocal message
+                if message is None:
+                    return []
+                where = {
+                    "item_id": message["id"],
+                    "output_index": len(output) - 1,
+                    "content_index": 0,
+                }
+                text = message["content"][0]["text"]
+                message["status"] = "completed"
+                frames = [
+                    event("response.output_text.done", **where, text=text, logprobs=[]),
+                    event("response.content_part.done", **where, part=_text_part(text)),
+                    event(
+                        "response.output_item.done",
+                        output_index=where["output_index"],
+                        item=message,
+                    ),
+                ]
+                message = None
+                return frames
+
+            def close_reasoning() -> list[str]:
+                nonlocal reasoning
+                if not reasoning:
+                    return []
+                item = _reasoning(reasoning)
+                output.append(item)
+                reasoning = ""
+                index = len(output) - 1
+                return [
+                    event("response.output_item.added", output_index=index, item=item),
+                    event("response.output_item.done", output_index=index, item=item),
+                ]
+
+            async for d in run.parsed_deltas():
+                reasoning += d.reasoning_content
+                if d.content:
+                    for f in close_reasoning():
+                        yield f
+                    if message is None:
+                        message = _message("msg_" + uuid.uuid4().hex, "", "in_progress")
+                        output.append(message)
+                        index = len(output) - 1
+                        yield event(
+                            "response.output_item.added",
+                            output_index=index,
+                            item=_message(message["id"], "", "in_progress"),
+                        )
+                        yield event(
+                            "response.content_part.added",
+                            item_id=message["id"],
+                            output_index=index,
+                            content_index=0,
+                            part=_text_part(""),
+                        )
+                        message["content"] = [_text_part("")]
+                    message["content"][0]["text"] += d.content
+                    where = {
+                        "item_id": message["id"],
+                        "output_index": len(output) - 1,
+                        "content_index": 0,
+                    }
+                    yield event("response.output_text.delta", **where, delta=d.content, logprobs=[])
+                for tc in d.tool_calls:
+                    for f in close_reasoning() + close_message():
+                        yield f
+                    call = ToolCall(tc.id or "", tc.name or "", tc.arguments)
+                    calls.append(call)
+                    item = _function_call(call)
+                    output.append(item)
+                    index = len(output) - 1
+                    yield event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item=item | {"arguments": "", "status": "in_progress"},
+                    )
+                    yield event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=index,
+                        delta=call.arguments,
+                    )
+                    yield event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        arguments=call.arguments,
+                    )
+                    yield event("response.output_item.done", output_index=index, item=item)
+            for f in close_reasoning() + close_message():
+                yield f
+            if not output:  # an empty reply: one empty message
+                item = _message("msg_" + uuid.uuid4().hex, "", "completed")
+                output.append(item)
+                yield event("response.output_item.added", output_index=0, item=item)
+                yield event("response.output_item.done", output_index=0, item=item)
+            body = finish(run.result, output, calls)
             yield event(f"response.{body['status']}", response=body)
 
         def on_error(e: APIError) -> str:
@@ -216,6 +320,22 @@ class ResponsesServing:
             return f"event: error\ndata: {json.dumps(body)}\n\n"
 
         return SSEResponse(framed(events(), run, on_error), run.close)
+
+
+def _reasoning(text: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [], "content": content}
+
+
+def _function_call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": "fc_" + uuid.uuid4().hex,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": "completed",
+    }
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -266,15 +386,20 @@ def _response(
         "previous_response_id": req.previous_response_id,
         "store": req.store,
         "temperature": req.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _format_echo(req)},
         "tool_choice": req.tool_choice or "auto",
-        "tools": [],
+        "tools": req.tools or [],
         "top_p": req.top_p,
         "truncation": "disabled",
         "usage": usage,
         "user": req.user,
         "metadata": req.metadata or {},
     }
+
+
+def _format_echo(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
 
 
 def add_responses_routes(app, responses: ResponsesServing, limit: int) -> None:
