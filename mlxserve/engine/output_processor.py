@@ -135,8 +135,10 @@ class OutputProcessor:
             # The scheduler stops on eos / stop token ids: that token is not part of the text.
             stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED
             sample.stream.step(new_token_ids[:-1] if stopped_on_token else new_token_ids)
-            if sample.stream.stopped and not request.is_finished:
-                hit_stop = True
+            if sample.stream.stopped:
+                # Also when this was the last token allowed (length): the stop string
+                # completed, so the answer ends there with "stop", as vLLM's.
+                hit_stop = not request.is_finished
                 self.finish_sample(request.request_id, "stop", sample.stream.stop_str)
         if request.is_finished and sample.finish_reason is None:
             reason = request.status.finish_reason

@@ -12,7 +12,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -68,6 +68,8 @@ class ServerConfig:
     # Chat replies: the tool-call format and the reasoning parser (None: from the template).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # The model's sampling defaults for fields a request leaves out ({}: OpenAI's defaults).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model_names:
@@ -90,6 +92,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
         engine.max_model_len,
         engine.model.vocab_size,
         ChatFeatures(engine.tokenizer, config.tool_call_parser, config.reasoning_parser),
+        config.sampling_defaults,
     )
     tokenizer = engine.tokenizer
     created = int(time.time())
