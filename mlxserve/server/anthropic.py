@@ -26,7 +26,7 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import INT32_MAX, MAX_STOP, SamplingParams
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request
-from mlxserve.server.protocol import _Strict
+from mlxserve.server.protocol import _Strict, model_defaults
 from mlxserve.server.streams import ClientDisconnected, SSEResponse
 from mlxserve.server.tool_messages import (
     anthropic_messages,
@@ -101,12 +101,13 @@ class MessagesRequest(_Body):
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id, for the caller's bookkeeping: not used
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """SamplingParams; ``defaults``: the model's, for the fields left out."""
+        sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        sampling |= model_defaults(defaults, self.model_fields_set, sampling)
         try:
             return SamplingParams(
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
+                **sampling,
                 max_tokens=self.max_tokens,
                 stop=self.stop_sequences,
             )
@@ -163,7 +164,7 @@ class AnthropicServing:
 
     async def messages(self, raw: Request, req: MessagesRequest) -> Response:
         model = self.serving.check_model(req.model)
-        params = req.sampling_params()
+        params = req.sampling_params(self.serving.sampling_defaults)
         run = ChatRun(self.serving, "msg", "messages")
         start = run.start(raw, params, messages=req.chat_messages(), **req.tool_args())
         if not await started(run, raw, start):

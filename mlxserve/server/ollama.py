@@ -86,9 +86,10 @@ class _Common(_Strict):
             return StructuredOutputsParams(json=self.format)
         raise bad_request(f"format must be 'json' or a JSON schema, got {self.format!r}", "format")
 
-    def sampling_params(self) -> SamplingParams:
-        """The options as SamplingParams; a bad or unimplemented one is a 400 naming it."""
-        values: dict[str, Any] = {"max_tokens": None}
+    def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """The options as SamplingParams; a bad or unimplemented one is a 400 naming it.
+        ``defaults``: the model's (as a Modelfile's parameters), under the options."""
+        values: dict[str, Any] = {"max_tokens": None} | dict(defaults or {})
         for key, value in (self.options or {}).items():
             if key in OPTION_FIELDS:
                 values[OPTION_FIELDS[key]] = value
@@ -238,7 +239,7 @@ class OllamaServing:
         model = self.model_name(req.model)
         if any(m.images for m in req.messages):
             raise bad_request("images are not supported (no vision models here)", "messages")
-        params = req.sampling_params()
+        params = req.sampling_params(self.serving.sampling_defaults)
         messages = ollama_messages([m.model_dump(exclude_none=True) for m in req.messages])
         if not messages:
             raise bad_request("messages must not be empty", "messages")
@@ -258,7 +259,7 @@ class OllamaServing:
         if not req.prompt:  # Ollama's way of asking for the model to be loaded: it is
             body = {"model": model, "created_at": now_iso(), "response": ""}
             return JSONResponse(body | {"done": True, "done_reason": "load"})
-        params = req.sampling_params()
+        params = req.sampling_params(self.serving.sampling_defaults)
         if req.raw:
             return await self._run(raw, req.stream, params, model, "response", prompt=req.prompt)
         messages = [{"role": "system", "content": req.system}] if req.system else []

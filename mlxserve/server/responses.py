@@ -30,7 +30,7 @@ from mlxserve.parsers import ToolCall
 from mlxserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request
-from mlxserve.server.protocol import _Strict
+from mlxserve.server.protocol import _Strict, model_defaults
 from mlxserve.server.streams import ClientDisconnected, SSEResponse
 from mlxserve.server.tool_messages import responses_items, responses_tool_choice, responses_tools
 
@@ -82,11 +82,15 @@ class ResponsesRequest(_Strict):
     user: str | None = None  # an end-user id for the caller's own bookkeeping; not used
     truncation: Literal["disabled"] | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """SamplingParams; ``defaults``: the model's, for the fields left out."""
+        sampling = {"temperature": self.temperature, "top_p": self.top_p}
+        sampling |= model_defaults(defaults, self.model_fields_set, sampling)
+        max_tokens = self.max_output_tokens
+        if max_tokens is None and defaults:
+            max_tokens = defaults.get("max_tokens")
         try:
-            params = SamplingParams(
-                temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens
-            )
+            params = SamplingParams(**sampling, max_tokens=max_tokens)
             if self.text is not None and self.text.format is not None:
                 params.structured_outputs = self.text.format.constraint()
         except ParameterError as e:
@@ -139,7 +143,7 @@ class ResponsesServing:
 
     async def create(self, raw: Request, req: ResponsesRequest) -> Response:
         model = self.serving.check_model(req.model)
-        params = req.sampling_params()
+        params = req.sampling_params(self.serving.sampling_defaults)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             _, history = self.store.get(req.previous_response_id)
