@@ -296,6 +296,14 @@ class Scheduler:
             rid = request.request_id
             if request.is_finished:
                 continue  # aborted after schedule(); its blocks are already free
+            if request.pooling is not None:  # prefill only: done once the vector is out
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                if rid in model_runner_output.pooled:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    updated.append(request)
+                    any_finished = True
+                    self._release(request)
+                continue
             new_token_ids = sampled.get(rid) or []
             drafts = scheduler_output.draft_token_ids.get(rid, ())
             if rid in scheduler_output.sampling_request_ids:

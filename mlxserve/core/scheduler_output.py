@@ -94,6 +94,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, object] | None = None
     # request_id -> what went wrong, for requests whose step failed (they got no token).
     failed: dict[str, str] = field(default_factory=dict)
+    # request_id -> pooled hidden state, for embedding requests whose prompt is done.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ def can_speculate(request: Request) -> bool:
     """False for requests whose verification this engine cannot make exact yet."""
     p = request.sampling_params
     return (
-        request.structured_output is None
+        request.pooling is None  # an embedding request: prefill only
+        and request.structured_output is None
         and p.logprobs is None
         and p.repetition_penalty == 1.0
         and not p.presence_penalty

@@ -56,6 +56,7 @@ from mlxserve.worker.memory import (
     probe_activation_bytes,
     tree_bytes,
 )
+from mlxserve.worker.pooling import PoolingRows, PoolingSums
 from mlxserve.worker.sampler import (
     SamplerOutput,
     SamplingState,
@@ -93,9 +94,15 @@ class _Part:
     logits: mx.array | None = None
     # Per sampler, its drafts (speculative decoding): it has 1 + len(drafts) sample rows.
     drafts: list[list[int]] = field(default_factory=list)
+    # Embedding requests in this step: (request, chunk starts at 0, chunk ends the prompt),
+    # and per request the sum (mean pooling) or the last row of its chunk's hidden states.
+    poolers: list[tuple[Request, bool, bool]] = field(default_factory=list)
+    pooled: mx.array | None = None  # (len(poolers), hidden) float32
 
     def arrays(self) -> list[mx.array]:
         out = list(self.prompt_logprobs or ())
+        if self.pooled is not None:
+            out.append(self.pooled)
         if self.result is None and self.logits is not None:
             out.append(self.logits)
         if self.result is not None:
@@ -113,6 +120,7 @@ class _Read:
 
     samples: list[tuple[Request, list[int], Logprobs | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)
+    pooled: list[tuple[Request, bool, bool, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -151,6 +159,8 @@ class ModelRunner:
         mx.random.seed(seed)
         self._rng = random.Random(seed)
         self._states: dict[str, _RequestState] = {}
+        # Mean pooling over a prompt computed in chunks: the running sum of hidden states.
+        self._pool_sums = PoolingSums()
         # Host time spent on grammar bitmasks, and in how many steps (bench/ reads them).
         self.num_mask_steps = 0
         self.mask_seconds = 0.0
@@ -169,12 +179,13 @@ class ModelRunner:
         max_num_seqs: int,
         memory_fraction: float,
         num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
     ) -> KVPlan:
         """Size the pool (worker/memory.py), probing a forward pass's activation peak."""
         m = self.model
         activation = 0
-        if num_blocks is None:
+        if num_blocks is None and kv_cache_memory_bytes is None:
             n = min(PROBE_TOKENS, max_num_batched_tokens)
             with ops.use_kernels(self.kernels):
                 per_token = probe_activation_bytes(
@@ -193,6 +204,7 @@ class ModelRunner:
             weights_bytes=tree_bytes(m.parameters()),
             activation_bytes=activation,
             num_blocks=num_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=enable_prefix_caching,
         )
 
@@ -268,6 +280,7 @@ class ModelRunner:
         """
         for rid in so.finished_request_ids:
             self._states.pop(rid, None)
+            self._pool_sums.drop(rid)
         handle = StepHandle(so, [], {})
         if not so.scheduled_requests:
             return handle
@@ -380,6 +393,7 @@ class ModelRunner:
         drafts: list[list[int]] = []
         plp_rows: list[int] = []  # rows whose logits score the next prompt token
         plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
+        pooling = PoolingRows()  # embedding requests: hidden states, no logits
         for req in so.scheduled_requests:
             rid = req.request_id
             n = so.num_scheduled_tokens[rid]
@@ -388,6 +402,12 @@ class ModelRunner:
             row0 = len(input_ids)
             input_ids.extend(so.token_ids(req))
             positions.extend(range(start, end))
+            if req.pooling is not None:
+                query_lens.append(n)
+                context_lens.append(end)
+                tables.append(so.block_ids[rid])
+                pooling.add(req, row0, start, n, so.samples(rid))
+                continue
             if rid in so.draft_token_ids:
                 # Each verified position attends as a decode of its own (context up to
                 # it): the decode path, which is much cheaper than a short causal chunk.
@@ -413,19 +433,23 @@ class ModelRunner:
         md, extra = step_metadata(
             self.layout, so, query_lens, context_lens, tables, self.block_size, self._takes_layout
         )
-        rows = sample_rows + plp_rows
-        logits = self.model(
+        rows = sample_rows + plp_rows + pooling.rows
+        out = self.model(
             mx.array(input_ids, dtype=mx.int32),
             mx.array(positions, dtype=mx.int32),
             md,
             self.kv_cache,
             logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
             **extra,
+            **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
         )
+        logits, hidden = out if pooling.rows else (out, None)
+        pooled = None if hidden is None else pooling.reduce(hidden)
         result = None
         num_rows = len(sample_rows)
         sample_logits = logits[:num_rows] if samplers else None
         part = _Part(samplers, None, plp_targets, None, sample_logits, drafts)
+        part.poolers, part.pooled = pooling.requests, pooled
         if samplers and not any(self._states[r.request_id].grammar for r in samplers):
             states, draft_ids = self._sample_rows(part)
             result = sample(sample_logits, make_sampling_batch(states, logits.shape[-1]), draft_ids)
@@ -510,6 +534,10 @@ class ModelRunner:
                 for j in range(req.sampling_params.prompt_logprobs or 0):
                     entry.setdefault(tops[0][i][j], tops[1][i][j])
                 read.prompt_logprobs.append((req, entry))
+        if part.pooled is not None:
+            rows = np.array(part.pooled, dtype=np.float64)
+            for (req, first, done), row in zip(part.poolers, rows, strict=True):
+                read.pooled.append((req, first, done, row))
         return read
 
     def _commit(self, read: _Read, output: ModelRunnerOutput) -> None:
@@ -533,3 +561,7 @@ class ModelRunner:
             if len(state.prompt_logprobs) == req.num_prompt_tokens:
                 state.prompt_logprobs_done = True
                 output.prompt_logprobs[req.request_id] = state.prompt_logprobs
+        for req, first, done, row in read.pooled:
+            vector = self._pool_sums.add(req, first, done, row)
+            if vector is not None:
+                output.pooled[req.request_id] = vector
