@@ -13,6 +13,7 @@ import pytest
 
 from mlxserve import LLM, SamplingParams
 from mlxserve.exceptions import ParameterError
+from mlxserve.sampling_params import StructuredOutputsParams
 from tests.chi_square import assert_fits
 from tests.engine_helpers import VOCAB_SIZE, make_tiny_model_dir
 from tests.model_helpers import mlx_lm_greedy
@@ -148,12 +149,17 @@ def test_requests_that_do_not_speculate_produce_the_same_output(tiny) -> None:
     _, model_dir = tiny
     base = LLM(str(model_dir), num_blocks=512)
     llm = spec_llm(model_dir, num_blocks=512)
-    ps = prompts(4)
+    ps = prompts(5)
     params = [
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=0.8),
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, frequency_penalty=0.5),
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=16,
+            structured_outputs=StructuredOutputsParams(regex="(ab|cd){1,6}"),
+        ),
     ]
     want = base.generate(ps, params, use_tqdm=False)
     got = llm.generate(ps, params, use_tqdm=False)
