@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
-    ap.add_argument("--prompt-lookup-min", type=int, default=1)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--batch", type=int, default=0, help="also a batch of N chat prompts")
     ap.add_argument("--workloads", default="edit,chat")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")

@@ -101,7 +101,8 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    # 2: a single-token match (a common word, a comma) predicts little and costs a step.
+    prompt_lookup_min: int = 2
     disable_by_batch_size: int = 8
     # A request whose recent drafts were accepted at less than this rate pauses proposing.
     min_acceptance_rate: float = 0.2

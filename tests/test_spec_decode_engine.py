@@ -191,6 +191,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny) -> None:
         speculative_config={
             "method": "ngram",
             "num_speculative_tokens": 1,
+            "prompt_lookup_min": 1,
             "disable_by_batch_size": 256,
         },
     )
