@@ -12,8 +12,9 @@ MLX's CPU backend is emulated); both engines read the same file.
 On each model: single stream (mlxserve ``LLM.generate`` on one prompt vs mlx-lm's
 ``generate_step``, the loop under ``mlx_lm.generate``) and batches of N mixed-length
 prompts (``LLM.generate`` vs ``batch_generate``); greedy, EOS ignored, the same token ids.
-Each case runs twice on different prompts (so no prefix cache helps): with one output
-token, whose wall time is the "prefill" time, and with --max-tokens. Reported: prefill
+Each case runs on fresh prompts (so no prefix cache helps) twice: with one output token,
+whose wall time is the "prefill" time, and with --max-tokens (best of --repeat rounds, each
+on its own prompts). Reported: prefill
 seconds, output tok/s (all output tokens / wall), decode tok/s (the tokens after the first
 / (wall - prefill)), mlxserve / mlx-lm speed ratios (> 1: mlxserve faster), and how many
 greedy tokens agree (random tiny models have near-tied logits, so a late divergence can be
@@ -41,6 +42,7 @@ from bench.common import (  # noqa: E402
     openblas_env,
     run_json,
 )
+from bench.peers.mlx_lm_zoo_worker import run_cases  # noqa: E402
 
 MLX_LM_ZOO_WORKER = ROOT / "bench" / "peers" / "mlx_lm_zoo_worker.py"
 MODELS = ("qwen3_moe", "qwen3_5", "qwen3_next")
@@ -97,38 +99,35 @@ def make_prompts(rng, count: int, args: argparse.Namespace) -> list[list[int]]:
 
 
 def make_spec(model_dir: Path, args: argparse.Namespace, seed: int) -> dict:
-    """The prompts of every case, the same for both engines."""
+    """The prompts of every case, the same for both engines.
+
+    A case has --repeat rounds of fresh prompts; in each, the prefill prompts have the
+    lengths of the decode prompts (other tokens, so no prefix cache hit).
+    """
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    spec = {
-        "model": str(model_dir),
-        "warmup": make_prompts(rng, 4, args),
-        "single": {
-            "prefill": make_prompts(rng, 1, args)[0],
-            "decode": make_prompts(rng, 1, args)[0],
-            "tokens": args.single_tokens,
-        },
-        "batches": [],
-    }
+
+    def rounds(count: int) -> list[dict]:
+        out = []
+        for _ in range(args.repeat):
+            decode = make_prompts(rng, count, args)
+            prefill = [rng.integers(3, args.vocab, len(ids)).tolist() for ids in decode]
+            out.append({"prefill": prefill, "decode": decode})
+        return out
+
+    cases = [{"name": "single", "tokens": args.single_tokens, "rounds": rounds(1)}]
     for n in args.batch_sizes:
-        spec["batches"].append(
-            {
-                "name": f"batch{n}",
-                "prefill": make_prompts(rng, n, args),
-                "decode": make_prompts(rng, n, args),
-                "tokens": args.max_tokens,
-            }
-        )
-    return spec
+        cases.append({"name": f"batch{n}", "tokens": args.max_tokens, "rounds": rounds(n)})
+    return {"model": str(model_dir), "warmup": make_prompts(rng, 4, args), "cases": cases}
 
 
 def run_mlxserve(spec: dict) -> dict:
     """mlxserve's side of ``spec`` (what the mlx-lm worker does, through LLM.generate)."""
     from mlxserve import LLM, SamplingParams
 
-    sizes = [len(b["decode"]) for b in spec["batches"]]
-    llm = LLM(spec["model"], max_num_seqs=max([1, *sizes]))
+    sizes = [len(c["rounds"][0]["decode"]) for c in spec["cases"]]
+    llm = LLM(spec["model"], max_num_seqs=max(sizes))
 
     def run(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -141,17 +140,7 @@ def run_mlxserve(spec: dict) -> dict:
 
     run(spec["warmup"], 4)
     run(spec["warmup"][:1], 4)
-    s = spec["single"]
-    prefill, _ = run([s["prefill"]], 1)
-    wall, tokens = run([s["decode"]], s["tokens"])
-    res = {"single": {"prefill_s": prefill, "wall_s": wall, "token_ids": tokens}}
-    print(f"[mlxserve] single stream: {wall:.2f} s", flush=True)
-    for b in spec["batches"]:
-        prefill, _ = run(b["prefill"], 1)
-        wall, tokens = run(b["decode"], b["tokens"])
-        res[b["name"]] = {"prefill_s": prefill, "wall_s": wall, "token_ids": tokens}
-        print(f"[mlxserve] {b['name']}: {wall:.2f} s", flush=True)
-    return res
+    return run_cases(spec, run, "mlxserve")
 
 
 def run_mlx_lm(spec: dict, env: dict[str, str], work: Path, name: str) -> dict:
@@ -165,10 +154,11 @@ def run_mlx_lm(spec: dict, env: dict[str, str], work: Path, name: str) -> dict:
 def case_numbers(res: dict, num_prompts: int, tokens: int) -> dict:
     """Prefill seconds, output tok/s and decode tok/s of one engine's case."""
     wall, prefill = res["wall_s"], res["prefill_s"]
+    decode = wall - prefill  # noise can make it <= 0 on a busy machine: then no number
     return {
         "prefill_s": prefill,
         "tok_s": num_prompts * tokens / wall,
-        "decode_tok_s": num_prompts * (tokens - 1) / max(wall - prefill, 1e-9),
+        "decode_tok_s": num_prompts * (tokens - 1) / decode if decode > 0 else float("nan"),
     }
 
 
@@ -185,15 +175,15 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
         "prompts": len(ours),
         "tokens_before_divergence": sum(same_prefix),
         "tokens": sum(len(a) for a in ours),
-        "first_divergence": min((k for k, a in zip(same_prefix, ours) if k < len(a)), default=None),
+        "first_divergence": min(
+            (k for k, a in zip(same_prefix, ours, strict=True) if k < len(a)), default=None
+        ),
     }
 
 
 def report(name: str, spec: dict, results: dict[str, dict]) -> dict:
     """Print one model's table and return its numbers."""
-    cases = [("single", 1, spec["single"]["tokens"])] + [
-        (b["name"], len(b["decode"]), b["tokens"]) for b in spec["batches"]
-    ]
+    cases = [(c["name"], len(c["rounds"][0]["decode"]), c["tokens"]) for c in spec["cases"]]
     peers = [p for p in results if p != "mlxserve"]
     out: dict = {}
     print(f"\n== {name} ==")
@@ -247,6 +237,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=384, help="<= 384: the tokenizer's vocabulary")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=1, help="rounds per case (best is kept)")
     p.add_argument("--no-mlx-lm-openblas", action="store_true", help="skip mlx-lm + OpenBLAS")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory")
     p.add_argument("--json", type=Path, default=None, help="write every number here")
@@ -258,6 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--layers": args.layers,
         "--experts": args.experts,
         "--top-k": args.top_k,
+        "--repeat": args.repeat,
     }
     for flag, value in counts.items():
         if value < 1:

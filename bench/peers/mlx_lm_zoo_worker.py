@@ -2,12 +2,11 @@
 
     python bench/peers/mlx_lm_zoo_worker.py SPEC.json OUT.json
 
-SPEC: {"model": DIR, "warmup": [ids...], "single": {"prefill": ids, "decode": ids, "tokens": n},
-"batches": [{"name": str, "prefill": [ids...], "decode": [ids...], "tokens": n}]}.
-Single stream runs ``generate_step`` (the loop under ``mlx_lm.generate``); batches run
-``batch_generate``. Greedy, EOS hidden so every request makes all its tokens. Each timed
-case runs twice on different prompts: with 1 output token (the prefill time) and with
-``tokens`` (the whole run); OUT has the walls, mlx-lm's own BatchStats and the token ids.
+SPEC is bench/zoo_vs_mlx_lm.py's ``make_spec``; its cases run through ``run_cases``,
+which that script uses for mlxserve too (this module imports nothing of mlxserve, so
+mlx-lm keeps its stock BLAS). One prompt runs through ``generate_step`` (the loop under
+``mlx_lm.generate``), more through ``batch_generate``. Greedy, EOS hidden so every request
+makes all its tokens. OUT: per case the best prefill and whole-run walls and the token ids.
 """
 
 from __future__ import annotations
@@ -17,6 +16,22 @@ import os
 import sys
 import time
 from types import SimpleNamespace
+
+
+def run_cases(spec: dict, run, engine: str) -> dict:
+    """Every case of ``spec`` through ``run(prompts, max_tokens) -> (wall, token ids)``:
+    the best prefill and whole-run walls over the rounds, and every round's tokens."""
+    res = {}
+    for case in spec["cases"]:
+        prefills, walls, tokens = [], [], []
+        for r in case["rounds"]:
+            prefills.append(run(r["prefill"], 1)[0])
+            wall, ids = run(r["decode"], case["tokens"])
+            walls.append(wall)
+            tokens += ids
+        res[case["name"]] = {"prefill_s": min(prefills), "wall_s": min(walls), "token_ids": tokens}
+        print(f"[{engine}] {case['name']}: {min(walls):.2f} s", flush=True)
+    return res
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -34,35 +49,20 @@ def main(spec_path: str, out_path: str) -> None:
     no_eos = SimpleNamespace(eos_token_ids=[], decode=tokenizer.decode)
     res: dict[str, object] = {"device": str(mx.default_device()), "mlx": mx.__version__}
 
-    def single(ids: list[int], n: int) -> tuple[float, list[int]]:
+    def run(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()
-        tokens = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
-        assert len(tokens) == n, (len(tokens), n)
-        return time.perf_counter() - t0, tokens
+        if len(prompts) == 1:
+            tokens = [[int(t) for t, _ in generate_step(mx.array(prompts[0]), model, max_tokens=n)]]
+        else:
+            out = batch_generate(model, no_eos, prompts, max_tokens=n, return_token_ids=True)
+            tokens = out.token_ids
+        wall = time.perf_counter() - t0
+        assert all(len(t) == n for t in tokens), [len(t) for t in tokens]
+        return wall, tokens
 
-    def batch(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]], object]:
-        t0 = time.perf_counter()
-        out = batch_generate(model, no_eos, prompts, max_tokens=n, return_token_ids=True)
-        return time.perf_counter() - t0, out.token_ids, out.stats
-
-    batch(spec["warmup"], 4)
-    single(spec["warmup"][0], 4)
-    s = spec["single"]
-    prefill, _ = single(s["prefill"], 1)
-    wall, tokens = single(s["decode"], s["tokens"])
-    res["single"] = {"prefill_s": prefill, "wall_s": wall, "token_ids": [tokens]}
-    print(f"[mlx-lm] single stream: {wall:.2f} s", flush=True)
-    for b in spec["batches"]:
-        prefill, _, pstats = batch(b["prefill"], 1)
-        wall, token_ids, stats = batch(b["decode"], b["tokens"])
-        res[b["name"]] = {
-            "prefill_s": prefill,
-            "wall_s": wall,
-            "token_ids": token_ids,
-            "own_prompt_s": stats.prompt_time,
-            "own_generation_tps": stats.generation_tps,
-        }
-        print(f"[mlx-lm] {b['name']}: {wall:.2f} s", flush=True)
+    run(spec["warmup"], 4)
+    run(spec["warmup"][:1], 4)
+    res.update(run_cases(spec, run, "mlx-lm"))
     with open(out_path, "w") as f:
         json.dump(res, f)
 
