@@ -13,13 +13,14 @@ On each model: single stream (mlxserve ``LLM.generate`` on one prompt vs mlx-lm'
 ``generate_step``, the loop under ``mlx_lm.generate``) and batches of N mixed-length
 prompts (``LLM.generate`` vs ``batch_generate``); greedy, EOS ignored, the same token ids.
 Each case runs on fresh prompts (so no prefix cache helps) twice: with one output token,
-whose wall time is the "prefill" time, and with --max-tokens (best of --repeat rounds, each
-on its own prompts). Reported: prefill
-seconds, output tok/s (all output tokens / wall), decode tok/s (the tokens after the first
-/ (wall - prefill)), mlxserve / mlx-lm speed ratios (> 1: mlxserve faster), and how many
-greedy tokens agree (random tiny models have near-tied logits, so a late divergence can be
-float noise; the count is printed, not hidden). mlx-lm runs in its own process with MLX's
-stock BLAS ("mlx-lm") and, unless --no-mlx-lm-openblas, with the OpenBLAS mlxserve binds.
+whose wall time is the "prefill" time, and with --max-tokens. --repeat rounds, each on its
+own prompts, best kept; the engines take turns round by round, so a change in the machine's
+load hits all alike. Reported: prefill seconds, output tok/s (all output tokens / wall),
+decode tok/s (the tokens after the first / (wall - prefill)), mlxserve / mlx-lm speed
+ratios (> 1: mlxserve faster), and how many greedy tokens agree (random tiny models have
+near-tied logits, so a late divergence can be float noise; the count is printed, not
+hidden). mlx-lm runs in its own process with MLX's stock BLAS ("mlx-lm") and, unless
+--no-mlx-lm-openblas, with the OpenBLAS mlxserve binds ("mlx-lm+openblas").
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ def make_spec(model_dir: Path, args: argparse.Namespace, seed: int) -> dict:
     return {"model": str(model_dir), "warmup": make_prompts(rng, 4, args), "cases": cases}
 
 
-def run_mlxserve(spec: dict) -> dict:
-    """mlxserve's side of ``spec`` (what the mlx-lm worker does, through LLM.generate)."""
+def mlxserve_runner(spec: dict):
+    """``run(prompts, max_tokens) -> (wall, token ids)`` through one warmed-up LLM."""
     from mlxserve import LLM, SamplingParams
 
     sizes = [len(c["rounds"][0]["decode"]) for c in spec["cases"]]
@@ -140,7 +141,40 @@ def run_mlxserve(spec: dict) -> dict:
 
     run(spec["warmup"], 4)
     run(spec["warmup"][:1], 4)
-    return run_cases(spec, run, "mlxserve")
+    return run
+
+
+def one_round(spec: dict, r: int) -> dict:
+    """``spec`` with round ``r`` of each case only."""
+    cases = [c | {"rounds": [c["rounds"][r]]} for c in spec["cases"]]
+    return spec | {"cases": cases}
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Per case: the best prefill and whole-run walls over rounds, all rounds' tokens."""
+    out = {}
+    for case in rounds[0]:
+        if not isinstance(rounds[0][case], dict):
+            continue
+        out[case] = {
+            "prefill_s": min(r[case]["prefill_s"] for r in rounds),
+            "wall_s": min(r[case]["wall_s"] for r in rounds),
+            "token_ids": [ids for r in rounds for ids in r[case]["token_ids"]],
+        }
+    return out
+
+
+def run_model(spec: dict, peers: list, work: Path, name: str) -> dict:
+    """Every engine on ``spec``, round by round (mlxserve, then each peer), so a change in
+    the machine's load hits every engine alike; engine -> merged results."""
+    run = mlxserve_runner(spec)
+    rounds: dict[str, list[dict]] = {"mlxserve": []} | {peer: [] for peer, _ in peers}
+    for r in range(len(spec["cases"][0]["rounds"])):
+        this = one_round(spec, r)
+        rounds["mlxserve"].append(run_cases(this, run, "mlxserve"))
+        for peer, env in peers:
+            rounds[peer].append(run_mlx_lm(this, env, work, f"{name}-{peer}-{r}"))
+    return {engine: merge_rounds(res) for engine, res in rounds.items()}
 
 
 def run_mlx_lm(spec: dict, env: dict[str, str], work: Path, name: str) -> dict:
@@ -287,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed, name in enumerate(args.models):
         path = build_model_dir(name, args, work, seed)
         spec = make_spec(path, args, seed)
-        results = {"mlxserve": run_mlxserve(spec)}
-        for peer, env in peers:
-            results[peer] = run_mlx_lm(spec, env, work, f"{name}-{peer}")
+        results = run_model(spec, peers, work, name)
         everything["models"][name] = {
             "config": json.loads((path / "config.json").read_text()),
             "results": report(name, spec, results),
