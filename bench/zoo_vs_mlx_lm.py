@@ -151,14 +151,14 @@ def one_round(spec: dict, r: int) -> dict:
 
 
 def merge_rounds(rounds: list[dict]) -> dict:
-    """Per case: the best prefill and whole-run walls over rounds, all rounds' tokens."""
+    """Per case: every round's prefill and whole-run walls, and tokens."""
     out = {}
     for case in rounds[0]:
         if not isinstance(rounds[0][case], dict):
             continue
         out[case] = {
-            "prefill_s": min(r[case]["prefill_s"] for r in rounds),
-            "wall_s": min(r[case]["wall_s"] for r in rounds),
+            "prefill_s": [s for r in rounds for s in r[case]["prefill_s"]],
+            "wall_s": [s for r in rounds for s in r[case]["wall_s"]],
             "token_ids": [ids for r in rounds for ids in r[case]["token_ids"]],
         }
     return out
@@ -186,13 +186,15 @@ def run_mlx_lm(spec: dict, env: dict[str, str], work: Path, name: str) -> dict:
 
 
 def case_numbers(res: dict, num_prompts: int, tokens: int) -> dict:
-    """Prefill seconds, output tok/s and decode tok/s of one engine's case."""
-    wall, prefill = res["wall_s"], res["prefill_s"]
-    decode = wall - prefill  # noise can make it <= 0 on a busy machine: then no number
+    """Prefill seconds, output tok/s and decode tok/s of one engine's case: each the best
+    over the rounds, the decode rate from a prefill and a whole run of the same round."""
+    decodes = [w - p for w, p in zip(res["wall_s"], res["prefill_s"], strict=True)]
+    # Noise can make wall - prefill <= 0 on a busy machine: no decode number from that round.
+    rates = [num_prompts * (tokens - 1) / d for d in decodes if d > 0]
     return {
-        "prefill_s": prefill,
-        "tok_s": num_prompts * tokens / wall,
-        "decode_tok_s": num_prompts * (tokens - 1) / decode if decode > 0 else float("nan"),
+        "prefill_s": min(res["prefill_s"]),
+        "tok_s": num_prompts * tokens / min(res["wall_s"]),
+        "decode_tok_s": max(rates, default=float("nan")),
     }
 
 

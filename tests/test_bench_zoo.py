@@ -30,7 +30,10 @@ def test_both_engines_run_both_models_on_the_same_prompts(tmp_path: Path, capsys
             res = model["results"][case]
             for engine in ("mlxserve", "mlx-lm"):
                 assert res[engine]["prefill_s"] > 0 and res[engine]["tok_s"] > 0, (name, case)
-            assert all(v > 0 for v in res["mlxserve/mlx-lm"].values()), (name, case)
+            ratios = res["mlxserve/mlx-lm"]
+            assert ratios["prefill"] > 0 and ratios["tok_s"] > 0, (name, case)
+            # 3 decode steps: on a busy machine noise can leave no decode rate (NaN).
+            assert not ratios["decode_tok_s"] <= 0, (name, case)
             # Two independent implementations over 4 greedy steps of float32 tiny models:
             # equal tokens, which also shows both got the same prompts in the same order.
             agree = res["mlx-lm"]["agreement"]
@@ -58,10 +61,12 @@ def test_agreement_counts_tokens_up_to_each_divergence() -> None:
     }
 
 
-def test_case_numbers_derive_rates_and_give_no_decode_rate_when_noise_ate_it() -> None:
-    nums = zoo_bench.case_numbers({"wall_s": 2.0, "prefill_s": 0.5}, num_prompts=4, tokens=10)
-    assert nums == {"prefill_s": 0.5, "tok_s": 20.0, "decode_tok_s": 4 * 9 / 1.5}
-    noisy = zoo_bench.case_numbers({"wall_s": 0.4, "prefill_s": 0.5}, num_prompts=4, tokens=10)
+def test_case_numbers_take_the_best_round_and_pair_prefill_and_run_by_round() -> None:
+    res = {"wall_s": [2.0, 1.8], "prefill_s": [0.5, 1.2]}
+    nums = zoo_bench.case_numbers(res, num_prompts=4, tokens=10)
+    # Decode rates per round: 36 / 1.5 = 24 and 36 / 0.6 = 60 (not 36 / (1.8 - 0.5)).
+    assert nums == pytest.approx({"prefill_s": 0.5, "tok_s": 40 / 1.8, "decode_tok_s": 60.0})
+    noisy = zoo_bench.case_numbers({"wall_s": [0.4], "prefill_s": [0.5]}, num_prompts=4, tokens=10)
     assert math.isnan(noisy["decode_tok_s"])
 
 
