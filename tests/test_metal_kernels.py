@@ -26,6 +26,7 @@ from metal.checker.cases import (
 )
 from metal.checker.emulator import Emulator
 from metal.checker.record import Recorder
+from mlxserve.ops.metal import MetalConfig
 
 DTYPES = ["float16", "bfloat16", "float32"]
 HEAD_DIMS = [64, 80, 96, 128]
@@ -53,10 +54,11 @@ def paths(
     seed: int,
     window: int | None = None,
     sinks: bool = False,
+    num_kv_heads: int = 2,
 ):
     """(name, case, config, kernels that must run) for the three kernel paths."""
     dec = decode_requests(block_size)
-    variant = {"window": window, "sinks": sinks}
+    variant = {"window": window, "sinks": sinks, "num_kv_heads": num_kv_heads}
     return [
         (
             "decode",
@@ -88,6 +90,62 @@ def paths(
     ]
 
 
+# Shapes beyond the sweep: (id, case, config, kernels that must run on the emulator). A
+# 10-core GPU is assumed for the split-K choice, so it is the same on every machine.
+TEN_CORES = MetalConfig(gpu_cores=10)
+LONG_DECODES = ((1, 1100), (1, 600), (1, 37))  # past split-K's 512 tokens, 6 groups < 40
+
+
+def extended_cases() -> list[tuple[str, Case, MetalConfig | None, set[str]]]:
+    """head_dim 256, GQA 16 (two head groups), multi-query (one KV head), >= 16 requests
+    per launch, contexts past the split-K threshold (decode-only and mixed) and sliding
+    windows there; each kernel path of the small shapes too."""
+    out = []
+    for dtype in DTYPES:  # head_dim 256: 8 simdgroups, 8 dims per lane
+        for name, case, config, ran in paths(dtype, 256, 16, 4, seed=256):
+            out.append((f"hd256-{dtype}-{name}", case, config, ran))
+    for name, case, config, ran in paths("float16", 128, 16, 16, seed=16):
+        out.append((f"gqa16-{name}", case, config, ran))
+    for name, case, config, ran in paths("bfloat16", 64, 8, 12, 12, window=7, sinks=True):
+        out.append((f"gqa12-window-sinks-{name}", case, config, ran))
+    for gqa in (8, 16):  # multi-query: every query head shares one KV head
+        for name, case, config, ran in paths("float32", 64, 16, gqa, seed=gqa, num_kv_heads=1):
+            out.append((f"mqa{gqa}-{name}", case, config, ran))
+    many = tuple((1, 3 + 7 * i) for i in range(20))
+    out.append(
+        (
+            "20-decodes",
+            Case(many, 16, 4, 64, "float16", pad_tokens=3),
+            TEN_CORES,
+            {"write_kv", "paged_decode"},
+        )
+    )
+    mixed = many[:16] + ((17, 40), (5, 70), (16, 16))
+    out.append(
+        (
+            "16-decodes-3-prefills",
+            Case(mixed, 16, 4, 64, "bfloat16", pad_tokens=2),
+            TEN_CORES,
+            {"write_kv", "paged_prefill"},
+        )
+    )
+    split = {"write_kv", "paged_decode_split", "paged_decode_reduce"}
+    for name, window, ran in (
+        ("long-decodes", None, split),
+        ("long-decodes-window-600", 600, split),  # attends 600 >= 512: split, skips partitions
+        ("long-decodes-window-300", 300, {"write_kv", "paged_decode"}),  # attends 300 only
+    ):
+        case = Case(LONG_DECODES, 16, 4, 128, "float16", pad_tokens=1, window=window, sinks=True)
+        out.append((name, case, TEN_CORES, ran))
+    long_mixed = (*LONG_DECODES, (20, 560))
+    case = Case(long_mixed, 16, 16, 128, "bfloat16", pad_tokens=1, window=530)
+    out.append(("long-decodes-in-mixed-step", case, TEN_CORES, split | {"paged_prefill"}))
+    return out
+
+
+EXTENDED = extended_cases()
+
+
 @pytest.fixture(scope="session")
 def emulator() -> Emulator:
     """The emulator, with every kernel variant of the sweep compiled up front in parallel."""
@@ -95,9 +153,10 @@ def emulator() -> Emulator:
         pytest.skip("the Metal emulator runs on Linux")
     rec = Recorder()
     sweeps = [(*p, 0) for p in SWEEP] + [(*v[:4], 0, *v[4:]) for v in VARIANTS]
-    for params in sweeps:
-        for _, case, config, _ in paths(*params):
-            run(make_inputs(case), case.dtype, metal_backend(rec.metal_kernel, config))
+    cases = [(case, config) for params in sweeps for _, case, config, _ in paths(*params)]
+    cases += [(case, config) for _, case, config, _ in EXTENDED]
+    for case, config in cases:
+        run(make_inputs(case), case.dtype, metal_backend(rec.metal_kernel, config))
     build.compile_variants(rec.variants)
     return Emulator()
 
@@ -133,6 +192,16 @@ def test_window_and_sinks_match_fallback(
     seed = head_dim * 100 + block_size * 10 + gqa + 7
     for _, case, config, _ in paths(dtype, head_dim, block_size, gqa, seed, window, sinks):
         check(case, metal_backend(factory, config))
+
+
+@pytest.mark.parametrize("name,case,config,expected", EXTENDED, ids=[c[0] for c in EXTENDED])
+def test_extended_shapes_match_fallback(kernels, name, case, config, expected) -> None:
+    factory, emu = kernels
+    before = len(emu.launches) if emu else 0
+    check(case, metal_backend(factory, config))
+    if emu:
+        ran = {launch["name"] for launch in emu.launches[before:]}
+        assert ran == expected, (name, ran)
 
 
 def test_write_kv_updates_the_pool_in_place(kernels) -> None:

@@ -157,6 +157,27 @@ inline bool isnan(float x) { return __builtin_isnan(x); }
 inline bool isinf(float x) { return __builtin_isinf(x); }
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 
+// fast:: variants (MSL's metal::fast namespace; float only on Apple GPUs). fast::exp is
+// libm's exp moved by the error bound we take for fast-math exp -- (3 + floor(|2x|)) ulp,
+// our reading of the MSL specification's fast-math accuracy table -- up or down depending
+// on x's bits, so a kernel tested here must tolerate that worst case, not a correctly
+// rounded exp (tests/test_metal_shim.py checks the model).
+namespace fast {
+inline float exp(float x) {
+  float y = __builtin_expf(x);
+  if (y > 0.0f && y <= __FLT_MAX__ && y >= __FLT_MIN__) {
+    int e;
+    __builtin_frexpf(y, &e);  // y in [2^(e-1), 2^e): one ulp is 2^(e-24)
+    const float ulp = __builtin_ldexpf(1.0f, e - 24);
+    const float ax = x < 0.0f ? -x : x;
+    const float n = 3.0f + __builtin_floorf(ax < 1.0e6f ? 2.0f * ax : 2.0e6f);
+    const unsigned bits = __builtin_bit_cast(unsigned, x) * 2654435761u;  // a hash of x
+    y += ((bits >> 31) ? n : -n) * ulp;
+  }
+  return y;
+}
+}  // namespace fast
+
 template <typename T>
 struct numeric_limits;
 template <>

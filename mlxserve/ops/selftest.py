@@ -15,6 +15,7 @@ import logging
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -66,16 +67,18 @@ def attention_ok(
         return True
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     gqa = q.shape[1] // num_kv_heads
-    path = kernels.attention_path(md, num_kv_heads, window)
     use_sinks = sinks is not None
     dtype = k_cache.dtype
-    variant = kernels.attention_variant(path, dtype, head_dim, block_size, gqa, window, use_sinks)
-    return _verified(
-        kernels,
-        variant,
-        lambda: _test_attention(kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks),
-        mode,
-    )
+    for path in kernels.attention_paths(md, num_kv_heads, gqa, window):
+        variant = kernels.attention_variant(
+            path, dtype, head_dim, block_size, gqa, window, use_sinks
+        )
+        test = partial(
+            _test_attention, kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
+        )
+        if not _verified(kernels, variant, test, mode):
+            return False
+    return True
 
 
 def write_ok(kernels: MetalKernels, dtype: mx.Dtype, mode: str | None) -> bool:
@@ -215,7 +218,7 @@ def _test_attention(
     scale = head_dim**-0.5
     mx.eval(k_cache, v_cache, q)
     want = fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
-    got = kernels.paged_attention(q, k_cache, v_cache, md, scale, window, sinks, path=path)
+    got = kernels.paged_attention(q, k_cache, v_cache, md, scale, window, sinks, paths=(path,))
     mx.eval(want, got)
     want = np.array(want.astype(mx.float32))
     got = np.array(got.astype(mx.float32))
