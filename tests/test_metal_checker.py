@@ -40,6 +40,7 @@ def _mlx_sources(fn, args, capfd, path) -> set[str]:
 
 # Split every decode, also in mixed batches (as a GPU of 10 cores would these small batches).
 SPLIT = MetalConfig(partition_size=29, split_min_context=1, gpu_cores=10)
+SIMT = MetalConfig(prefill="simt")  # the SIMT prefill kernel, still selectable
 
 
 def _verbose_factory(**kwargs):
@@ -54,7 +55,7 @@ def test_signatures_match_mlx(requests, dtype, capfd, tmp_path) -> None:
     case = Case(requests, 16, 4, 80, dtype, pad_tokens=1)
     inp = make_inputs(case)
     rec = Recorder()
-    configs = [None, SPLIT]
+    configs = [None, SPLIT, SIMT]
     for config in configs:
         run_case(inp, dtype, metal_backend(rec.metal_kernel, config))
     from metal.checker.cases import DTYPES
@@ -72,7 +73,8 @@ def test_signatures_match_mlx(requests, dtype, capfd, tmp_path) -> None:
         with ops.force_backend("metal", _verbose_factory, config):
             theirs |= _mlx_sources(forward, args, capfd, tmp_path / f"f{i}.mlxfn")
     assert theirs == ours
-    assert len(ours) == 4  # write_kv, then decode or prefill, plus split-K's two kernels
+    # write_kv, decode or both prefill kernels, split-K's two
+    assert len(ours) == (4 if requests == decode_requests(16) else 5)
 
 
 def test_signature_edge_cases_match_mlx(capfd, tmp_path) -> None:
@@ -155,7 +157,7 @@ def _recorded_variants() -> list:
                     cases.append(Case(requests, 16, gqa, head_dim, dtype, window=5, sinks=True))
                 for case in cases:
                     inp = make_inputs(case)
-                    for config in (None, SPLIT):
+                    for config in (None, SPLIT, SIMT):
                         run_case(inp, dtype, metal_backend(rec.metal_kernel, config))
     return rec.variants
 
@@ -221,6 +223,7 @@ def test_every_kernel_compiles_with_gxx_and_clang_address_spaces() -> None:
         "custom_kernel_paged_decode_split",
         "custom_kernel_paged_decode_reduce",
         "custom_kernel_paged_prefill",
+        "custom_kernel_paged_prefill_tiled",
     }
     # inputs with fewer than 8 elements are bound as `constant`: the 1-element sinks dummy
     # is, real sinks are `device`; metadata is padded, so always `device`

@@ -6,6 +6,7 @@ run them for real on the GPU (the "metal" backend, skipped elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 
@@ -56,9 +57,11 @@ def paths(
     sinks: bool = False,
     num_kv_heads: int = 2,
 ):
-    """(name, case, config, kernels that must run) for the three kernel paths."""
+    """(name, case, config, kernels that must run) for the kernel paths: decode, split-K,
+    and the varlen prefill (the simdgroup-matrix kernel, and the SIMT one it replaced)."""
     dec = decode_requests(block_size)
     variant = {"window": window, "sinks": sinks, "num_kv_heads": num_kv_heads}
+    mixed = mixed_requests(block_size)
     return [
         (
             "decode",
@@ -74,20 +77,20 @@ def paths(
         ),
         (
             "prefill",
-            Case(
-                mixed_requests(block_size),
-                block_size,
-                gqa,
-                head_dim,
-                dtype,
-                pad_tokens=2,
-                seed=seed + 2,
-                **variant,
-            ),
+            Case(mixed, block_size, gqa, head_dim, dtype, pad_tokens=2, seed=seed + 2, **variant),
             None,
+            {"write_kv", "paged_prefill_tiled"},
+        ),
+        (
+            "prefill-simt",
+            Case(mixed, block_size, gqa, head_dim, dtype, pad_tokens=2, seed=seed + 3, **variant),
+            SIMT,
             {"write_kv", "paged_prefill"},
         ),
     ]
+
+
+SIMT = MetalConfig(prefill="simt")
 
 
 # Shapes beyond the sweep: (id, case, config, kernels that must run on the emulator). A
@@ -126,7 +129,7 @@ def extended_cases() -> list[tuple[str, Case, MetalConfig | None, set[str]]]:
             "16-decodes-3-prefills",
             Case(mixed, 16, 4, 64, "bfloat16", pad_tokens=2),
             TEN_CORES,
-            {"write_kv", "paged_prefill"},
+            {"write_kv", "paged_prefill_tiled"},
         )
     )
     split = {"write_kv", "paged_decode_split", "paged_decode_reduce"}
@@ -139,7 +142,13 @@ def extended_cases() -> list[tuple[str, Case, MetalConfig | None, set[str]]]:
         out.append((name, case, TEN_CORES, ran))
     long_mixed = (*LONG_DECODES, (20, 560))
     case = Case(long_mixed, 16, 16, 128, "bfloat16", pad_tokens=1, window=530)
-    out.append(("long-decodes-in-mixed-step", case, TEN_CORES, split | {"paged_prefill"}))
+    out.append(("long-decodes-in-mixed-step", case, TEN_CORES, split | {"paged_prefill_tiled"}))
+    # The SIMT prefill stays selectable: every mixed shape above runs on it too.
+    for name, case, config, ran in list(out):
+        if "paged_prefill_tiled" in ran and not name.endswith("prefill"):
+            simt = dataclasses.replace(config or MetalConfig(), prefill="simt")
+            ran = ran - {"paged_prefill_tiled"} | {"paged_prefill"}
+            out.append((f"{name}-simt", case, simt, ran))
     return out
 
 
@@ -229,7 +238,7 @@ def test_write_kv_updates_the_pool_in_place(kernels) -> None:
         mx.eval(out, k_new, v_new)
     if emu:
         launches = emu.launches[-2:]
-        assert [x["name"] for x in launches] == ["write_kv", "paged_prefill"]
+        assert [x["name"] for x in launches] == ["write_kv", "paged_prefill_tiled"]
         assert launches[0]["written_inputs"] == ["k_cache", "v_cache"]
         assert launches[1]["written_inputs"] == []
     # Same buffer: no copy of the pool was made.
@@ -275,5 +284,5 @@ def test_attention_waits_for_the_write() -> None:
         inp = make_inputs(Case(requests, 8, 2, 64))
         run(inp, "float32", lambda: ops.force_backend("metal", spy))
         (token,) = seen["write_kv:out"]
-        reader = "paged_prefill" if requests == mixed_requests(8) else "paged_decode"
+        reader = "paged_prefill_tiled" if requests == mixed_requests(8) else "paged_decode"
         assert seen[reader][-1] is token

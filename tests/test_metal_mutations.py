@@ -26,6 +26,7 @@ from metal.checker.cases import (
 )
 from metal.checker.emulator import Emulator, KernelError
 from mlxserve.ops.metal import read_source
+from mlxserve.ops.metal_config import MetalConfig
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the emulator runs on Linux")
 
@@ -144,7 +145,7 @@ MUTATIONS = [
         HEADER,
         "max(pos + 1 - WINDOW, 0)",
         "max(pos - WINDOW, 0)",
-        ALL,
+        (*ALL, "tiled"),
         "mismatch",
         windowed=True,
     ),
@@ -153,7 +154,7 @@ MUTATIONS = [
         HEADER,
         "(row_sum * f + metal::fast::exp(sink - m))",
         "(row_sum * f)",
-        ALL,
+        (*ALL, "tiled"),
         "mismatch",
         windowed=True,
     ),
@@ -346,11 +347,18 @@ MUTATIONS = [
 
 
 def _case(path: str, windowed: bool = False, gqa: int = 2) -> tuple[Case, object]:
-    """The batch for `path`; "mixed-split" is a mixed batch whose decodes take split-K."""
-    requests = mixed_requests(BS) if path in ("prefill", "mixed-split") else decode_requests(BS)
+    """The batch for `path`: "prefill" runs the SIMT prefill kernel, "tiled" the
+    simdgroup-matrix one, "mixed-split" a mixed batch whose decodes take split-K."""
+    mixed = path in ("prefill", "tiled", "mixed-split")
+    requests = mixed_requests(BS) if mixed else decode_requests(BS)
     variant = {"window": 5, "sinks": True} if windowed else {}
     case = Case(requests, BS, gqa, head_dim=80, dtype="float32", pad_tokens=2, seed=3, **variant)
-    return case, split_config(BS) if path in ("split", "mixed-split") else None
+    config = {
+        "split": split_config(BS),
+        "mixed-split": split_config(BS),
+        "prefill": MetalConfig(prefill="simt"),
+    }.get(path)
+    return case, config
 
 
 def _factory(emu: Emulator, mutation: Mutation | None):
@@ -371,7 +379,7 @@ def _factory(emu: Emulator, mutation: Mutation | None):
 
 def _outcome(path: str, mutation: Mutation | None, windowed: bool = False, gqa: int = 2) -> str:
     """How the checker judges the kernels: 'ok' or the kind of failure."""
-    emu = Emulator(schedules=("forward", "reverse"), timeout_s=20.0)
+    emu = Emulator(schedules=("forward", "reverse", "serial"), timeout_s=20.0)
     windowed = windowed or (mutation is not None and mutation.windowed)
     case, config = _case(path, windowed, mutation.gqa if mutation else gqa)
     factory = _factory(emu, mutation)  # outside the try: a missing edit site is no "mismatch"
@@ -393,7 +401,7 @@ def _outcome(path: str, mutation: Mutation | None, windowed: bool = False, gqa: 
 
 @pytest.mark.parametrize("gqa", [2, 12])
 @pytest.mark.parametrize("windowed", [False, True], ids=["plain", "window+sinks"])
-@pytest.mark.parametrize("path", ["decode", "split", "prefill", "mixed-split"])
+@pytest.mark.parametrize("path", ["decode", "split", "prefill", "tiled", "mixed-split"])
 def test_unmutated_kernels_pass(path, windowed, gqa) -> None:
     assert _outcome(path, None, windowed, gqa) == "ok"
 

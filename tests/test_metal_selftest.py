@@ -84,7 +84,7 @@ def _check_twice(case: Case, factory, config: MetalConfig | None = None):
     "case,kernel,how,detail",
     [
         (DECODE, "paged_decode", "compile", "compile or launch error"),
-        (MIXED, "paged_prefill", "wrong", "mismatch: max abs error"),
+        (MIXED, "paged_prefill_tiled", "wrong", "mismatch: max abs error"),
         (DECODE, "write_kv", "lost", "lost write: k_cache slots"),
     ],
 )
@@ -111,10 +111,10 @@ def test_healthy_kernels_pass_and_run(emu, warnings) -> None:
     kernels = _check_twice(MIXED, emu.metal_kernel)
     assert warnings() == []
     results = kernels.self_tests.values()
-    assert {r.variant.split("<")[0] for r in results} == {"write_kv", "paged_prefill"}
+    assert {r.variant.split("<")[0] for r in results} == {"write_kv", "paged_prefill_tiled"}
     assert all(r.ok for r in results)
     names = [launch["name"] for launch in emu.launches]  # one self-test, then two batches
-    assert names.count("paged_prefill") == names.count("write_kv") == 3
+    assert names.count("paged_prefill_tiled") == names.count("write_kv") == 3
 
 
 def test_split_decode_variant_is_self_tested(emu, warnings) -> None:
@@ -179,4 +179,4 @@ def test_a_request_completes_token_exact_despite_a_wrong_kernel(emu, warnings, t
     (message,) = warnings()
     assert "paged_decode<" in message and "mismatch" in message
     names = {launch["name"] for launch in emu.launches}
-    assert {"write_kv", "paged_prefill", "paged_decode"} <= names  # kernels really ran
+    assert {"write_kv", "paged_prefill_tiled", "paged_decode"} <= names  # kernels really ran

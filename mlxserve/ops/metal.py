@@ -31,7 +31,14 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxserve.ops.metadata import AttentionMetadata
-from mlxserve.ops.metal_config import MetalConfig, gpu_cores, head_groups, prefill_tile_tokens
+from mlxserve.ops.metal_config import (
+    TILED_ROWS,
+    TILED_SIMDGROUPS,
+    MetalConfig,
+    gpu_cores,
+    head_groups,
+    prefill_tile_tokens,
+)
 
 KernelFactory = Callable[..., Callable[..., list[mx.array]]]
 
@@ -71,6 +78,22 @@ KERNELS = {
     ),
     "paged_prefill": (
         "paged_prefill.metal",
+        [
+            "q",
+            "k_cache",
+            "v_cache",
+            "block_tables",
+            "context_lens",
+            "query_start_loc",
+            "req_begin",
+            "scale",
+            "sinks",
+            "kv_written",
+        ],
+        ["out"],
+    ),
+    "paged_prefill_tiled": (
+        "paged_prefill_tiled.metal",
         [
             "q",
             "k_cache",
@@ -258,10 +281,16 @@ class MetalKernels:
         if "prefill" not in paths:
             out = decoded
         else:
-            tq = prefill_tile_tokens(gqa)
+            name = self.prefill_kernel(head_dim)
+            tq = prefill_tile_tokens(gqa, tiled=name == "paged_prefill_tiled")
             req_begin = md.num_decodes if split else 0
             num_tiles = md.num_reqs - req_begin + -(-num_tokens // tq) + 1
-            (out,) = self.kernel("paged_prefill")(
+            template = [*base, ("USE_SINKS", use_sinks), ("TQ", tq)]
+            if name == "paged_prefill_tiled":  # 4 simdgroups of 8 rows, 32-row tiles
+                threads = TILED_SIMDGROUPS * 32
+                width = threads * num_kv_heads * head_groups(gqa, TILED_ROWS)[0]
+                template = [kv for kv in template if kv[0] != "NUM_SIMD"]
+            (out,) = self.kernel(name)(
                 inputs=[
                     *common,
                     query_start_loc,
@@ -274,11 +303,18 @@ class MetalKernels:
                 output_dtypes=[k_cache.dtype],
                 grid=(width, num_tiles, 1),
                 threadgroup=(threads, 1, 1),
-                template=[*base, ("USE_SINKS", use_sinks), ("TQ", tq)],
+                template=template,
             )
             if split and md.num_decodes:  # decode rows from split-K, the rest from prefill
                 out = mx.concatenate([decoded, out[md.num_decodes :]])
         return out if out.dtype == out_dtype else out.astype(out_dtype)
+
+    def prefill_kernel(self, head_dim: int) -> str:
+        """The varlen prefill kernel in use: the simdgroup-matrix one (config.prefill
+        "tiled", head_dim a multiple of 8), else the SIMT one."""
+        if self.config.prefill == "tiled" and head_dim % 8 == 0:
+            return "paged_prefill_tiled"
+        return "paged_prefill"
 
     def attention_paths(
         self, md: AttentionMetadata, num_kv_heads: int, gqa: int, window: int | None
@@ -317,6 +353,8 @@ class MetalKernels:
         """The kernel(s) and template arguments `path` launches for these shapes, as text:
         what the self-test verifies once (ops/selftest.py) and what its warning names."""
         num_simd = max(self.config.num_simd, -(-head_dim // 32))
+        kernel = PATH_KERNELS[path]
+        tiled = path == "prefill" and self.prefill_kernel(head_dim) == "paged_prefill_tiled"
         args = [
             f"T={_dtype_name(dtype)}",
             f"HEAD_DIM={head_dim}",
@@ -326,11 +364,14 @@ class MetalKernels:
             f"WINDOW={window or 0}",
             f"USE_SINKS={str(use_sinks).lower()}",
         ]
+        if tiled:
+            kernel = "paged_prefill_tiled"
+            args.remove(f"NUM_SIMD={num_simd}")
         if path == "prefill":
-            args.append(f"TQ={prefill_tile_tokens(gqa)}")
+            args.append(f"TQ={prefill_tile_tokens(gqa, tiled=tiled)}")
         if path == "split":
             args.append(f"PARTITION_SIZE={self.config.partition_size}")
-        return f"{PATH_KERNELS[path]}<{', '.join(args)}>"
+        return f"{kernel}<{', '.join(args)}>"
 
     def _split_decode(self, common, scale_arr, sinks, use_sinks, token, base, md, rows) -> mx.array:
         """Split-K decode attention of q's first `rows` rows: (rows, num_heads, head_dim)."""

@@ -7,14 +7,21 @@ the device class; rows per threadgroup capped so registers do not grow with GQA)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
+
+from mlxserve.exceptions import ParameterError
 
 # Rows (query heads x query tokens) per threadgroup: attention_common.metal's MLXS_MAX_ROWS.
 # Wider GQA groups are split into equal head groups, one threadgroup each.
 MAX_ROWS = 8
+# The simdgroup-matrix prefill (paged_prefill_tiled.metal): 4 simdgroups of 8 rows each.
+TILED_SIMDGROUPS = 4
+TILED_ROWS = 8 * TILED_SIMDGROUPS
+PREFILL_KERNELS = ("tiled", "simt")
 # GPU cores assumed when the machine does not say (no Metal, ioreg unavailable): Apple's
 # base M-series GPUs have 8-10, by the architecture letter MLX reads (device.cpp) the
 # larger ones more. Estimates by class only where the exact count is unknown.
@@ -38,18 +45,36 @@ class MetalConfig:
     split_min_context: int = 512  # split only contexts of at least two partitions
     groups_per_core: int = 4  # threadgroups per GPU core below which decodes are split
     gpu_cores: int | None = None  # None: from the device (gpu_cores())
+    # Varlen prefill: "tiled" (simdgroup matrices, 32-row tiles; head_dim a multiple of 8)
+    # or "simt" (the first kernel, 8 rows per threadgroup). $MLXSERVE_METAL_PREFILL.
+    prefill: str = field(default_factory=lambda: _prefill_choice())
+
+    def __post_init__(self) -> None:
+        if self.prefill not in PREFILL_KERNELS:
+            raise ParameterError(
+                f"prefill (MLXSERVE_METAL_PREFILL) must be one of {PREFILL_KERNELS}, "
+                f"got {self.prefill!r}",
+                parameter="prefill",
+            )
 
 
-def head_groups(gqa: int) -> tuple[int, int]:
-    """(threadgroups per KV head, query heads in each) for a GQA group of `gqa` heads:
-    MLXS_HEAD_GROUPS and MLXS_GROUP_HEADS of attention_common.metal."""
-    groups = -(-gqa // MAX_ROWS)
+def _prefill_choice() -> str:
+    return os.environ.get("MLXSERVE_METAL_PREFILL", "tiled").strip().lower()
+
+
+def head_groups(gqa: int, rows: int = MAX_ROWS) -> tuple[int, int]:
+    """(threadgroups per KV head, query heads in each) for a GQA group of `gqa` heads and at
+    most `rows` rows per threadgroup: MLXS_HEAD_GROUPS and MLXS_GROUP_HEADS of
+    attention_common.metal (HG and GH of paged_prefill_tiled.metal with TILED_ROWS)."""
+    groups = -(-gqa // rows)
     return groups, -(-gqa // groups)
 
 
-def prefill_tile_tokens(gqa: int) -> int:
-    """Query tokens per prefill tile (TQ): as many as fit MAX_ROWS rows with a head group."""
-    return max(1, MAX_ROWS // head_groups(gqa)[1])
+def prefill_tile_tokens(gqa: int, tiled: bool = False) -> int:
+    """Query tokens per prefill tile (TQ): as many as fit the rows of a threadgroup (8, or
+    32 for the tiled kernel) with a head group."""
+    rows = TILED_ROWS if tiled else MAX_ROWS
+    return max(1, rows // head_groups(gqa, rows)[1])
 
 
 def gpu_cores(
