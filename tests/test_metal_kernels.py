@@ -143,6 +143,9 @@ def extended_cases() -> list[tuple[str, Case, MetalConfig | None, set[str]]]:
     long_mixed = (*LONG_DECODES, (20, 560))
     case = Case(long_mixed, 16, 16, 128, "bfloat16", pad_tokens=1, window=530)
     out.append(("long-decodes-in-mixed-step", case, TEN_CORES, split | {"paged_prefill_tiled"}))
+    # head_dim not a multiple of 8: the SIMT prefill, chosen automatically.
+    case = Case(mixed_requests(8), 8, 2, 36, "float32", pad_tokens=1, seed=36)
+    out.append(("hd36-prefill-is-simt", case, None, {"write_kv", "paged_prefill"}))
     # The SIMT prefill stays selectable: every mixed shape above runs on it too.
     for name, case, config, ran in list(out):
         if "paged_prefill_tiled" in ran and not name.endswith("prefill"):

@@ -114,3 +114,22 @@ def test_max_rows_matches_the_kernels_header() -> None:
 
     m = re.search(r"#define MLXS_MAX_ROWS (\d+)", read_source(HEADER_FILE))
     assert m and int(m.group(1)) == MAX_ROWS
+
+
+def test_the_prefill_kernel_is_selectable(monkeypatch) -> None:
+    """The simdgroup-matrix prefill by default, the SIMT one on request or when head_dim is
+    not a multiple of 8; a bad choice is a ParameterError at start-up."""
+    from mlxserve import ops
+    from mlxserve.exceptions import ParameterError
+
+    monkeypatch.delenv("MLXSERVE_METAL_PREFILL", raising=False)
+    assert _kernels(10).prefill_kernel(128) == "paged_prefill_tiled"
+    assert _kernels(10).prefill_kernel(36) == "paged_prefill"
+    assert _kernels(10, prefill="simt").prefill_kernel(128) == "paged_prefill"
+    monkeypatch.setenv("MLXSERVE_METAL_PREFILL", " SIMT")
+    assert MetalConfig().prefill == "simt"
+    monkeypatch.setenv("MLXSERVE_METAL_PREFILL", "fast")
+    with pytest.raises(ParameterError, match=r"MLXSERVE_METAL_PREFILL.*'fast'") as e:
+        ops.check_kernels("auto")
+    assert e.value.parameter == "prefill"
+    ops.check_kernels("fallback")  # the fallback launches no Metal kernel

@@ -154,6 +154,7 @@ class MetalKernels:
         self._constants: dict[tuple, mx.array] = {}
         self.self_tests: dict[str, object] = {}  # variant -> ops.selftest.SelfTestResult
         self._bound: dict[str, tuple[object, tuple]] = {}  # padded metadata, by kind
+        self.disabled: set[str] = set()  # kernels replaced after a failed self-test
 
     def kernel(self, name: str) -> Callable[..., list[mx.array]]:
         """The kernel object for `name`, built on first use."""
@@ -311,10 +312,10 @@ class MetalKernels:
 
     def prefill_kernel(self, head_dim: int) -> str:
         """The varlen prefill kernel in use: the simdgroup-matrix one (config.prefill
-        "tiled", head_dim a multiple of 8), else the SIMT one."""
-        if self.config.prefill == "tiled" and head_dim % 8 == 0:
-            return "paged_prefill_tiled"
-        return "paged_prefill"
+        "tiled", head_dim a multiple of 8, not disabled by a failed self-test), else the
+        SIMT one."""
+        tiled = self.config.prefill == "tiled" and "paged_prefill_tiled" not in self.disabled
+        return "paged_prefill_tiled" if tiled and head_dim % 8 == 0 else "paged_prefill"
 
     def attention_paths(
         self, md: AttentionMetadata, num_kv_heads: int, gqa: int, window: int | None

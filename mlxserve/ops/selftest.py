@@ -24,6 +24,8 @@ from mlxserve.ops import fallback
 from mlxserve.ops.metadata import AttentionMetadata
 from mlxserve.ops.metal import PATH_KERNELS, MetalKernels, write_variant
 
+TILED, SIMT = "paged_prefill_tiled", "paged_prefill"
+
 logger = logging.getLogger("mlxserve")
 
 MODES = ("fallback", "raise")
@@ -70,15 +72,42 @@ def attention_ok(
     use_sinks = sinks is not None
     dtype = k_cache.dtype
     for path in kernels.attention_paths(md, num_kv_heads, gqa, window):
+        results = _verify_path(
+            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, mode
+        )
+        if not results[-1].ok:
+            return False
+    return True
+
+
+def _verify_path(
+    kernels: MetalKernels,
+    path: str,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    gqa: int,
+    window: int | None,
+    use_sinks: bool,
+    mode: str,
+) -> list[SelfTestResult]:
+    """Self-test (or recall) the variant `path` launches; a failed tiled prefill is
+    disabled and the SIMT prefill tested in its place. The results, the one in use last."""
+    test = partial(
+        _test_attention, kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
+    )
+    results = []
+    while True:
+        tiled = path == "prefill" and kernels.prefill_kernel(head_dim) == TILED
         variant = kernels.attention_variant(
             path, dtype, head_dim, block_size, gqa, window, use_sinks
         )
-        test = partial(
-            _test_attention, kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
-        )
-        if not _verified(kernels, variant, test, mode):
-            return False
-    return True
+        instead = f"the SIMT prefill kernel ({SIMT})" if tiled else "the MLX fallback"
+        ok = _verified(kernels, variant, test, mode, instead)
+        results.append(kernels.self_tests[variant])
+        if ok or not tiled:
+            return results
+        kernels.disabled.add(TILED)  # prefill_kernel() now picks the SIMT kernel
 
 
 def write_ok(kernels: MetalKernels, dtype: mx.Dtype, mode: str | None) -> bool:
@@ -98,26 +127,25 @@ def run_all(
     use_sinks: bool = False,
 ) -> list[SelfTestResult]:
     """Self-test (or recall) every variant a model of these shapes uses: the write and each
-    attention path (``mlxserve doctor``). Failures are logged as on first use."""
-    variants = [(write_variant(dtype), lambda: _test_write(kernels, dtype))]
+    attention path, and the SIMT prefill where the tiled one failed (``mlxserve doctor``).
+    Failures are logged as on first use."""
+    write = write_variant(dtype)
+    _verified(kernels, write, lambda: _test_write(kernels, dtype), "fallback")
+    results = [kernels.self_tests[write]]
     for path in PATH_KERNELS:
-        variant = kernels.attention_variant(
-            path, dtype, head_dim, block_size, gqa, window, use_sinks
+        results += _verify_path(
+            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, "fallback"
         )
-        variants.append(
-            (
-                variant,
-                lambda path=path: _test_attention(
-                    kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
-                ),
-            )
-        )
-    for variant, test in variants:
-        _verified(kernels, variant, test, "fallback")
-    return [kernels.self_tests[variant] for variant, _ in variants]
+    return results
 
 
-def _verified(kernels: MetalKernels, variant: str, test: Callable[[], str], mode: str) -> bool:
+def _verified(
+    kernels: MetalKernels,
+    variant: str,
+    test: Callable[[], str],
+    mode: str,
+    instead: str = "the MLX fallback",
+) -> bool:
     result = kernels.self_tests.get(variant)
     if result is None:
         try:
@@ -128,11 +156,12 @@ def _verified(kernels: MetalKernels, variant: str, test: Callable[[], str], mode
         kernels.self_tests[variant] = result
         if not result.ok and mode == "fallback":
             logger.warning(
-                "Metal kernel %s failed its self-test (%s) with %s; this op uses the MLX "
-                "fallback from now on (slower, same results). Please report this.",
+                "Metal kernel %s failed its self-test (%s) with %s; this op uses %s from "
+                "now on (slower, same results). Please report this.",
                 variant,
                 detail,
                 platform_versions(),
+                instead,
             )
     if not result.ok and mode == "raise":
         raise KernelSelfTestError(
