@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,11 @@ def test_doctor_reports_this_machine_and_the_embedded_model() -> None:
     blas = next(line for line in lines if line.startswith("blas:"))
     if sys.platform == "linux":
         assert "OpenBLAS bound from" in blas or "pip install scipy-openblas32" in blas
+    if not mx.metal.is_available():  # the quantized-matmul kernels, built here by the tests
+        qmm = next(line for line in lines if line.startswith("cpu-qmm:"))
+        assert re.fullmatch(
+            r"cpu-qmm: +CPU kernels: (avx512|avx2|neon|scalar), \d+ threads .*", qmm
+        )
     # SmolLM2-135M: 30 layers, 9 heads, 3 KV heads of 64; float32 KV on the CPU is
     # 2 x 30 x 3 x 64 x 4 B = 45 KiB per token, 720 KiB per 16-token block (float16 on
     # Metal: 360 KiB)
@@ -140,3 +146,11 @@ def test_a_failed_self_test_makes_the_exit_status_1(monkeypatch, capsys) -> None
     out = capsys.readouterr().out
     assert "self-test:  paged_prefill_tiled<T=float32, HEAD_DIM=64" in out
     assert out.count(": FAILED") == 1
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="the CPU kernels line is for the CPU")
+def test_doctor_says_why_cpu_kernels_are_off(monkeypatch) -> None:
+    monkeypatch.setenv("MLXSERVE_CPU_KERNELS", "off")
+    out = run_doctor(["--num-blocks", "65"])
+    assert out.returncode == 0, out.stderr
+    assert "cpu-qmm:    MLXSERVE_CPU_KERNELS=off" in out.stdout.splitlines()

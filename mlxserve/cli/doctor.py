@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
+from mlxserve import cpu as cpu_kernels
 from mlxserve import ops
 from mlxserve.blas import FIX as BLAS_FIX
 from mlxserve.blas import blas_status, fast_blas
@@ -64,6 +65,8 @@ def report(config: EngineConfig) -> Iterator[str]:
     backend, reason = ops.kernel_backend()
     yield f"kernels:    {backend} ({reason}); setting kernels={config.kernels!r}"
     yield f"blas:       {blas_line(sys.platform, fast_blas(), blas_status())}"
+    if not mx.metal.is_available():  # quantized layers on the CPU run these (or say why not)
+        yield f"cpu-qmm:    {cpu_kernels.status()}"
     yield from model_lines(config)
 
 

@@ -7,8 +7,16 @@ import dataclasses
 import json
 import logging
 import os
+from pathlib import Path
 
 from mlxserve.cli.engine_args import add_engine_args, engine_config
+from mlxserve.cli.vllm_compat import (
+    SERVER_FLAGS,
+    add_no_effect_flags,
+    check_quantization,
+    warn_no_effect,
+)
+from mlxserve.loader import generation_config
 from mlxserve.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 logger = logging.getLogger("mlxserve")
@@ -24,7 +32,8 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (hub id, directory, .gguf; default: the embedded SmolLM2) "
         "over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics.",
+        "/v1/embeddings, /v1/models, /tokenize, /detokenize, /health, /version, /metrics; "
+        "also Anthropic's /v1/messages and Ollama's /api/* (see README).",
     )
     p.add_argument("model", nargs="?", default=None, metavar="MODEL")
     g = p.add_argument_group("server")
@@ -94,6 +103,14 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         help="split <think> reasoning into reasoning_content (default: on when the chat "
         "template mentions </think>)",
     )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for fields a request leaves out: 'auto' (default) the "
+        "model's generation_config.json (GGUF: general.sampling.*), 'vllm' none (OpenAI's "
+        "defaults), or the generation_config.json of directory DIR (as vLLM)",
+    )
     g = p.add_argument_group("logging")
     g.add_argument(
         "--uvicorn-log-level",
@@ -101,7 +118,23 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     add_engine_args(p)
+    add_no_effect_flags(p, SERVER_FLAGS)
     p.set_defaults(handler=serve_command)
+
+
+def generation_config_choice(choice: str) -> dict[str, float | int] | None:
+    """--generation-config: None for 'auto' (the model's, known once it loads), {} for
+    'vllm', or the sampling defaults of directory DIR's generation_config.json."""
+    if choice == "auto":
+        return None
+    if choice == "vllm":
+        return {}
+    if not (Path(choice) / "generation_config.json").is_file():
+        raise ValueError(
+            f"--generation-config {choice!r}: expected 'auto', 'vllm' or a directory holding "
+            "generation_config.json"
+        )
+    return generation_config.from_model_dir(Path(choice))
 
 
 def _positive_int(text: str) -> int:
@@ -164,6 +197,8 @@ def serve_command(args: argparse.Namespace) -> int:
     names = tuple(args.served_model_names or ())
     keys = api_keys(args)
     origins = parse_origins(args.allowed_origins)
+    warn_no_effect(args, SERVER_FLAGS)
+    defaults = generation_config_choice(args.generation_config)
     config = engine_config(args, model)
     if config.max_num_batched_tokens is None:  # a server favours smooth streams
         config = dataclasses.replace(
@@ -176,6 +211,7 @@ def serve_command(args: argparse.Namespace) -> int:
     logger.info("loading %s ...", model or "the default model")
     try:
         engine = LLMEngine(config)
+        check_quantization(args, engine.loaded.source.kind, engine.loaded.config)
     except BaseException:
         sock.close()
         raise
@@ -191,7 +227,13 @@ def serve_command(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        sampling_defaults=engine.loaded.generation_defaults if defaults is None else defaults,
     )
+    if server_config.sampling_defaults:
+        logger.info(
+            "default sampling from the model's generation config (requests override): %s",
+            ", ".join(f"{k}={v}" for k, v in sorted(server_config.sampling_defaults.items())),
+        )
     app = build_app(llm, metrics, server_config)
     logger.info(
         "serving %s on http://%s:%d/v1 (API key %s)",

@@ -19,6 +19,7 @@ from mlxserve.core.request import (
     RequestStatus,
 )
 from mlxserve.engine.parallel_sampling import ParallelSampling, ParentRequest
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.tokenizer import TextStream
 
@@ -52,6 +53,8 @@ class RequestState:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why the request failed (its samples end with "error")
+    pooling: PoolingParams | None = None  # an embedding request
+    embedding: list[float] | None = None  # its vector, once computed
 
     @property
     def finished(self) -> bool:
@@ -132,8 +135,10 @@ class OutputProcessor:
             # The scheduler stops on eos / stop token ids: that token is not part of the text.
             stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED
             sample.stream.step(new_token_ids[:-1] if stopped_on_token else new_token_ids)
-            if sample.stream.stopped and not request.is_finished:
-                hit_stop = True
+            if sample.stream.stopped:
+                # Also when this was the last token allowed (length): the stop string
+                # completed, so the answer ends there with "stop", as vLLM's.
+                hit_stop = not request.is_finished
                 self.finish_sample(request.request_id, "stop", sample.stream.stop_str)
         if request.is_finished and sample.finish_reason is None:
             reason = request.status.finish_reason
@@ -202,6 +207,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             error=state.error,
+            embedding=state.embedding,
         )
 
     def remove(self, request_id: str) -> None:

@@ -9,6 +9,7 @@ float field also takes a JSON integer ("temperature": 1).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -125,23 +126,27 @@ class _SamplingFields(StructuredFields):
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         rename: dict[str, str] | None = None,
+        defaults: dict[str, float | int] | None = None,
     ) -> SamplingParams:
         """SamplingParams; a bad value is a 400 naming the request field.
 
         ``rename`` maps a SamplingParams field to the request field that set it.
+        ``defaults``: the model's sampling defaults (its generation_config), used for the
+        fields this request leaves out, as vLLM's ``--generation-config auto``.
         """
         structured_outputs, _ = self.constraint()
+        sampling = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
+        sampling |= model_defaults(defaults, self.model_fields_set, sampling)
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                min_p=self.min_p,
                 seed=self.seed,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty,
+                **sampling,
                 logit_bias=self.logit_bias,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
@@ -158,6 +163,13 @@ class _SamplingFields(StructuredFields):
             raise request_error(e, rename or {}) from None
 
 
+def model_defaults(
+    defaults: dict[str, float | int] | None, given: set[str], fields: Iterable[str]
+) -> dict[str, float | int]:
+    """The model's sampling defaults for those of ``fields`` a request did not set."""
+    return {k: v for k, v in (defaults or {}).items() if k in fields and k not in given}
+
+
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
@@ -170,7 +182,8 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     add_special_tokens: bool = True
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """The request's SamplingParams; ``defaults``: the model's (see _params)."""
         self.check_stream_options()
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request(
@@ -178,7 +191,12 @@ class CompletionRequest(_SamplingFields):
                 "best_of",
             )
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._params(self.max_tokens, self.logprobs, prompt_logprobs, self.field_names())
+        max_tokens = self.max_tokens
+        if "max_tokens" not in self.model_fields_set and defaults and "max_tokens" in defaults:
+            max_tokens = int(defaults["max_tokens"])
+        return self._params(
+            max_tokens, self.logprobs, prompt_logprobs, self.field_names(), defaults
+        )
 
     def field_names(self) -> dict[str, str]:
         """SamplingParams / engine parameter -> the field of this request that set it."""
@@ -272,7 +290,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """The request's SamplingParams; ``defaults``: the model's (see _params)."""
         self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
@@ -280,7 +299,9 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_tokens
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
             max_tokens = self.max_completion_tokens
-        return self._params(max_tokens, logprobs, rename=self.field_names())
+        if max_tokens is None and defaults and "max_tokens" in defaults:
+            max_tokens = int(defaults["max_tokens"])
+        return self._params(max_tokens, logprobs, rename=self.field_names(), defaults=defaults)
 
     def field_names(self) -> dict[str, str]:
         """SamplingParams / engine parameter -> the field of this request that set it."""

@@ -60,8 +60,11 @@ class OpenAIServing:
         max_model_len: int,
         vocab_size: int,
         features: ChatFeatures | None = None,
+        sampling_defaults: dict[str, float | int] | None = None,
     ) -> None:
         self.llm = llm
+        # The model's sampling defaults for fields a request leaves out (generation_config).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.features = features or ChatFeatures(tokenizer)
         self.model_names = model_names
         self.tokenizer = tokenizer
@@ -147,7 +150,7 @@ class OpenAIServing:
         """POST /v1/completions: JSON, or an event stream when req.stream."""
         self.check_accepting()
         model = self.check_model(req.model)
-        params = req.sampling_params()
+        params = req.sampling_params(self.sampling_defaults)
         req.log_ignored()
         prompts = await run_in_threadpool(
             self._encode_prompts, req.prompts(), req.add_special_tokens
@@ -264,7 +267,7 @@ class OpenAIServing:
         """POST /v1/chat/completions: JSON, or an event stream when req.stream."""
         self.check_accepting()
         model = self.check_model(req.model)
-        params = req.sampling_params()
+        params = req.sampling_params(self.sampling_defaults)
         req.log_ignored(() if req.tools else ("parallel_tool_calls",))
         try:
             plan = self.features.plan(
