@@ -1,4 +1,5 @@
-"""Launch choices for the Metal kernels: MetalConfig, head groups, the GPU's core count.
+"""Launch choices for the Metal kernels: the kernel table, MetalConfig, head groups, the
+GPU's core count.
 
 Nothing here has been measured on Apple hardware yet: the defaults follow the reasoning in
 metal/README.md (split-K sized from the core count as MLX sizes its own 2-pass SDPA from
@@ -15,6 +16,82 @@ import mlx.core as mx
 
 from mlxserve.exceptions import ParameterError
 
+# name -> (source file, input names, output names)
+KERNELS = {
+    "write_kv": (
+        "write_kv.metal",
+        ["keys", "values", "slot_mapping", "k_cache", "v_cache"],
+        ["written"],
+    ),
+    "paged_decode": (
+        "paged_decode.metal",
+        [
+            "q",
+            "k_cache",
+            "v_cache",
+            "block_tables",
+            "context_lens",
+            "scale",
+            "sinks",
+            "kv_written",
+        ],
+        ["out"],
+    ),
+    "paged_decode_split": (
+        "paged_decode_split.metal",
+        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "kv_written"],
+        ["partial_out", "partial_max", "partial_sum"],
+    ),
+    "paged_decode_reduce": (
+        "paged_decode_reduce.metal",
+        ["partial_out", "partial_max", "partial_sum", "context_lens", "sinks"],
+        ["out"],
+    ),
+    "paged_prefill": (
+        "paged_prefill.metal",
+        [
+            "q",
+            "k_cache",
+            "v_cache",
+            "block_tables",
+            "context_lens",
+            "query_start_loc",
+            "req_begin",
+            "scale",
+            "sinks",
+            "kv_written",
+        ],
+        ["out"],
+    ),
+    "paged_prefill_tiled": (
+        "paged_prefill_tiled.metal",
+        [
+            "q",
+            "k_cache",
+            "v_cache",
+            "block_tables",
+            "context_lens",
+            "query_start_loc",
+            "req_begin",
+            "scale",
+            "sinks",
+            "kv_written",
+        ],
+        ["out"],
+    ),
+}
+HEADER_FILE = "attention_common.metal"
+# MLX binds inputs of fewer elements as `constant`, others as `device`: a different source.
+# Metadata inputs are padded to this size, so a kernel's source never changes with the batch
+# (before MLX 0.32 a changed source under the same kernel name evicted the compiled pipeline,
+# and the self-test must verify the very source the batches run).
+MIN_DEVICE_ELEMENTS = 8
+# attention paths -> the kernels each launches
+PATH_KERNELS = {
+    "decode": "paged_decode",
+    "split": "paged_decode_split+paged_decode_reduce",
+    "prefill": "paged_prefill",
+}
 # Rows (query heads x query tokens) per threadgroup: attention_common.metal's MLXS_MAX_ROWS.
 # Wider GQA groups are split into equal head groups, one threadgroup each.
 MAX_ROWS = 8
