@@ -86,12 +86,11 @@ class PagedStateCache:
             raise RecurrentStateError(f"{self._where}: its mixer ran twice in one step")
         self.used = True
         pools = step.kv_cache.states[self.state_index]
-        # Every request's starting state, read now. A read of the pool that has not run yet
-        # when MLX schedules this step's write to it keeps the write from updating the pool
-        # in place: it copies the whole pool (every slot) instead. A race the tiny mamba
-        # test model lost at every step; evaluated here, the reads have always run.
-        starts = [pool[st.read_slots] for pool in pools]  # (num_reqs, ...) each
-        mx.eval(starts)
+        # Every request's starting state, read and evaluated by the adapter before the
+        # step was built (see MlxLmModel.__call__): the write below then updates the pool
+        # in place instead of copying it.
+        assert step.state_starts is not None
+        starts = step.state_starts[self.state_index]  # (num_reqs, ...) each
 
         def gather(first: int, end: int) -> ArraysCache:
             cache = ArraysCache(len(pools))
