@@ -231,6 +231,44 @@ def test_hybrid_1000_token_shared_prefix(name: str, tmp_path: Path) -> None:
         assert out.outputs[0].token_ids == plain.outputs[0].token_ids == want, rid
 
 
+def address(array: mx.array) -> int:
+    """Where an evaluated array's data lives (the view is dropped at once)."""
+    return np.asarray(memoryview(array)).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("name", HYBRID + RECURRENT_ONLY)
+def test_state_pools_are_written_in_place(name: str, case) -> None:
+    """Steps write the recurrent-state pools in place: each pool array keeps its memory.
+
+    A copy would have to coexist with the old pool, so an unchanged address means no step
+    copied it. (Before, a state read still pending when the step's write ran kept MLX from
+    updating the pool in place: every step copied every slot of every state array, so a
+    single stream slowed with max_num_seqs.)
+    """
+    c = case(name)
+    llm = make_llm(c)
+    generate(llm, c, ["r0"])  # the first step makes the pool
+    engine = llm.engine
+
+    def addresses() -> list[list[int]]:
+        return [[address(a) for a in arrays] for arrays in engine.runner.kv_cache.states]
+
+    before = addresses()
+    for rid in BATCH:
+        engine.add_request(rid, None, PARAMS, prompt_token_ids=c.prompts[rid])
+    outs, steps = {}, 0
+    while engine.has_unfinished_requests():  # prefills, batched decodes, snapshots
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        steps += 1
+        # Checked every step: a copy each step could land back on the old memory every
+        # other step (the allocator reuses the freed pool).
+        assert addresses() == before, f"step {steps}"
+    for rid in BATCH:
+        assert_matches(c, rid, outs[rid], "in place")
+
+
 # ---- sliding windows release their blocks ------------------------------------------------------
 def held_blocks(llm: LLM, rid: str) -> list[int]:
     """Per KV cache group: the blocks request ``rid`` holds (released ones excluded)."""

@@ -83,6 +83,8 @@ class _Step:
     kv_cast_after_fetch: bool  # the layers cast K/V (dtype only) after update_and_fetch
     owners: dict[int, PagedLayerCache]  # id(keys returned by update_and_fetch) -> view
     state_md: StateMetadata | None = None
+    # Per recurrent layer, every request's starting state (read from the pools up front).
+    state_starts: list[list[mx.array]] | None = None
     # The last num_hidden_rows selected rows are wanted as hidden states (embeddings): the
     # hooked decoder stack keeps them here and hands only the others to the LM head.
     num_hidden_rows: int = 0
@@ -327,6 +329,15 @@ class MlxLmModel(nn.Module):
                 )
             else:
                 views.append(PagedLayerCache(step, i, spec, 0, self._own_pool[i]))
+        if state_metadata is not None and kv_cache.states:
+            # Every request's starting state, read (evaluated) before anything is built: a
+            # read of a pool still pending when MLX runs this step's write to it keeps the
+            # write from updating the pool in place, and it copies the whole pool (every
+            # slot) instead. One evaluation for all layers: one wait per step, not per layer.
+            step.state_starts = [
+                [pool[state_metadata.read_slots] for pool in pools] for pools in kv_cache.states
+            ]
+            mx.eval(step.state_starts)
         token = _STEP.set(step)
         try:
             logits = self.model(input_ids[:, None], cache=views)  # (rows, 1, vocab)

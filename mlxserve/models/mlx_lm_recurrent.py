@@ -86,11 +86,16 @@ class PagedStateCache:
             raise RecurrentStateError(f"{self._where}: its mixer ran twice in one step")
         self.used = True
         pools = step.kv_cache.states[self.state_index]
+        # Every request's starting state, read and evaluated by the adapter before the
+        # step was built (see MlxLmModel.__call__): the write below then updates the pool
+        # in place instead of copying it.
+        assert step.state_starts is not None
+        starts = step.state_starts[self.state_index]  # (num_reqs, ...) each
 
-        def gather(slots: mx.array) -> ArraysCache:
+        def gather(first: int, end: int) -> ArraysCache:
             cache = ArraysCache(len(pools))
-            for j, pool in enumerate(pools):
-                cache[j] = pool[slots]  # (rows, ...)
+            for j, start in enumerate(starts):
+                cache[j] = start[first:end]  # (rows, ...)
             return cache
 
         outs: list[mx.array] = []
@@ -101,7 +106,7 @@ class PagedStateCache:
             cuts.setdefault(i, set()).add(offset)
         nd = md.num_decodes
         if nd:
-            cache = gather(st.read_slots[:nd])
+            cache = gather(0, nd)
             outs.append(call(x[:nd], cache))  # (nd, 1, out)
             for j in range(len(pools)):
                 finals[j].append(cache[j])
@@ -111,7 +116,7 @@ class PagedStateCache:
         row = sum(md.query_lens[:nd])
         for i in range(nd, md.num_reqs):
             length = md.query_lens[i]
-            cache = gather(st.read_slots[i : i + 1])
+            cache = gather(i, i + 1)
             done = 0
             for cut in [*sorted(c for c in cuts.get(i, ()) if c < length), length]:
                 piece = x[row + done : row + cut, 0][None]  # (1, cut - done, hidden)
