@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from mlxserve.exceptions import ParameterError
@@ -82,6 +84,98 @@ class SchedulerConfig:
         assert self.max_num_batched_tokens >= 1, self
 
 
+# Speculative decoding methods (vLLM's names); the draft-model and MTP proposers are to come.
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` fields).
+
+    ``ngram`` (prompt lookup): the drafts are the tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens, n from ``prompt_lookup_max`` down to
+    ``prompt_lookup_min``. No speculation when more than ``disable_by_batch_size``
+    requests run (verifying drafts of a big batch costs more than it saves).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    # 2: a single-token match (a common word, a comma) predicts little and costs a step.
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 8
+    # A request whose recent drafts were accepted at less than this rate pauses proposing.
+    min_acceptance_rate: float = 0.2
+
+    def __post_init__(self) -> None:
+        field_ = "speculative_config."
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            field_ + "method",
+            self.method,
+            f"one of {', '.join(SPECULATIVE_METHODS)}",
+        )
+        for name, low, high in (
+            ("num_speculative_tokens", 1, 32),
+            ("prompt_lookup_max", 1, 64),
+            ("prompt_lookup_min", 1, 64),
+            ("disable_by_batch_size", 1, 1 << 20),
+        ):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
+                field_ + name,
+                value,
+                f"an integer in [{low}, {high}]",
+            )
+        _require(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            field_ + "prompt_lookup_min",
+            self.prompt_lookup_min,
+            f"<= prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+        rate = self.min_acceptance_rate
+        _require(
+            isinstance(rate, int | float) and 0.0 <= rate <= 1.0,
+            field_ + "min_acceptance_rate",
+            rate,
+            "in [0, 1]",
+        )
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:
+        """From a dict or a JSON object string (the CLI's); unknown fields are an error."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ParameterError(
+                    f"speculative_config must be a JSON object, got {value!r} ({e})",
+                    parameter="speculative_config",
+                ) from None
+        if not isinstance(value, Mapping):
+            raise ParameterError(
+                f"speculative_config must be a JSON object, got {value!r}",
+                parameter="speculative_config",
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ParameterError(
+                f"unknown speculative_config field(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}",
+                parameter=f"speculative_config.{unknown[0]}",
+            )
+        if "method" not in value:
+            raise ParameterError(
+                f"speculative_config.method is required (one of {', '.join(SPECULATIVE_METHODS)})",
+                parameter="speculative_config.method",
+            )
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything a user can set when starting an engine (vLLM's engine-arg names).
@@ -114,8 +208,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Speculative decoding (None: off); a dict or JSON string is parsed into the dataclass.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if self.max_model_len is not None:
             # A request needs at least one prompt token and room for one output token.

@@ -52,6 +52,10 @@ class PagedFakeModel:
     block table, a block shared by mistake, a block released too early, a stale
     prefix-cache hit or a wrong state slot changes the output. ``script`` (request id ->
     tokens by output index) overrides the sampled token.
+
+    Speculative decoding: a request with drafts gets next_token() of its context at each
+    fed position (drafts included, read back from the slots as well) and keeps the drafts
+    that match it, plus the first token that does not (greedy verification).
     """
 
     def __init__(
@@ -87,7 +91,10 @@ class PagedFakeModel:
             tables = out.block_ids[rid]
             assert len(tables) == len(self.windows)
             fed = out.token_ids(req)
-            assert fed == (req.prompt_token_ids + req.output_token_ids)[start : start + n]
+            drafts = out.draft_token_ids.get(rid, [])
+            assert fed == (req.all_token_ids + drafts)[start : start + n]
+            if drafts:  # a decode: the last known token, then the drafts
+                assert start == req.num_tokens - 1 and n == 1 + len(drafts)
             for g, (table, window) in enumerate(zip(tables, self.windows, strict=True)):
                 assert len(table) * bs >= start + n and len(table) == -(-(start + n) // bs)
                 # The null block only stands for blocks a window released: those before
@@ -102,10 +109,11 @@ class PagedFakeModel:
         for req in out.scheduled_requests:
             rid = req.request_id
             end = out.start_positions[rid] + out.num_scheduled_tokens[rid]
-            assert out.samples(rid) == (end == req.num_tokens)
+            drafts = out.draft_token_ids.get(rid, [])
+            assert out.samples(rid) == (end == req.num_tokens + len(drafts))
             if not out.samples(rid):
                 continue
-            want = req.prompt_token_ids + req.output_token_ids
+            want = req.all_token_ids + drafts
             context = want[:end]
             for g, (table, window) in enumerate(zip(out.block_ids[rid], self.windows, strict=True)):
                 first = 0 if window is None else max(end - window, 0)
@@ -117,8 +125,15 @@ class PagedFakeModel:
                 if window is None:
                     context = [t for _, t in seen]  # the oracle's input, read back
             script = self.script.get(rid)
-            token = script[req.num_output_tokens] if script else next_token(context)
-            sampled[rid] = [token]
+            tokens = []
+            for i in range(len(drafts) + 1):  # verify each draft, then one more token
+                num_output = req.num_output_tokens + i
+                row_context = context[: req.num_tokens + i]
+                token = script[num_output] if script else next_token(row_context)
+                tokens.append(token)
+                if i == len(drafts) or drafts[i] != token:
+                    break
+            sampled[rid] = tokens
         self.num_steps += 1
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
@@ -172,10 +187,31 @@ def step_token_limit(out: SchedulerOutput, was_running: set[str], budget: int) -
         1
         for r in out.scheduled_requests
         if r.request_id in was_running
-        and out.num_scheduled_tokens[r.request_id] == 1
+        and out.num_scheduled_tokens[r.request_id]
+        == 1 + len(out.draft_token_ids.get(r.request_id, ()))
         and out.samples(r.request_id)
     )
     return max(budget, num_decodes + -(-budget // 2))
+
+
+class OracleProposer:
+    """Drafts for the fake model: its true continuation, corrupted from a position chosen
+    by the context (deterministic), so drafts are accepted fully, partly or not at all;
+    sometimes none (a plain decode after a speculative one)."""
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        seq = list(token_ids)
+        if next_token(seq[:-1]) % 4 == 0:
+            return []
+        wrong_at = next_token(seq) % (k + 2)  # k + 1: every draft right
+        drafts = []
+        for i in range(k):
+            token = next_token(seq)
+            if i == wrong_at:
+                token = (token + 1) % VOCAB
+            drafts.append(token)
+            seq.append(token)
+        return drafts
 
 
 def step(

@@ -180,3 +180,15 @@ def test_grammar_backends_bench_measures_llguidance(tmp_path: Path) -> None:
     assert numbers["mask_us_mean"] > 0 and numbers["compile_s"] > 0
     # The keywords llguidance does not implement are refused, never ignored.
     assert all(v.startswith("refused") for v in numbers["keywords"].values())
+
+
+def test_spec_decode_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
+    from bench import spec_decode
+
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    argv = [str(model_dir), "--max-tokens", "6", "--workloads", "edit,repeat", "--batch", "2"]
+    results = spec_decode.main(argv)
+    assert set(results) == {"edit", "repeat", "batch2"}
+    for row in results.values():
+        assert row["same_tokens"]  # greedy: speculation never changes the tokens
+        assert row["plain"]["drafted"] == 0 and row["ngram"]["output_tokens"] > 0

@@ -3,7 +3,8 @@
 After every step: free + used + null == total blocks, ref counts equal the block-table
 references (so never negative), the token budget and max_num_seqs hold, and the fake model
 reads exactly the right tokens back from the paged cache. In the end every request has
-finished with the tokens of a cache-less reference loop, and no block leaks.
+finished with the tokens of a cache-less reference loop, and no block leaks. Half of the
+streams speculate (drafts right, partly right or wrong): the same must hold.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from mlxserve.config import CacheConfig, SchedulerConfig
+from mlxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from mlxserve.core.request import Request, RequestStatus
 from mlxserve.core.scheduler import Scheduler
 from mlxserve.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW, KVCacheGroupSpec
 from mlxserve.sampling_params import SamplingParams
 from tests.scheduler_harness import (
     VOCAB,
+    OracleProposer,
     PagedFakeModel,
     reference_generate,
     run_to_completion,
@@ -25,6 +27,29 @@ from tests.scheduler_harness import (
 )
 
 EOS = frozenset({0})
+# Speculative decoding: off, or k drafts from a proposer that is right only sometimes.
+SPEC = st.one_of(
+    st.none(),
+    st.builds(
+        SpeculativeConfig,
+        num_speculative_tokens=st.integers(1, 5),
+        disable_by_batch_size=st.integers(1, 4),
+        min_acceptance_rate=st.sampled_from([0.0, 0.3]),
+    ),
+)
+
+
+def make_scheduler(
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    spec: SpeculativeConfig | None,
+) -> Scheduler:
+    sched = Scheduler(scheduler_config, cache_config, spec)
+    if sched.spec is not None:
+        sched.spec.proposer = OracleProposer()
+    return sched
+
+
 # Shared prefixes make prefix-cache hits (and hash-chain bugs) likely.
 BASES = [[(11 * k + 3 * i + 1) % VOCAB for i in range(48)] for k in range(3)]
 
@@ -64,16 +89,17 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, CacheConfig, list[tuple
     )
     step_op, abort_op = st.just(("step",)), st.tuples(st.just("abort"), st.integers(0, 30))
     op = st.one_of(add, add, step_op, step_op, abort_op)
-    return scheduler_config, cache_config, draw(st.lists(op, min_size=4, max_size=40))
+    ops = draw(st.lists(op, min_size=4, max_size=40))
+    return scheduler_config, cache_config, ops, draw(SPEC)
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 def test_random_streams_keep_invariants_and_finish(scenario):
-    scheduler_config, cache_config, ops = scenario
+    scheduler_config, cache_config, ops, spec = scenario
     max_model_len = scheduler_config.max_model_len
     block_size, num_blocks = cache_config.block_size, cache_config.num_blocks
-    sched = Scheduler(scheduler_config, cache_config)
+    sched = make_scheduler(scheduler_config, cache_config, spec)
     model = PagedFakeModel(block_size, num_blocks)
     pool_tokens = (num_blocks - 1) * block_size
     cap = min(max_model_len, pool_tokens + 1)  # the longest a request may grow
@@ -130,6 +156,8 @@ def test_random_streams_keep_invariants_and_finish(scenario):
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hit: {stats.prefix_cache_hits > 0}")
     event(f"aborted: {bool(aborted)}")
+    event(f"drafts accepted: {stats.spec_decode_num_accepted_tokens > 0}")
+    assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
 
 
 # KV cache groups (full attention, windows) with or without recurrent state, as models have.
@@ -176,7 +204,8 @@ def hybrid_scenarios(draw: st.DrawFn):
     )
     step_op, abort_op = st.just(("step",)), st.tuples(st.just("abort"), st.integers(0, 30))
     op = st.one_of(add, add, step_op, step_op, step_op, abort_op)
-    return windows, scheduler_config, cache_config, draw(st.lists(op, min_size=4, max_size=60))
+    ops = draw(st.lists(op, min_size=4, max_size=60))
+    return windows, scheduler_config, cache_config, ops, None if has_state else draw(SPEC)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -184,8 +213,8 @@ def hybrid_scenarios(draw: st.DrawFn):
 def test_hybrid_streams_keep_invariants_and_finish(scenario):
     """Windows release blocks, state slots and snapshots come and go: the fake model still
     reads every window's tokens and every state back exactly, and nothing leaks."""
-    windows, scheduler_config, cache_config, ops = scenario
-    sched = Scheduler(scheduler_config, cache_config)
+    windows, scheduler_config, cache_config, ops, spec = scenario
+    sched = make_scheduler(scheduler_config, cache_config, spec)
     model = PagedFakeModel(cache_config.block_size, cache_config.num_blocks, windows=windows)
     pool_tokens = sched.num_pool_tokens
     cap = sched.max_num_tokens

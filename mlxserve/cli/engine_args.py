@@ -65,6 +65,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--chat-template", default=None, help="a Jinja chat template, or a file holding one"
     )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as a JSON object, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'',
+    )
     for name, short in (("tensor", "-tp"), ("pipeline", "-pp"), ("data", "-dp")):
         g.add_argument(
             f"--{name}-parallel-size",

@@ -216,7 +216,11 @@ def serve_command(args: argparse.Namespace) -> int:
         sock.close()
         raise
     names = names or (engine.model_name,)
-    metrics = ServerMetrics(names[0], prefix_caching_off=engine.prefix_caching_off)
+    metrics = ServerMetrics(
+        names[0],
+        prefix_caching_off=engine.prefix_caching_off,
+        speculative=engine.speculative_config is not None,
+    )
     llm = AsyncLLM(engine, on_step=metrics.on_step)
     server_config = ServerConfig(
         model_names=names,

@@ -127,6 +127,18 @@ class GroupManager:
         blocks.extend(new)
         return new
 
+    def free_excess_blocks(self, request_id: str, num_tokens: int) -> None:
+        """Release the blocks past the first ``num_tokens`` tokens (those only rejected
+        speculative drafts used), last block first."""
+        blocks = self.req_to_blocks.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert keep >= self.num_cached_blocks.get(request_id, 0)
+        excess = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(excess))
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks made full by its first num_computed_tokens tokens."""
         rid = request.request_id

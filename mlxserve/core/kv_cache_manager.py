@@ -332,6 +332,11 @@ class KVCacheManager:
         for m in self.managers:
             m.cache_blocks(request, num_computed_tokens)
 
+    def free_excess_blocks(self, request: Request) -> None:
+        """Release blocks past the request's computed tokens (after rejected drafts)."""
+        for m in self.managers:
+            m.free_excess_blocks(request.request_id, request.num_computed_tokens)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (last block first, so its prefix is evicted last)
         and its state slot."""

@@ -66,6 +66,9 @@ class Request:
         "cache_salt",
         "pooling",
         "structured_output",
+        "spec_token_ids",
+        "spec_acceptance",
+        "spec_paused_until",
     )
 
     def __init__(
@@ -100,6 +103,12 @@ class Request:
         self.pooling: str | None = None
         # The compiled constraint (structured outputs); the runner keeps the grammar state.
         self.structured_output = structured_output
+        # Speculative decoding: the drafts scheduled for verification this step (never
+        # part of output_token_ids), a moving average of the fraction of drafts accepted,
+        # and the output length before which the request proposes nothing (back-off).
+        self.spec_token_ids: list[int] = []
+        self.spec_acceptance = 1.0
+        self.spec_paused_until = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -112,6 +121,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     def get_token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""

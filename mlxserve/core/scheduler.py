@@ -28,18 +28,30 @@ exceeds the budget when ``max_num_seqs`` does (the CPU server's 64 vs 32).
 ``num_computed_tokens`` is advanced when scheduling (the tokens will be in the KV cache
 once the step runs). The engine loop alternates strictly: ``schedule()``, run the model,
 ``update_from_output()``.
+
+Speculative decoding (core/spec_decode.py): a decode may carry k drafts and compute
+1 + k tokens. The drafts come out of the prefill share of the budget, never take a request
+past max_tokens or max_model_len, and are dropped (a plain decode) when their blocks do
+not fit. After the step ``num_computed_tokens`` moves back past the rejected drafts and
+the blocks only they used are freed; prefix-cache hashes only ever cover verified tokens::
+
+    before: computed T-1, tokens T     scheduled: t(T-1) d0 d1 d2   computed T+3
+    after:  d0 d1 accepted + x         tokens T+3, computed T+2 (x is fed next step)
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from mlxserve.config import CacheConfig, SchedulerConfig
-from mlxserve.core.kv_cache_manager import KVCacheManager, StateSlots
+from mlxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from mlxserve.core.kv_cache_manager import KVCacheManager
 from mlxserve.core.request import Request, RequestStatus
+from mlxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from mlxserve.core.spec_decode import SpecDecoder
 from mlxserve.exceptions import ParameterError
+
+__all__ = ["ModelRunnerOutput", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
 def min_prefill_tokens(max_num_batched_tokens: int) -> int:
@@ -47,97 +59,15 @@ def min_prefill_tokens(max_num_batched_tokens: int) -> int:
     return (max_num_batched_tokens + 1) // 2
 
 
-@dataclass
-class SchedulerOutput:
-    """What the runner computes in one step.
-
-    For each request ``r`` in ``scheduled_requests`` the runner feeds the tokens
-    ``(r.prompt_token_ids + r.output_token_ids)[start : start + n]`` (``token_ids(r)``) at positions
-    ``start .. start + n - 1``, where ``start = start_positions[r.request_id]`` (tokens
-    already in the KV cache before this step) and ``n = num_scheduled_tokens[...]``. Its
-    context after the step is ``start + n`` tokens; token at position p goes to slot
-    ``block_ids[g][p // block_size] * block_size + p % block_size`` in each KV cache group
-    g. Requests in ``sampling_request_ids`` sample one token from the logits of their last
-    fed token. Models with recurrent layers also get each request's ``state_slots``.
-    """
-
-    # Batch order: the first num_decodes requests are decodes (one token, prompt done),
-    # then prefill chunks (and prompt/recompute chunks of any length).
-    scheduled_requests: list[Request]
-    num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step
-    total_num_scheduled_tokens: int
-    # request_id -> its whole block table in each KV cache group, after allocation
-    block_ids: dict[str, tuple[list[int], ...]]
-    preempted_request_ids: list[str]
-    finished_request_ids: list[str]  # finished/aborted since the previous schedule()
-    start_positions: dict[str, int] = field(default_factory=dict)
-    sampling_request_ids: set[str] = field(default_factory=set)
-    num_decodes: int = 0
-    state_slots: dict[str, StateSlots] = field(default_factory=dict)  # recurrent layers
-
-    def token_ids(self, request: Request) -> list[int]:
-        """The tokens the runner feeds for request this step."""
-        start = self.start_positions[request.request_id]
-        return request.get_token_ids(start, start + self.num_scheduled_tokens[request.request_id])
-
-    def samples(self, request_id: str) -> bool:
-        """True when the request's chunk reaches the end of its known tokens this step."""
-        return request_id in self.sampling_request_ids
-
-    def subset(self, requests: list[Request]) -> SchedulerOutput:
-        """The same step for some of its requests only (batch order kept, nothing finished).
-
-        A valid step on its own: each request's tokens depend only on its own tokens and
-        blocks, so the runner re-runs subsets to find which request made a step fail.
-        """
-        ids = {r.request_id for r in requests}
-        num_decodes = self.num_decodes
-        kept = [r for r in self.scheduled_requests if r.request_id in ids]
-        num_scheduled = {r.request_id: self.num_scheduled_tokens[r.request_id] for r in kept}
-        return SchedulerOutput(
-            scheduled_requests=kept,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            block_ids={rid: self.block_ids[rid] for rid in num_scheduled},
-            preempted_request_ids=[],
-            finished_request_ids=[],
-            start_positions={rid: self.start_positions[rid] for rid in num_scheduled},
-            sampling_request_ids=self.sampling_request_ids & ids,
-            num_decodes=sum(r.request_id in ids for r in self.scheduled_requests[:num_decodes]),
-            state_slots={rid: s for rid, s in self.state_slots.items() if rid in ids},
-        )
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the runner returns for one SchedulerOutput."""
-
-    # request_id -> [new token]; [] (or absent) for a partial prefill chunk.
-    sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, object] | None = None  # opaque here; passed through to the engine
-    prompt_logprobs: dict[str, object] | None = None
-    # request_id -> what went wrong, for requests whose step failed (they got no token).
-    failed: dict[str, str] = field(default_factory=dict)
-    # request_id -> pooled hidden state, for embedding requests whose prompt is done.
-    pooled: dict[str, list[float]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot for logging and metrics; the counters are cumulative since start."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float  # fraction of usable blocks in use
-    prefix_cache_queries: int  # tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens found
-    num_preemptions: int
-
-
 class Scheduler:
     """Decides, each step, which requests compute how many tokens; tracks their lifecycle."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -165,6 +95,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.finished_request_ids: list[str] = []
         self.num_preemptions = 0
+        # A recurrent state cannot roll back past rejected drafts: the engine turns it off.
+        assert speculative_config is None or not cache_config.num_state_slots
+        self.spec = None if speculative_config is None else SpecDecoder(speculative_config)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -231,7 +164,9 @@ class Scheduler:
         prefill_budget = max(budget - num_decodes, min_prefill_tokens(budget))
         scheduled: list[Request] = []
         num_scheduled: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}
         preempted: list[str] = []
+        speculate = self.spec is not None and self.spec.is_on(len(self.running))
 
         # 1. Running requests, oldest first: a decode token or the next prompt chunk.
         index = 0
@@ -243,6 +178,14 @@ class Scheduler:
             index += 1
             if num_new == 0:
                 continue  # prefill share spent; newer decodes still get their token
+            if speculate and num_left == 1:
+                spec = self._schedule_drafts(request, prefill_budget)
+                if spec:
+                    scheduled.append(request)
+                    num_scheduled[request.request_id] = 1 + len(spec)
+                    drafts[request.request_id] = spec
+                    prefill_budget -= len(spec)
+                    continue
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: nothing newer is left to schedule
             scheduled.append(request)
@@ -273,7 +216,19 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             prefill_budget -= num_new
 
-        return self._make_output(scheduled, num_scheduled, preempted)
+        return self._make_output(scheduled, num_scheduled, preempted, drafts)
+
+    def _schedule_drafts(self, request: Request, budget: int) -> list[int]:
+        """Propose drafts for a decoding request and allocate room for them; [] when there
+        are none or they do not fit (the caller then schedules a plain decode)."""
+        assert self.spec is not None
+        room = min(budget, self.max_num_tokens - request.num_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        spec = self.spec.propose(request, room)
+        if spec and self.kv_cache_manager.allocate_slots(request, 1 + len(spec)) is None:
+            request.spec_token_ids = spec = []
+        return spec
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
         """Allocate for a running request, preempting the newest ones until it fits.
@@ -289,27 +244,32 @@ class Scheduler:
         return True
 
     def _make_output(
-        self, scheduled: list[Request], num_scheduled: dict[str, int], preempted: list[str]
+        self,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        preempted: list[str],
+        drafts: dict[str, list[int]],
     ) -> SchedulerOutput:
         start_positions: dict[str, int] = {}
         sampling: set[str] = set()
         decodes: list[Request] = []
+        verifies: list[Request] = []  # decodes with drafts: the runner's decode rows too
         chunks: list[Request] = []
         for request in scheduled:
             rid = request.request_id
             start = start_positions[rid] = request.num_computed_tokens
             request.num_computed_tokens += num_scheduled[rid]
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_computed_tokens == request.num_tokens + len(drafts.get(rid, ())):
                 sampling.add(rid)
             is_decode = num_scheduled[rid] == 1 and start >= request.num_prompt_tokens
-            (decodes if is_decode else chunks).append(request)
+            (decodes if is_decode else verifies if rid in drafts else chunks).append(request)
         finished, self.finished_request_ids = self.finished_request_ids, []
         kv = self.kv_cache_manager
         state_slots = {}
         if kv.state_pool is not None:
             state_slots = {r.request_id: kv.get_state_slots(r) for r in scheduled}
         return SchedulerOutput(
-            scheduled_requests=decodes + chunks,
+            scheduled_requests=decodes + verifies + chunks,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             block_ids={r.request_id: kv.get_block_ids(r) for r in scheduled},
@@ -319,6 +279,7 @@ class Scheduler:
             sampling_request_ids=sampling,
             num_decodes=len(decodes),
             state_slots=state_slots,
+            draft_token_ids=drafts,
         )
 
     def update_from_output(
@@ -330,6 +291,7 @@ class Scheduler:
         """
         updated: list[Request] = []
         any_finished = False
+        sampled = model_runner_output.sampled_token_ids
         for request in scheduler_output.scheduled_requests:
             rid = request.request_id
             if request.is_finished:
@@ -342,19 +304,36 @@ class Scheduler:
                     any_finished = True
                     self._release(request)
                 continue
-            new_token_ids = model_runner_output.sampled_token_ids.get(rid) or []
-            assert len(new_token_ids) == (
-                1 if rid in scheduler_output.sampling_request_ids else 0
-            ), f"{request}: expected a token iff it samples, got {new_token_ids}"
+            new_token_ids = sampled.get(rid) or []
+            drafts = scheduler_output.draft_token_ids.get(rid, ())
+            if rid in scheduler_output.sampling_request_ids:
+                assert 1 <= len(new_token_ids) <= 1 + len(drafts), (request, new_token_ids)
+            else:
+                assert not new_token_ids, f"{request}: a token without sampling: {new_token_ids}"
+            if drafts:  # forget the K/V of the rejected drafts
+                request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+            is_stopped = False
+            for i, token in enumerate(new_token_ids):
+                request.output_token_ids.append(token)
+                if self._check_stop(request):
+                    is_stopped = True
+                    if i + 1 < len(new_token_ids):  # a stop among accepted drafts ends there
+                        sampled[rid] = new_token_ids = new_token_ids[: i + 1]
+                        request.num_computed_tokens = request.num_tokens - 1
+                    break
+            if drafts:
+                assert self.spec is not None
+                self.spec.record(request, len(drafts), len(new_token_ids) - 1)
             # Cache before a possible free, so the finished request's blocks stay reusable.
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if not new_token_ids:
                 continue
-            request.output_token_ids.extend(new_token_ids)
             updated.append(request)
-            if self._check_stop(request):
+            if is_stopped:
                 any_finished = True
                 self._release(request)
+            elif drafts:
+                self.kv_cache_manager.free_excess_blocks(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
@@ -401,4 +380,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode_num_drafts=self.spec.num_drafts if self.spec else 0,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
         )

@@ -134,6 +134,22 @@ class LLMEngine:
         )
         self.max_model_len = self.plan.max_model_len
         layout = self.runner.layout
+        self.speculative_config = config.speculative_config
+        if self.speculative_config is not None and layout.has_state:
+            # A recurrent state cannot be rolled back past rejected drafts (yet).
+            logger.warning("speculative decoding: off (the model has recurrent layers)")
+            self.speculative_config = None
+        elif self.speculative_config is not None:
+            sc = self.speculative_config
+            logger.info(
+                "speculative decoding: %s, %d draft tokens, n-gram %d..%d, off above %d "
+                "running requests",
+                sc.method,
+                sc.num_speculative_tokens,
+                sc.prompt_lookup_min,
+                sc.prompt_lookup_max,
+                sc.disable_by_batch_size,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens),
             CacheConfig(
@@ -145,6 +161,7 @@ class LLMEngine:
                 num_state_slots=self.plan.num_state_slots,
                 snapshot_interval=snapshot_interval(layout, config.block_size, loaded.dtype),
             ),
+            self.speculative_config,
         )
         self.block_pool = self.scheduler.kv_cache_manager.block_pool
         self.state_pool = self.scheduler.kv_cache_manager.state_pool

@@ -128,13 +128,20 @@ class OutputProcessor:
         if new_token_ids:
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
-            sample.token_ids.extend(new_token_ids)
-            if logprobs is not None and sample.logprobs is not None:
+            if logprobs is not None and sample.logprobs is not None:  # one token then
                 sample.logprobs.append(logprobs)
                 sample.cumulative_logprob += logprobs[new_token_ids[-1]]
             # The scheduler stops on eos / stop token ids: that token is not part of the text.
             stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED
-            sample.stream.step(new_token_ids[:-1] if stopped_on_token else new_token_ids)
+            # Token by token: a stop string among several (speculative) tokens ends the
+            # output at the token that completes it, as if they had come one at a time.
+            for i, token in enumerate(new_token_ids):
+                sample.token_ids.append(token)
+                is_last = i == len(new_token_ids) - 1
+                if not (is_last and stopped_on_token):
+                    sample.stream.step((token,))
+                if sample.stream.stopped:
+                    break
             if sample.stream.stopped:
                 # Also when this was the last token allowed (length): the stop string
                 # completed, so the answer ends there with "stop", as vLLM's.

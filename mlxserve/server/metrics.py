@@ -59,6 +59,8 @@ class _Window:
     num_generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafted tokens verified
+    accepted_tokens: int = 0
 
 
 class ServerMetrics:
@@ -69,8 +71,10 @@ class ServerMetrics:
         model_name: str,
         registry: CollectorRegistry | None = None,
         prefix_caching_off: str | None = None,
+        speculative: bool = False,
     ) -> None:
-        """``prefix_caching_off``: why the engine does not cache prefixes (None: it does)."""
+        """``prefix_caching_off``: why the engine does not cache prefixes (None: it does);
+        ``speculative``: the engine speculates (vLLM's spec_decode counters are exported)."""
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -111,6 +115,18 @@ class ServerMetrics:
             ["model_name", "reason"],
             registry=r,
         ).labels(model_name, prefix_caching_off or "").set(0 if prefix_caching_off else 1)
+        self.speculative = speculative
+        if speculative:
+            self.spec_decode_num_drafts = counter(
+                "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."
+            )
+            self.spec_decode_num_draft_tokens = counter(
+                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+            )
+            self.spec_decode_num_accepted_tokens = counter(
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+            )
+        self._spec = (0, 0, 0)  # cumulative drafts, draft tokens, accepted tokens
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -194,9 +210,21 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(max(0, hits - last_h))
         self.num_preemptions.inc(max(0, stats.num_preemptions - self._num_preemptions))
         self._num_preemptions = stats.num_preemptions
+        spec = (
+            stats.spec_decode_num_drafts,
+            stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens,
+        )
+        last_spec, self._spec = self._spec, spec
+        if self.speculative:
+            self.spec_decode_num_drafts.inc(max(0, spec[0] - last_spec[0]))
+            self.spec_decode_num_draft_tokens.inc(max(0, spec[1] - last_spec[1]))
+            self.spec_decode_num_accepted_tokens.inc(max(0, spec[2] - last_spec[2]))
         computed = engine.num_prompt_tokens_computed
         with self._lock:
             w = self._window
+            w.draft_tokens += spec[1] - last_spec[1]
+            w.accepted_tokens += spec[2] - last_spec[2]
             w.prefix_queries += queries - last_q
             w.prefix_hits += hits - last_h
             w.num_prompt_tokens += computed - self._prompt_tokens_computed
@@ -268,9 +296,16 @@ class ServerMetrics:
         if not queries:  # nothing looked up lately: the rate since start
             queries, hits = total_q, total_h
         hit_rate = 100.0 * hits / queries if queries else 0.0
-        return (
+        line = (
             f"Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {100 * kv:.1f}%, "
             f"Prompt throughput: {w.num_prompt_tokens / elapsed:.1f} tokens/s, "
             f"Generation throughput: {w.num_generation_tokens / elapsed:.1f} tokens/s, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
+        if self.speculative:
+            rate = 100.0 * w.accepted_tokens / w.draft_tokens if w.draft_tokens else 0.0
+            line += (
+                f", Draft acceptance rate: {rate:.1f}% "
+                f"({w.accepted_tokens} of {w.draft_tokens} draft tokens)"
+            )
+        return line

@@ -17,11 +17,12 @@ def step_metadata(
     so: SchedulerOutput,
     query_lens: list[int],
     context_lens: list[int],
+    tables: list[tuple[list[int], ...]],
     block_size: int,
     takes_layout: bool,
 ) -> tuple[AttentionMetadata, dict[str, object]]:
-    """(the step's AttentionMetadata, the model's extra keyword arguments)."""
-    tables = [so.block_ids[r.request_id] for r in so.scheduled_requests]
+    """(the step's AttentionMetadata, the model's extra keyword arguments); ``tables``:
+    each query_lens entry's block table in every group."""
     group_mds = tuple(
         AttentionMetadata.build(query_lens, context_lens, [t[g] for t in tables], block_size)
         for g in range(layout.num_groups)

@@ -11,9 +11,14 @@ MLX cannot evaluate a lazy array on a thread other than the one that made it.
 
 Batch layout on the flat token axis (decodes first, as AttentionMetadata wants)::
 
-    input_ids:  | d0 | d1 | p0 p0 p0 p0 p0 | p1 p1 p1 |
-    samples:      ^    ^                ^          ^      (last row of each request
-                                                           whose chunk reaches its end)
+    input_ids:  | d0 | d1 | p0 p0 p0 p0 p0 | p1 p1 p1 | s0 x0 x1 |
+    samples:      ^    ^                ^          ^    ^  ^  ^   (last row of each request
+                                                                   whose chunk reaches its
+                                                                   end; every row of s0)
+
+A request with speculative drafts (s0: its last token, then drafts x0 x1) samples at each
+of its rows, and row i verifies draft i (worker/sampler.py); _read keeps the accepted
+drafts and the token of the first row whose draft is rejected (or of the last row).
 
 The pool follows the model's KVCacheLayout (mlxserve/kv_cache_spec.py): one K/V tensor per
 layer, or per layer slot of its KV cache groups, each group with its own block tables
@@ -87,6 +92,8 @@ class _Part:
     prompt_logprobs: tuple[mx.array, ...] | None
     # The samplers' logits (S, V) while their grammar bitmasks are being computed.
     logits: mx.array | None = None
+    # Per sampler, its drafts (speculative decoding): it has 1 + len(drafts) sample rows.
+    drafts: list[list[int]] = field(default_factory=list)
     # Embedding requests in this step: (request, chunk starts at 0, chunk ends the prompt),
     # and per request the sum (mean pooling) or the last row of its chunk's hidden states.
     poolers: list[tuple[Request, bool, bool]] = field(default_factory=list)
@@ -111,7 +118,7 @@ class _Part:
 class _Read:
     """A part's results on the host, not yet applied to the request states."""
 
-    samples: list[tuple[Request, int, Logprobs | None]] = field(default_factory=list)
+    samples: list[tuple[Request, list[int], Logprobs | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)
     pooled: list[tuple[Request, bool, bool, np.ndarray]] = field(default_factory=list)
 
@@ -380,8 +387,10 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens = [], []
+        tables: list[tuple[list[int], ...]] = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
+        drafts: list[list[int]] = []
         plp_rows: list[int] = []  # rows whose logits score the next prompt token
         plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
         pooling = PoolingRows()  # embedding requests: hidden states, no logits
@@ -393,11 +402,22 @@ class ModelRunner:
             row0 = len(input_ids)
             input_ids.extend(so.token_ids(req))
             positions.extend(range(start, end))
-            query_lens.append(n)
-            context_lens.append(end)
             if req.pooling is not None:
+                query_lens.append(n)
+                context_lens.append(end)
+                tables.append(so.block_ids[rid])
                 pooling.add(req, row0, start, n, so.samples(rid))
                 continue
+            if rid in so.draft_token_ids:
+                # Each verified position attends as a decode of its own (context up to
+                # it): the decode path, which is much cheaper than a short causal chunk.
+                query_lens += [1] * n
+                context_lens += range(start + 1, end + 1)
+                tables += [so.block_ids[rid]] * n
+            else:
+                query_lens.append(n)
+                context_lens.append(end)
+                tables.append(so.block_ids[rid])
             state = self._state(req)
             if req.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
                 if start == 0:
@@ -406,10 +426,12 @@ class ModelRunner:
                     plp_rows.append(row0 + pos - start)
                     plp_targets.append((req, pos + 1))
             if so.samples(rid):
-                sample_rows.append(row0 + n - 1)
+                spec = so.draft_token_ids.get(rid, [])
+                sample_rows.extend(range(row0 + n - 1 - len(spec), row0 + n))
                 samplers.append(req)
+                drafts.append(spec)
         md, extra = step_metadata(
-            self.layout, so, query_lens, context_lens, self.block_size, self._takes_layout
+            self.layout, so, query_lens, context_lens, tables, self.block_size, self._takes_layout
         )
         rows = sample_rows + plp_rows + pooling.rows
         out = self.model(
@@ -424,31 +446,54 @@ class ModelRunner:
         logits, hidden = out if pooling.rows else (out, None)
         pooled = None if hidden is None else pooling.reduce(hidden)
         result = None
-        sample_logits = logits[: len(samplers)] if samplers else None
+        num_rows = len(sample_rows)
+        sample_logits = logits[:num_rows] if samplers else None
+        part = _Part(samplers, None, plp_targets, None, sample_logits, drafts)
+        part.poolers, part.pooled = pooling.requests, pooled
         if samplers and not any(self._states[r.request_id].grammar for r in samplers):
-            states = [self._states[r.request_id].sampling for r in samplers]
-            result = sample(sample_logits, make_sampling_batch(states, logits.shape[-1]))
+            states, draft_ids = self._sample_rows(part)
+            result = sample(sample_logits, make_sampling_batch(states, logits.shape[-1]), draft_ids)
         plp = None
         if plp_rows:
             plp = prompt_logprobs(
-                logits[len(samplers) :],
+                logits[num_rows:],
                 [r.prompt_token_ids[pos] for r, pos in plp_targets],
                 max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
             )
-        return _Part(samplers, result, plp_targets, plp, sample_logits, pooling.requests, pooled)
+        part.result, part.prompt_logprobs = result, plp
+        return part
+
+    def _sample_rows(self, part: _Part) -> tuple[list[SamplingState], mx.array | None]:
+        """The sampling state of each sample row (a draft's row: as many outputs later)
+        and each row's draft (-1: none), or None when the part has no drafts."""
+        states: list[SamplingState] = []
+        draft_ids: list[int] = []
+        for req, spec in zip(part.samplers, part.drafts, strict=True):
+            state = self._states[req.request_id].sampling
+            states += [state.ahead(i) for i in range(len(spec) + 1)]
+            draft_ids += [*spec, -1]
+        if len(states) == len(part.samplers):
+            return states, None
+        return states, mx.array(draft_ids, dtype=mx.int32)
 
     def _sample_masked(self, parts: list[_Part]) -> None:
         """Sample the parts that have grammar rows, with their token bitmasks (host work
         done while the launched forward pass computes)."""
         for part in parts:
             assert part.logits is not None
-            states = [self._states[r.request_id] for r in part.samplers]
+            # A request with drafts has no grammar: its rows get no mask.
+            grammars = [
+                g
+                for r, spec in zip(part.samplers, part.drafts, strict=True)
+                for g in [self._states[r.request_id].grammar] + [None] * len(spec)
+            ]
             t0 = time.perf_counter()
-            bitmask = fill_bitmasks([s.grammar for s in states], part.logits.shape[-1])
+            bitmask = fill_bitmasks(grammars, part.logits.shape[-1])
             self.mask_seconds += time.perf_counter() - t0
-            batch = make_sampling_batch([s.sampling for s in states], part.logits.shape[-1])
+            states, draft_ids = self._sample_rows(part)
+            batch = make_sampling_batch(states, part.logits.shape[-1])
             batch.bitmask = mx.array(bitmask)
-            part.result = sample(part.logits, batch)
+            part.result = sample(part.logits, batch, draft_ids)
         self.num_mask_steps += 1
 
     def _read(self, part: _Part) -> _Read:
@@ -460,16 +505,27 @@ class ModelRunner:
             chosen = np.array(r.logprobs).tolist() if r.logprobs is not None else None
             top_ids = np.array(r.top_ids).tolist() if r.top_ids is not None else None
             top_lp = np.array(r.top_logprobs).tolist() if r.top_logprobs is not None else None
-            for i, req in enumerate(part.samplers):
-                tok = token_ids[i]
+            accepted = np.array(r.accepted).tolist() if r.accepted is not None else None
+            i = 0  # the request's first sample row
+            for req, spec in zip(part.samplers, part.drafts, strict=True):
+                tokens = []
+                for j, draft in enumerate(spec):
+                    if not accepted[i + j]:
+                        tokens.append(token_ids[i + j])
+                        break
+                    tokens.append(draft)
+                else:
+                    tokens.append(token_ids[i + len(spec)])
                 entry: Logprobs | None = None
                 k = req.sampling_params.logprobs
-                if k is not None and chosen is not None:
+                if k is not None and chosen is not None:  # never with drafts
+                    tok = tokens[0]
                     entry = {tok: chosen[i]}
                     if k and top_ids is not None:
                         for j in range(k):
                             entry.setdefault(top_ids[i][j], top_lp[i][j])
-                read.samples.append((req, tok, entry))
+                read.samples.append((req, tokens, entry))
+                i += len(spec) + 1
         if part.prompt_logprobs is not None:
             chosen = np.array(part.prompt_logprobs[0]).tolist()
             tops = [np.array(a).tolist() for a in part.prompt_logprobs[1:]]
@@ -486,16 +542,17 @@ class ModelRunner:
 
     def _commit(self, read: _Read, output: ModelRunnerOutput) -> None:
         """Apply a part's results to the request states and the step's output."""
-        for req, tok, entry in read.samples:
+        for req, tokens, entry in read.samples:
             state = self._states[req.request_id]
-            if state.grammar is not None:
+            if state.grammar is not None:  # never with drafts: one token
                 try:
-                    state.grammar.accept(tok)
+                    state.grammar.accept(tokens[0])
                 except ValueError as e:  # cannot happen for a token sampled under its mask
                     output.failed[req.request_id] = str(e)
                     continue
-            state.sampling.append(tok)
-            output.sampled_token_ids[req.request_id] = [tok]
+            for tok in tokens:
+                state.sampling.append(tok)
+            output.sampled_token_ids[req.request_id] = tokens
             if entry is not None:
                 output.logprobs[req.request_id] = entry
         for req, entry in read.prompt_logprobs:

@@ -8,11 +8,23 @@
 Logprobs describe the model's own distribution (raw logits), as OpenAI's do.
 Each request draws its noise from a key made of its own seed and its output length,
 so a seeded request samples the same tokens alone or inside any batch.
+
+Speculative decoding: a row may carry a draft token x (the token the proposer guessed for
+that position). The row then also says whether x is accepted, and its token is what
+replaces x when it is not (rejection sampling for a deterministic draft):
+
+    greedy:   accept x iff x == argmax;                 else the argmax
+    sampled:  accept x with probability p(x) (u < p(x)); else a sample of p with x removed
+              and renormalised (the Gumbel argmax with x masked)
+
+so the token at that position is distributed as p exactly: p(x) + (1 - p(x)) * 0 for x,
+(1 - p(x)) * p(y) / (1 - p(x)) = p(y) for any other y. The uniform u comes from a key of its
+own (the row's key with a tag), independent of the Gumbel noise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import mlx.core as mx
@@ -21,6 +33,7 @@ import numpy as np
 from mlxserve.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
+_ACCEPT_TAG = 0x5DEECE66D  # mixed into a row's key for its acceptance uniform
 
 
 @dataclass
@@ -42,6 +55,14 @@ class SamplingState:
     def append(self, token_id: int) -> None:
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
         self.num_output_tokens += 1
+
+    def ahead(self, num_tokens: int) -> SamplingState:
+        """This state as it will be ``num_tokens`` outputs later, for a draft's row: its
+        noise key and min_tokens masking move on; token counts do not (requests with
+        penalties do not speculate)."""
+        if not num_tokens:
+            return self
+        return replace(self, num_output_tokens=self.num_output_tokens + num_tokens)
 
 
 @dataclass
@@ -142,6 +163,7 @@ class SamplerOutput:
     logprobs: mx.array | None  # (N,) float32: logprob of each chosen token
     top_ids: mx.array | None  # (N, k) int32
     top_logprobs: mx.array | None  # (N, k) float32
+    accepted: mx.array | None = None  # (N,) bool: the row's draft is accepted (drafts only)
 
 
 def apply_logits_processors(logits: mx.array, batch: SamplingBatch) -> mx.array:
@@ -193,13 +215,19 @@ def filter_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
     return logits
 
 
-def sample(logits: mx.array, batch: SamplingBatch) -> SamplerOutput:
-    """Pick one token per row of ``logits`` (N, V)."""
+def sample(
+    logits: mx.array, batch: SamplingBatch, draft_ids: mx.array | None = None
+) -> SamplerOutput:
+    """Pick one token per row of ``logits`` (N, V); with ``draft_ids`` (N,) int32 (-1: no
+    draft), also verify each row's draft (``SamplerOutput.accepted``)."""
     raw = logits.astype(mx.float32)
     processed = apply_logits_processors(raw, batch)
     if batch.bitmask is not None:
         processed = apply_bitmask(processed, batch.bitmask)
     greedy = mx.argmax(processed, axis=-1)
+    accepted = None
+    if draft_ids is not None:
+        accepted = (draft_ids >= 0) & (greedy == draft_ids)  # (N,) greedy rows' verdict
     if batch.all_greedy:
         token_ids = greedy
     else:
@@ -212,17 +240,35 @@ def sample(logits: mx.array, batch: SamplingBatch) -> SamplerOutput:
                 for k in batch.keys
             ]
         )  # (N, V)
-        sampled = mx.argmax(filter_logits(processed, batch) + noise, axis=-1)
+        filtered = filter_logits(processed, batch)
+        if draft_ids is not None:
+            has_draft = draft_ids >= 0
+            is_draft = mx.arange(vocab)[None, :] == draft_ids[:, None]  # (N, V)
+            probs = mx.softmax(filtered, axis=-1)  # (N, V) the target distribution p
+            p_draft = mx.sum(mx.where(is_draft, probs, 0.0), axis=-1)  # (N,) p(x)
+            uniform = mx.stack(
+                [
+                    mx.zeros(())
+                    if k is None
+                    else mx.random.uniform(shape=(), key=mx.random.key(k ^ _ACCEPT_TAG))
+                    for k in batch.keys
+                ]
+            )  # (N,)
+            sampled_accept = has_draft & (uniform < p_draft)
+            accepted = mx.where(batch.temperature > 0, sampled_accept, accepted)
+            # A rejected draft is replaced by a sample of p without it.
+            filtered = mx.where(is_draft & has_draft[:, None], -mx.inf, filtered)
+        sampled = mx.argmax(filtered + noise, axis=-1)
         token_ids = mx.where(batch.temperature > 0, sampled, greedy)
     token_ids = token_ids.astype(mx.int32)
     if not batch.want_logprobs:
-        return SamplerOutput(token_ids, None, None, None)
+        return SamplerOutput(token_ids, None, None, None, accepted)
     logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # (N, V)
     chosen = mx.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
     top_ids = top_lp = None
     if batch.num_logprobs:
         top_ids, top_lp = top_logprobs(logprobs, batch.num_logprobs)
-    return SamplerOutput(token_ids, chosen, top_ids, top_lp)
+    return SamplerOutput(token_ids, chosen, top_ids, top_lp, accepted)
 
 
 def top_logprobs(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
