@@ -84,6 +84,9 @@ class EngineConfig:
     revision: str | None = None
     # Checked against the machine when the engine starts (metal needs a Metal GPU).
     kernels: str = field(default_factory=default_kernels)
+    # Processes the model's layers are split over (rank 0 is the engine's own; the others
+    # are started on this machine: mlxserve/worker/launch.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
@@ -111,6 +114,12 @@ class EngineConfig:
             "memory_fraction (gpu_memory_utilization)",
             self.memory_fraction,
             "in (0, 1]",
+        )
+        _require(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            ">= 1",
         )
         _require(
             self.kernels in KERNEL_CHOICES,

@@ -56,6 +56,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--chat-template", default=None, help="a Jinja chat template, or a file holding one"
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many processes on this machine (ring backend on "
+        "127.0.0.1); llama-family models whose head counts it divides",
+    )
     g.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM compatibility")
 
 

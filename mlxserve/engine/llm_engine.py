@@ -23,13 +23,16 @@ from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.loader import LoadedModel, load_model
+from mlxserve.models.tensor_parallel import check_tensor_parallel, shard_model
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
 from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
+from mlxserve.worker.launch import LocalRanks
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
+from mlxserve.worker.spmd import RankLostError, StepChannel
 
 logger = logging.getLogger("mlxserve")
 
@@ -93,14 +96,7 @@ class LLMEngine:
         self.max_num_batched_tokens = (
             config.max_num_batched_tokens or default_max_num_batched_tokens()
         )
-        self.runner = ModelRunner(
-            loaded.model,
-            dtype=loaded.dtype,
-            block_size=config.block_size,
-            kernels=config.kernels,
-            seed=config.seed,
-        )
-        self.plan = self.runner.plan_kv_cache(
+        plan_args = dict(
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -108,6 +104,29 @@ class LLMEngine:
             num_blocks=config.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        # Tensor parallel: the other ranks, started here; None in one process.
+        self.ranks: LocalRanks | None = None
+        channel = None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(loaded.model, config.tensor_parallel_size)
+            self.ranks = LocalRanks(config, plan_args)
+        try:
+            if self.ranks is not None:
+                shard_model(loaded.model, self.ranks.group)
+                channel = StepChannel(self.ranks.group, self.ranks.lost)
+            self.runner = ModelRunner(
+                loaded.model,
+                dtype=loaded.dtype,
+                block_size=config.block_size,
+                kernels=config.kernels,
+                seed=config.seed,
+                channel=channel,
+            )
+            self.plan = self.runner.plan_kv_cache(**plan_args)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
         logger.info(self.plan.describe(config.max_num_seqs, self.max_num_batched_tokens))
         # On Metal: keep weights + pool resident, cap the buffer cache to the plan's slack.
         metal_memory.configure(
@@ -283,6 +302,30 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self, delta: bool = False) -> list[RequestOutput]:
+        """Advance by one forward pass (see :meth:`_step`); RankLostError if a
+        tensor-parallel rank is gone: the other ranks are stopped, the engine is dead."""
+        try:
+            return self._step(delta)
+        except RankLostError:
+            logger.error("a tensor-parallel rank is gone; stopping the others")
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing in one process). Call it on the
+        thread that steps; the engine cannot step afterwards."""
+        if self.ranks is None:
+            return
+        ranks, self.ranks = self.ranks, None
+        if ranks.lost() is None and self.runner.channel is not None:
+            try:
+                self.runner.channel.stop()
+            except RankLostError:
+                pass
+        ranks.wait()
+
+    def _step(self, delta: bool = False) -> list[RequestOutput]:
         """Advance by one forward pass; outputs of the requests that changed.
 
         Pipelined: the step launched by the previous call is collected first, the next

@@ -47,6 +47,7 @@ from mlxserve.worker.kv_inputs import probe_arguments, step_metadata
 from mlxserve.worker.memory import (
     PROBE_TOKENS,
     KVPlan,
+    agree_on_plan,
     plan_kv_cache,
     probe_activation_bytes,
     tree_bytes,
@@ -58,6 +59,7 @@ from mlxserve.worker.sampler import (
     prompt_logprobs,
     sample,
 )
+from mlxserve.worker.spmd import ForwardInputs, StepChannel
 
 __all__ = ["KVCacheLostError", "ModelRunner", "StepHandle"]
 
@@ -86,6 +88,7 @@ class _Part:
     prompt_logprobs: tuple[mx.array, ...] | None
     # The samplers' logits (S, V) while their grammar bitmasks are being computed.
     logits: mx.array | None = None
+    inputs: ForwardInputs | None = None  # tensor parallel: what the other ranks run
 
     def arrays(self) -> list[mx.array]:
         out = list(self.prompt_logprobs or ())
@@ -129,8 +132,11 @@ class ModelRunner:
         block_size: int,
         kernels: str = "auto",
         seed: int = 0,
+        channel: StepChannel | None = None,
     ) -> None:
         self.model = model
+        # Tensor parallel (rank 0): every forward's inputs go to the other ranks first.
+        self.channel = channel
         self.dtype = dtype
         self.block_size = block_size
         self.vocab_size: int = model.vocab_size
@@ -174,7 +180,7 @@ class ModelRunner:
                     m, self._allocate, self._probe_args, self.block_size, n
                 )
             activation = int(per_token * max_num_batched_tokens)
-        return plan_kv_cache(
+        plan = plan_kv_cache(
             layout=self.layout,
             dtype=self.dtype,
             block_size=self.block_size,
@@ -188,6 +194,18 @@ class ModelRunner:
             num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
         )
+        return plan if self.group is None else agree_on_plan(plan, self.group)
+
+    @property
+    def group(self) -> mx.distributed.Group | None:
+        """The tensor-parallel group this runner's model is sharded over (None: alone)."""
+        return getattr(self.model, "tp_group", None)
+
+    def _check_lost(self, error: BaseException) -> None:
+        """Re-raise a step's error as RankLostError when a tensor-parallel rank is gone:
+        no per-request isolation then (every forward needs every rank)."""
+        if self.channel is not None:
+            self.channel.check(error)
 
     def _probe_args(self, md: AttentionMetadata) -> dict[str, object]:
         return probe_arguments(self.layout, md) if self._takes_layout else {}
@@ -228,6 +246,7 @@ class ModelRunner:
         try:
             mx.eval(self.kv_cache.arrays())
         except Exception as e:  # noqa: BLE001 -- the engine must drop every request
+            self._check_lost(e)
             self.kv_cache = None  # the next ensure_blocks() makes a fresh, zeroed pool
             self._states.clear()
             raise KVCacheLostError(
@@ -235,6 +254,25 @@ class ModelRunner:
             ) from None
 
     # ------------------------------------------------------------------ steps
+    def run_forward(self, inputs: ForwardInputs) -> None:
+        """Tensor-parallel rank r > 0: run rank 0's forward on this shard.
+
+        Every rank must evaluate the same collectives: rank 0 evaluates the logits when
+        it needs rows of them (and only then does the last layer's output, with its
+        all_sums, get computed), so this rank evaluates them exactly then too.
+        """
+        self.ensure_blocks(inputs.num_blocks)
+        rows = inputs.logits_rows
+        with ops.use_kernels(self.kernels):
+            logits = self.model(
+                mx.array(inputs.input_ids, dtype=mx.int32),
+                mx.array(inputs.positions(), dtype=mx.int32),
+                inputs.metadata(self.block_size),
+                self.kv_cache,
+                logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
+            )
+        mx.eval(self.kv_cache.arrays(), *([logits] if rows else []))
+
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
         if state is None:
@@ -277,6 +315,7 @@ class ModelRunner:
                 self._sample_masked(masked)
                 mx.async_eval(*(a for part in masked for a in part.arrays()))
         except Exception as e:  # noqa: BLE001 -- collect() finds whose fault it was
+            self._check_lost(e)
             handle.error = describe(e)
         return handle
 
@@ -301,6 +340,7 @@ class ModelRunner:
             try:
                 reads = [self._read(part) for part in handle.parts]
             except Exception as e:  # noqa: BLE001 -- isolated below
+                self._check_lost(e)
                 error = describe(e)
             else:
                 for read in reads:
@@ -327,6 +367,7 @@ class ModelRunner:
             mx.eval(self.kv_cache.arrays(), [p.arrays() for p in parts])
             reads = [self._read(part) for part in parts]
         except Exception as e:  # noqa: BLE001 -- the caller splits this part further
+            self._check_lost(e)
             self._restore(pool)
             return describe(e)
         for read in reads:
@@ -346,10 +387,17 @@ class ModelRunner:
             pool = self._pool()
             try:
                 with ops.use_kernels(self.kernels):
-                    parts.append(self._build(sub))
+                    part = self._build(sub)
             except Exception as e:  # noqa: BLE001 -- split and try again
+                self._check_lost(e)
                 self._restore(pool)
                 return describe(e)
+            if self.channel is not None and part.inputs is not None:
+                # The other ranks run this forward too; its collectives are queued
+                # before the next message's, in the order every rank runs them.
+                self.channel.send(part.inputs)
+                mx.async_eval(self.kv_cache.arrays(), part.arrays())
+            parts.append(part)
             return None
 
         error = build(so)
@@ -395,6 +443,12 @@ class ModelRunner:
             self.layout, so, query_lens, context_lens, self.block_size, self._takes_layout
         )
         rows = sample_rows + plp_rows
+        inputs = None
+        if self.channel is not None:
+            tables = [so.block_ids[r.request_id][0] for r in so.scheduled_requests]
+            inputs = ForwardInputs(
+                self.num_blocks, input_ids, query_lens, context_lens, tables, rows
+            )
         logits = self.model(
             mx.array(input_ids, dtype=mx.int32),
             mx.array(positions, dtype=mx.int32),
@@ -415,7 +469,7 @@ class ModelRunner:
                 [r.prompt_token_ids[pos] for r, pos in plp_targets],
                 max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
             )
-        return _Part(samplers, result, plp_targets, plp, sample_logits)
+        return _Part(samplers, result, plp_targets, plp, sample_logits, inputs)
 
     def _sample_masked(self, parts: list[_Part]) -> None:
         """Sample the parts that have grammar rows, with their token bitmasks (host work

@@ -1,0 +1,158 @@
+"""Starting tensor-parallel ranks on this machine, the way ``mlx.launch`` does.
+
+``mlx.launch --backend ring`` starts each rank with ``MLX_RANK`` and ``MLX_HOSTFILE`` (a
+JSON list of ``["ip:port"]`` per rank) in its environment; ``mx.distributed.init``
+reads them. :class:`LocalRanks` does the same from inside the engine's process, which
+becomes rank 0, so ``LLM(model, tensor_parallel_size=2)`` works in a plain script::
+
+    rank 0 (this process)                 rank r = python -m mlxserve.worker.rank SPEC
+      spawn ranks 1..N-1 ------------->     report "ready" on a pipe, then init the ring
+      wait for every "ready"                load the model, shard it, plan the KV pool
+      init the ring (127.0.0.1 ports)       serve_forwards() until STOP or a lost peer
+      load, shard, plan (collectives) <->   (the same collectives)
+
+Waiting for "ready" before joining the ring keeps a rank that cannot even start (bad
+interpreter, import error) from leaving rank 0 blocked in ``init``, which has no
+timeout. After that, a rank that exits closes its sockets and rank 0's next collective
+fails (RankLostError). A rank whose parent dies exits on its own (it polls its parent).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import mlx.core as mx
+
+from mlxserve.config import EngineConfig
+
+logger = logging.getLogger("mlxserve")
+
+READY_TIMEOUT = 120.0  # seconds for a rank's interpreter to start and import MLX
+STOP_TIMEOUT = 10.0  # seconds for a rank to leave after STOP, then it is killed
+
+_group_made = False  # MLX keeps one global group per process
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` TCP ports free on 127.0.0.1 right now."""
+    sockets = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class LocalRanks:
+    """Ranks 1..N-1 as child processes of this one (rank 0) on the ring backend."""
+
+    def __init__(self, config: EngineConfig, plan_args: dict[str, object]) -> None:
+        global _group_made
+        size = config.tensor_parallel_size
+        if _group_made:
+            raise RuntimeError(
+                "this process already started a tensor-parallel group; MLX has one per "
+                "process: start another engine in another process"
+            )
+        fd, self.hostfile = tempfile.mkstemp(prefix="mlxserve-ranks-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"127.0.0.1:{p}"] for p in free_ports(size)], f)
+        spec = json.dumps({"config": dataclasses.asdict(config), "plan": plan_args})
+        self.procs: list[subprocess.Popen] = []
+        ready = []
+        atexit.register(self.stop)
+        try:
+            for rank in range(1, size):
+                read_fd, write_fd = os.pipe()
+                env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile)
+                cmd = [sys.executable, "-m", "mlxserve.worker.rank", spec, str(write_fd)]
+                proc = subprocess.Popen(
+                    cmd, env=env, pass_fds=(write_fd,), stdin=subprocess.DEVNULL
+                )
+                os.close(write_fd)
+                self.procs.append(proc)
+                ready.append(read_fd)
+            self._wait_ready(ready)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            for read_fd in ready:
+                os.close(read_fd)
+        saved = {k: os.environ.get(k) for k in ("MLX_RANK", "MLX_HOSTFILE")}
+        os.environ.update(MLX_RANK="0", MLX_HOSTFILE=self.hostfile)
+        try:
+            self.group = mx.distributed.init(strict=True, backend="ring")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        _group_made = True
+        assert self.group.size() == size and self.group.rank() == 0, self.group
+        logger.info("tensor parallel: %d ranks on 127.0.0.1 (ring backend)", size)
+
+    def _wait_ready(self, fds: list[int]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        pending = dict(zip(fds, range(1, len(fds) + 1), strict=True))
+        while pending:
+            why = self.lost()
+            if why is not None:
+                raise RuntimeError(f"tensor parallel: {why} before joining the group")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"tensor parallel: rank(s) {sorted(pending.values())} did not start "
+                    f"within {READY_TIMEOUT:.0f} s"
+                )
+            readable, _, _ = select.select(list(pending), [], [], min(left, 0.5))
+            for fd in readable:
+                os.read(fd, 16)
+                del pending[fd]
+
+    def lost(self) -> str | None:
+        """Which rank has exited and how, or None while all run."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                return f"rank {rank} exited ({how})"
+        return None
+
+    def wait(self, timeout: float = STOP_TIMEOUT) -> None:
+        """After STOP: let the ranks leave, kill those that do not."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank still running and reap them (idempotent)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+        if os.path.exists(self.hostfile):
+            os.unlink(self.hostfile)
+
+    def stop(self) -> None:
+        """At exit: no rank outlives this process."""
+        self.kill()
