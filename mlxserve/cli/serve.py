@@ -207,7 +207,14 @@ def serve_command(args: argparse.Namespace) -> int:
         raise
     names = names or (engine.model_name,)
     metrics = ServerMetrics(names[0], prefix_caching_off=engine.prefix_caching_off)
-    llm = AsyncLLM(engine, on_step=metrics.on_step)
+    server: GracefulServer | None = None
+
+    def engine_dead(reason: str) -> None:  # engine thread: a tensor-parallel rank is gone
+        if server is not None:
+            server.in_flight.start_draining()
+            server.should_exit = True
+
+    llm = AsyncLLM(engine, on_step=metrics.on_step, on_dead=engine_dead)
     server_config = ServerConfig(
         model_names=names,
         api_keys=keys,
@@ -242,3 +249,6 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         llm.shutdown()
+    if llm.dead_reason is not None:
+        logger.error("exiting: %s", llm.dead_reason)
+        return 1

@@ -393,10 +393,7 @@ class ModelRunner:
                 self._restore(pool)
                 return describe(e)
             if self.channel is not None and part.inputs is not None:
-                # The other ranks run this forward too; its collectives are queued
-                # before the next message's, in the order every rank runs them.
-                self.channel.send(part.inputs)
-                mx.async_eval(self.kv_cache.arrays(), part.arrays())
+                self._start_everywhere(part)
             parts.append(part)
             return None
 
@@ -409,6 +406,17 @@ class ModelRunner:
             )
             bisect(so, error, failed, build)
         return parts
+
+    def _start_everywhere(self, part: _Part) -> None:
+        """Tensor parallel: send a built part's forward to the other ranks and start it
+        here, so its collectives are queued before the next message's, in the order
+        every rank runs them."""
+        assert self.channel is not None and part.inputs is not None
+        self.channel.send(part.inputs)
+        try:
+            mx.async_eval(self.kv_cache.arrays(), part.arrays())
+        except RuntimeError as e:
+            raise self.channel.lost(e) from None
 
     def _build(self, so: SchedulerOutput) -> _Part:
         # The scheduler orders decodes (one token each) first, as the attention op wants.
