@@ -158,3 +158,84 @@ def test_killing_a_rank_mid_generation_fails_fast_and_leaves_no_process(
     assert result["gone"] is True
     assert proc.returncode == 0, err[-3000:]
     assert not _alive(rank_pid)
+
+
+# -------------------------------------------------------------- the server
+def test_server_under_tp2_answers_like_one_process_then_exits_when_a_rank_dies(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """OpenAI SDK chat and stream (usage) equal one process's greedy reply; a stream
+    the client drops frees its blocks; killing a rank ends the open stream with an
+    error, and the server exits (status 1) with no rank left."""
+    import httpx
+    import openai
+
+    from mlxserve import SamplingParams
+    from tests.server_harness import start_server
+
+    args = [str(tiny_dir), "--tensor-parallel-size", "2", "--dtype", "float32"]
+    server = start_server([*args, "--num-blocks", "128"], tmp_path / "server.log")
+    try:
+        log = server.log()
+        pids = log.split("ranks 1-1 are pids ")[1].split()[0]
+        rank_pid = int(pids)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        reply = client.chat.completions.create(
+            model=tiny_dir.name, messages=messages, max_tokens=12, temperature=0
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model=tiny_dir.name,
+                messages=messages,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        one = LLM(str(tiny_dir), dtype="float32", num_blocks=128)
+        params = SamplingParams(max_tokens=12, temperature=0)
+        want = one.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        assert reply.choices[0].message.content == want.text
+        assert reply.usage.completion_tokens == len(want.token_ids)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == want.text
+        assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+        # A dropped stream: its blocks are freed (rank 0 owns every rank's block tables).
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/completions",
+            json={"model": tiny_dir.name, "prompt": "Once", "max_tokens": 1500, "stream": True},
+            timeout=60,
+        ) as r:
+            assert r.status_code == 200
+            for _ in zip(range(5), r.iter_lines(), strict=False):
+                pass
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            metrics = httpx.get(server.url + "/metrics", timeout=10).text
+            usage = [ln for ln in metrics.splitlines() if ln.startswith("vllm:kv_cache_usage_perc")]
+            if usage and float(usage[0].split()[-1]) == 0.0:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"blocks not freed after a dropped stream: {usage}")
+
+        # A rank dies mid-stream: the stream ends with an error, the server exits.
+        body = {"model": tiny_dir.name, "prompt": "Once", "max_tokens": 1500, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+            os.kill(rank_pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert "error" in rest and "rank 1 exited" in rest, rest[-2000:]
+        server.proc.wait(timeout=60)
+        assert server.proc.returncode == 1, server.log()[-3000:]
+        assert "a rank is gone" in server.log()
+        assert not _alive(rank_pid)
+    finally:
+        server.stop()

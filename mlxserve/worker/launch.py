@@ -104,7 +104,12 @@ class LocalRanks:
                     os.environ[k] = v
         _group_made = True
         assert self.group.size() == size and self.group.rank() == 0, self.group
-        logger.info("tensor parallel: %d ranks on 127.0.0.1 (ring backend)", size)
+        logger.info(
+            "tensor parallel: %d ranks on 127.0.0.1 (ring backend); ranks 1-%d are pids %s",
+            size,
+            size - 1,
+            " ".join(str(p.pid) for p in self.procs),
+        )
 
     def _wait_ready(self, fds: list[int]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
