@@ -26,7 +26,7 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.worker.spmd import ForwardInputs
 from tests.engine_helpers import make_tiny_model_dir
 from tests.paths import ROOT
-from tests.tp_script import SCENARIO_ARGS, run_scenario
+from tests.tp_script import SCENARIO_ARGS, run_chats, run_scenario
 
 TIMEOUT = 240  # seconds for one tensor-parallel run (generous: 2 shared cores)
 
@@ -136,6 +136,16 @@ def test_tp2_greedy_tokens_equal_one_process(tiny_dir: Path) -> None:
     assert one["prefix_cache_hits"] > 0
     assert len(one["tokens"]) == 6 and all(len(t) == 24 for t in one["tokens"])
     assert two == one
+
+
+def test_tp3_on_the_default_model_equals_one_process() -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads, Q4_1 in the CPU kernels) splits 3 ways."""
+    proc = _script("chat", "", "3")
+    one = run_chats(LLM(None, num_blocks=64))
+    out, err = _finish(proc, TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(_line(out, "RESULT")) == one
+    assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
 
 
 def test_killing_a_rank_mid_generation_fails_fast_and_leaves_no_process(

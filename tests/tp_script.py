@@ -3,6 +3,7 @@
 
     scenario  the batching / chunked prefill / prefix caching / preemption workload,
               printed as one JSON line (tokens and the scheduler counters)
+    chat      greedy replies to two conversations (MODEL "" is the default model)
     kill      print the ranks' pids, then generate until a rank is killed from outside;
               print how the engine failed and whether the ranks are gone
 """
@@ -50,6 +51,19 @@ def run_scenario(llm: LLM) -> dict[str, Any]:
     }
 
 
+# Short: on 2 shared cores a step of 3 ranks of SmolLM2 takes ~1 s (bench/README.md).
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+
+
+def run_chats(llm: LLM) -> list[list[int]]:
+    """Greedy replies (8 tokens) to two conversations, batched."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    return [o.outputs[0].token_ids for o in llm.chat(CHATS, params, use_tqdm=False)]
+
+
 def kill(model: str, tp: int) -> None:
     llm = LLM(model, tensor_parallel_size=tp, dtype="float32", num_blocks=256)
     ranks = llm.engine.ranks
@@ -70,6 +84,10 @@ def main(argv: list[str]) -> None:
     if mode == "scenario":
         llm = LLM(model, tensor_parallel_size=tp, **SCENARIO_ARGS)
         print("RESULT", json.dumps(run_scenario(llm)), flush=True)
+        llm.shutdown()
+    elif mode == "chat":  # MODEL "" is the embedded default model
+        llm = LLM(model or None, tensor_parallel_size=tp, num_blocks=64)
+        print("RESULT", json.dumps(run_chats(llm)), flush=True)
         llm.shutdown()
     elif mode == "kill":
         kill(model, tp)
