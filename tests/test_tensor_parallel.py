@@ -26,6 +26,7 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.worker.spmd import ForwardInputs
 from tests.engine_helpers import make_tiny_model_dir
 from tests.paths import ROOT
+from tests.server_harness import free_port
 from tests.tp_script import SCENARIO_ARGS, run_chats, run_scenario
 
 TIMEOUT = 240  # seconds for one tensor-parallel run (generous: 2 shared cores)
@@ -136,6 +137,28 @@ def test_tp2_greedy_tokens_equal_one_process(tiny_dir: Path) -> None:
     assert one["prefix_cache_hits"] > 0
     assert len(one["tokens"]) == 6 and all(len(t) == 24 for t in one["tokens"])
     assert two == one
+
+
+def test_llm_in_a_script_started_by_mlx_launch(tiny_dir: Path) -> None:
+    """Every rank runs the script; LLM(...) on rank 1 serves rank 0 and exits."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    cmd = [str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable]
+    cmd += ["--starting-port", str(free_port())]  # ranks listen on it and the next one
+    cmd += ["--env", f"PYTHONPATH={ROOT}", str(ROOT / "tests" / "tp_script.py")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [*cmd, "scenario", str(tiny_dir), "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    one = run_scenario(LLM(str(tiny_dir), **SCENARIO_ARGS))
+    out, err = _finish(proc, TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(_line(out, "RESULT")) == one
 
 
 def test_tp3_on_the_default_model_equals_one_process() -> None:

@@ -182,6 +182,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES
     from mlxserve.server.metrics import ServerMetrics
     from mlxserve.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT, GracefulServer, bind_socket
+    from mlxserve.worker.launch import launched_rank
 
     if args.model and args.model_flag and args.model != args.model_flag:
         raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
@@ -197,6 +198,10 @@ def serve_command(args: argparse.Namespace) -> int:
         )
     if names:
         config = dataclasses.replace(config, served_model_name=names[0])
+    if config.tensor_parallel_size > 1 and launched_rank() not in (None, 0):
+        # Started by mlx.launch on every rank: the others only run rank 0's forwards
+        # (LLMEngine exits the process when rank 0 stops); rank 0 serves HTTP.
+        LLMEngine(config)
     # Bind first: a port in use is an error now, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
     logger.info("loading %s ...", model or "the default model")

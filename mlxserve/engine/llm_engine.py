@@ -12,6 +12,7 @@ KV arrays, every evaluation). A request whose step fails ends alone with finish_
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 from mlxserve import ops
@@ -29,9 +30,10 @@ from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutput
 from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
-from mlxserve.worker.launch import LocalRanks
+from mlxserve.worker.launch import LaunchedRanks, LocalRanks, launched_rank
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
+from mlxserve.worker.rank import serve_rank
 from mlxserve.worker.spmd import RankLostError, StepChannel
 
 logger = logging.getLogger("mlxserve")
@@ -105,11 +107,17 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         # Tensor parallel: the other ranks, started here; None in one process.
-        self.ranks: LocalRanks | None = None
+        self.ranks: LocalRanks | LaunchedRanks | None = None
         channel = None
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(loaded.model, config.tensor_parallel_size)
-            self.ranks = LocalRanks(config, plan_args)
+            if launched_rank() is None:
+                self.ranks = LocalRanks(config, plan_args)
+            else:  # every rank runs the caller's script: only rank 0 goes on from here
+                self.ranks = LaunchedRanks(config.tensor_parallel_size)
+                group = self.ranks.group
+                if group.rank() != 0:
+                    sys.exit(serve_rank(loaded.model, loaded.dtype, config, plan_args, group))
         try:
             if self.ranks is not None:
                 shard_model(loaded.model, self.ranks.group)

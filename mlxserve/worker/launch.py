@@ -34,6 +34,7 @@ import time
 import mlx.core as mx
 
 from mlxserve.config import EngineConfig
+from mlxserve.exceptions import ParameterError
 
 logger = logging.getLogger("mlxserve")
 
@@ -54,6 +55,37 @@ def free_ports(count: int) -> list[int]:
     for s in sockets:
         s.close()
     return ports
+
+
+def launched_rank() -> int | None:
+    """This process's rank when a launcher (``mlx.launch``, mpirun) started it, else None."""
+    rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    return None if rank is None else int(rank)
+
+
+class LaunchedRanks:
+    """The group ``mlx.launch`` made (any backend, any hosts); the launcher owns the
+    processes: it stops them all when one fails."""
+
+    def __init__(self, size: int) -> None:
+        global _group_made
+        self.group = mx.distributed.init(strict=True)
+        _group_made = True
+        if self.group.size() != size:
+            raise ParameterError(
+                f"tensor_parallel_size {size} differs from the {self.group.size()} processes "
+                "the launcher started; give it the same number",
+                parameter="tensor_parallel_size",
+            )
+
+    def lost(self) -> str | None:
+        return None  # remote processes: only a broken connection tells
+
+    def wait(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Nothing to reap: the launcher does."""
+
+    def kill(self) -> None:
+        """Nothing to kill: the launcher stops the others when this process exits."""
 
 
 class LocalRanks:

@@ -35,6 +35,24 @@ def _exit_with_parent() -> None:
             os._exit(1)
 
 
+def serve_rank(
+    model, dtype: mx.Dtype, config: EngineConfig, plan: dict, group: mx.distributed.Group
+) -> int:
+    """Keep this rank's shard of ``model``, plan the KV pool with rank 0, run forwards
+    until STOP; the exit status (1 if another rank was lost)."""
+    try:
+        shard_model(model, group)
+        runner = ModelRunner(
+            model, dtype=dtype, block_size=config.block_size, kernels=config.kernels
+        )
+        runner.plan_kv_cache(**plan)
+        serve_forwards(runner.run_forward, StepChannel(group, lambda: None))
+    except RankLostError as e:
+        logger.error("rank %d: %s", group.rank(), e)
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     ready_fd = int(argv[1])
@@ -43,26 +61,15 @@ def main(argv: list[str]) -> int:
     os.write(ready_fd, b"ready\n")
     os.close(ready_fd)
     group = mx.distributed.init(strict=True, backend="ring")
-    rank = group.rank()
     config = EngineConfig(**spec["config"])
-    try:
-        loaded = load_model(
-            config.model,
-            dtype=config.dtype,
-            revision=config.revision,
-            tokenizer=config.tokenizer,
-            skip_tokenizer_init=True,
-        )
-        shard_model(loaded.model, group)
-        runner = ModelRunner(
-            loaded.model, dtype=loaded.dtype, block_size=config.block_size, kernels=config.kernels
-        )
-        runner.plan_kv_cache(**spec["plan"])
-        serve_forwards(runner.run_forward, StepChannel(group, lambda: None))
-    except RankLostError as e:
-        logger.error("rank %d: %s", rank, e)
-        return 1
-    return 0
+    loaded = load_model(
+        config.model,
+        dtype=config.dtype,
+        revision=config.revision,
+        tokenizer=config.tokenizer,
+        skip_tokenizer_init=True,
+    )
+    return serve_rank(loaded.model, loaded.dtype, config, spec["plan"], group)
 
 
 if __name__ == "__main__":
