@@ -6,8 +6,9 @@ Each case runs in a fresh process (MLX has one distributed group per process):
   - a random llama (hidden 512, 8 layers, 8 heads / 4 KV heads, float32) at TP 1 and 2;
   - the embedded SmolLM2-135M Q4_1 at TP 1 and 3 (its 9 heads / 3 KV heads do not split 2).
 Workloads: batch = 8 prompts x 16 output tokens (greedy, EOS ignored), single = one
-prompt x 32 tokens (short: the machine is shared; a whole run takes a few minutes). Per step: the SPMD metadata message (its bytes and the time rank 0
-spends sending it, measured by StepChannel), and separately the latency of one all_sum
+prompt x 32 tokens (short: the machine is shared). Per step: the SPMD metadata message
+(its bytes and the time rank 0 spends sending it, measured by StepChannel), and
+separately the latency of one all_sum
 of the forward's size (num_tokens x hidden float32) between 2 ranks (``allsum``, run
 under mlx.launch). A forward does 2 of those per layer.
 """
