@@ -124,6 +124,17 @@ def test_head_counts_not_divisible_is_a_clear_error_before_any_rank_starts(
     assert f"sizes that fit: {fits}" in message
 
 
+def test_a_model_other_than_the_llama_family_is_a_clear_error() -> None:
+    import mlx.nn as nn
+
+    from mlxserve.models.tensor_parallel import check_tensor_parallel
+
+    with pytest.raises(ParameterError) as e:
+        check_tensor_parallel(nn.Linear(4, 4), 2)
+    assert e.value.parameter == "tensor_parallel_size"
+    assert "hand-written llama" in str(e.value)
+
+
 # ----------------------------------------------------------------- two ranks
 def test_tp2_greedy_tokens_equal_one_process(tiny_dir: Path) -> None:
     """Batching, chunked prefill, prefix caching and preemption, token for token."""
