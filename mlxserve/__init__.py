@@ -8,6 +8,7 @@ _blas.preload()
 from mlxserve.config import EngineConfig  # noqa: E402
 from mlxserve.core.request import CompletionOutput, RequestOutput  # noqa: E402
 from mlxserve.llm import LLM  # noqa: E402
+from mlxserve.pooling_params import PoolingParams  # noqa: E402
 from mlxserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "__version__",

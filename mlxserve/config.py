@@ -19,6 +19,30 @@ def default_kernels() -> str:
     return os.environ.get("MLXSERVE_KERNELS", "").strip().lower() or "auto"
 
 
+# vLLM-on-CPU guides size the KV cache with this variable (GiB; 0 or unset: not set).
+KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def default_kv_cache_memory_bytes() -> int | None:
+    """The ``kv_cache_memory_bytes`` default: $VLLM_CPU_KVCACHE_SPACE GiB if set, else None."""
+    text = os.environ.get(KV_CACHE_SPACE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        gib = float(text)
+    except ValueError:
+        raise ParameterError(
+            f"{KV_CACHE_SPACE_ENV} must be a number of GiB, got {text!r}",
+            parameter="kv_cache_memory_bytes",
+        ) from None
+    if not gib >= 0 or gib == float("inf"):
+        raise ParameterError(
+            f"{KV_CACHE_SPACE_ENV} must be a finite number of GiB >= 0, got {text!r}",
+            parameter="kv_cache_memory_bytes",
+        )
+    return int(gib * 2**30) or None
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The KV block pool: how many blocks of how many tokens, and prefix caching.
@@ -77,6 +101,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     memory_fraction: float = 0.5
+    # The KV pool's size in bytes, instead of what memory_fraction leaves (vLLM's knob).
+    kv_cache_memory_bytes: int | None = field(default_factory=default_kv_cache_memory_bytes)
     enable_prefix_caching: bool = True
     chat_template: str | None = None
     served_model_name: str | None = None
@@ -85,8 +111,11 @@ class EngineConfig:
     # Checked against the machine when the engine starts (metal needs a Metal GPU).
     kernels: str = field(default_factory=default_kernels)
     # Processes the model's layers are split over (rank 0 is the engine's own; the others
-    # are started on this machine: mlxserve/worker/launch.py).
+    # are started on this machine, or by mlx.launch: mlxserve/worker/launch.py).
     tensor_parallel_size: int = 1
+    # Not implemented yet: these must be 1.
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
@@ -115,6 +144,21 @@ class EngineConfig:
             self.memory_fraction,
             "in (0, 1]",
         )
+        if self.kv_cache_memory_bytes is not None:
+            _require(
+                self.kv_cache_memory_bytes >= 1,
+                "kv_cache_memory_bytes",
+                self.kv_cache_memory_bytes,
+                ">= 1",
+            )
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
+            size = getattr(self, name)
+            _require(
+                size == 1,
+                name,
+                size,
+                "1 for now: only tensor parallelism is implemented (tensor_parallel_size)",
+            )
         _require(
             self.tensor_parallel_size >= 1,
             "tensor_parallel_size",

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxserve.config import EngineConfig
-from mlxserve.core.request import RequestOutput
+from mlxserve.core.request import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from mlxserve.engine.llm_engine import LLMEngine
-from mlxserve.exceptions import ParameterError
+from mlxserve.exceptions import ParameterError, RequestFailedError
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -63,16 +64,57 @@ class LLM:
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
-    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (``out.outputs.embedding``), in the order of the prompts.
+
+        Pooled as the model's files say (the last token, or the mean over the prompt),
+        normalized to unit length unless ``PoolingParams(normalize=False)``. The prompts
+        run through the same scheduler as generation (prefill only), batched.
+        """
+        pooling_params = pooling_params or PoolingParams()
+        ids = []
+        for item in _as_prompt_list(prompts):
+            rid = str(next(self._counter))
+            try:
+                self._add(rid, item, None, pooling_params)
+            except ValueError:
+                self._abort(ids)
+                raise
+            ids.append(rid)
+        results = []
+        for out in self._run(ids, use_tqdm):
+            if out.error is not None:
+                raise RequestFailedError(out.error, out.request_id)
+            assert out.embedding is not None, out
+            results.append(
+                EmbeddingRequestOutput(
+                    out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding)
+                )
+            )
+        return results
+
+    def _add(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        pooling_params: PoolingParams | None = None,
+    ) -> None:
+        kwargs = {"pooling_params": pooling_params} if pooling_params is not None else {}
         if not isinstance(prompt, dict):
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, **kwargs)
         elif "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
             self.engine.add_request(
-                request_id, prompt.get("prompt"), params, prompt_token_ids=token_ids
+                request_id, prompt.get("prompt"), params, prompt_token_ids=token_ids, **kwargs
             )
         elif "prompt" in prompt:
-            self.engine.add_request(request_id, prompt["prompt"], params)
+            self.engine.add_request(request_id, prompt["prompt"], params, **kwargs)
         else:
             raise ParameterError(
                 "a prompt dict needs 'prompt' or 'prompt_token_ids'", parameter="prompt"

@@ -41,7 +41,8 @@ def test_requests_without_sampling_fields_take_the_models_defaults(tiny, tmp_pat
     oracle, model_dir = tiny
     tokens, _ = mlx_lm_greedy(oracle, PROMPT, 5)
     want = Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(tokens)
-    server = start_server([str(model_dir), "--max-model-len", "64"], tmp_path / "auto.log")
+    args = [str(model_dir), "--max-model-len", "64", "--served-model-name", "tiny"]
+    server = start_server(args, tmp_path / "auto.log")
     try:
         assert "default sampling from the model's generation config" in server.log()
         for seed in (1, 2):  # greedy whatever the seed: temperature 0 is the default
@@ -60,6 +61,7 @@ def test_requests_without_sampling_fields_take_the_models_defaults(tiny, tmp_pat
         }
         assert len(texts) > 1
         assert _completion(server.url, max_tokens=3)["usage"]["completion_tokens"] == 3
+        other_apis_take_the_defaults(server.url)
     finally:
         server.stop()
 
@@ -82,3 +84,28 @@ def test_a_bad_generation_config_is_an_error_before_loading(tmp_path) -> None:
     assert out.returncode != 0
     assert "--generation-config" in out.stderr and "generation_config.json" in out.stderr
     assert "loading" not in out.stderr
+
+
+def other_apis_take_the_defaults(url: str) -> None:
+    """Responses, Anthropic and Ollama requests without sampling fields: greedy (two calls
+    agree) and, where the API has no required length, max_new_tokens long."""
+    hi = [{"role": "user", "content": "hi"}]
+    calls = {
+        "/v1/responses": {"model": "tiny", "input": "hi"},
+        "/v1/messages": {"model": "tiny", "max_tokens": 8, "messages": hi},
+        "/api/generate": {"model": "tiny", "prompt": "hi", "raw": True, "stream": False},
+    }
+    for path, body in calls.items():
+        outs = []
+        for _ in range(2):
+            r = httpx.post(url + path, json=body, timeout=60)
+            assert r.status_code == 200, (path, r.text)
+            outs.append(r.json())
+        if path == "/v1/responses":
+            assert outs[0]["usage"]["output_tokens"] == 5
+            texts = [o["output"][0]["content"][0]["text"] for o in outs]
+            assert texts[0] == texts[1]
+        elif path == "/v1/messages":
+            assert outs[0]["content"] == outs[1]["content"]
+        else:
+            assert outs[0]["eval_count"] == 5 and outs[0]["response"] == outs[1]["response"]

@@ -18,6 +18,7 @@ import sys
 from typing import TextIO
 
 from mlxserve.cli.engine_args import add_engine_args, engine_config
+from mlxserve.cli.vllm_compat import check_quantization
 from mlxserve.config import EngineConfig
 from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.repetition import LoopDetector
@@ -332,7 +333,9 @@ def run_command(args: argparse.Namespace) -> int:
         use_chat_template=not args.no_chat_template,
         stop_on_loop=args.stop_on_loop,
     )
-    session.params, session.sources = chat_sampling(args, session.engine.loaded.generation_defaults)
+    loaded = session.engine.loaded
+    check_quantization(args, loaded.source.kind, loaded.config)
+    session.params, session.sources = chat_sampling(args, loaded.generation_defaults)
     if prompt is not None:
         session.answer(prompt, sys.stdout, notes=sys.stderr)
         return 0

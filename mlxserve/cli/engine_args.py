@@ -6,7 +6,8 @@ import argparse
 import os
 from dataclasses import fields
 
-from mlxserve.config import DTYPES, EngineConfig
+from mlxserve.cli.vllm_compat import ENGINE_FLAGS, add_no_effect_flags, human_int, warn_no_effect
+from mlxserve.config import DTYPES, KV_CACHE_SPACE_ENV, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-model-len",
-        type=int,
+        type=human_int,
         default=None,
-        help="context length (default: the model's, capped to fit memory)",
+        help="context length, e.g. 4096 or 8k (default: the model's, capped to fit memory)",
     )
     g.add_argument(
         "--gpu-memory-utilization",
@@ -40,6 +41,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=EngineConfig.memory_fraction,
         help="fraction of the memory MLX may use for weights + KV cache",
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=human_int,
+        default=None,
+        metavar="BYTES",
+        help="size the KV cache pool to BYTES (e.g. 4G), instead of what "
+        f"--gpu-memory-utilization leaves (default: ${KV_CACHE_SPACE_ENV} GiB if set)",
     )
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     g.add_argument(
@@ -61,16 +70,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-tp",
         type=int,
         default=1,
-        help="split the model over this many processes on this machine (ring backend on "
-        "127.0.0.1); llama-family models whose head counts it divides",
+        help="split the model over this many processes (started here on 127.0.0.1, or by "
+        "mlx.launch); llama-family models whose head counts it divides",
     )
-    g.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM compatibility")
+    for name, short in (("pipeline", "-pp"), ("data", "-dp")):
+        g.add_argument(
+            f"--{name}-parallel-size",
+            short,
+            type=int,
+            default=1,
+            help="1 for now (not implemented; see --tensor-parallel-size)",
+        )
+    add_no_effect_flags(parser, ENGINE_FLAGS)
 
 
 def engine_config(args: argparse.Namespace, model: str | None) -> EngineConfig:
-    """EngineConfig from parsed flags (flags not in EngineConfig are ignored)."""
+    """EngineConfig from parsed flags; vLLM flags with no effect here are warned about."""
+    warn_no_effect(args, ENGINE_FLAGS)
     names = {f.name for f in fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names and k != "model"}
+    if values.get("kv_cache_memory_bytes") is None:  # keep the environment's default
+        values.pop("kv_cache_memory_bytes", None)
     if args.chat_template and os.path.isfile(args.chat_template):
         with open(args.chat_template, encoding="utf-8") as f:
             values["chat_template"] = f.read()

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from mlxserve import __version__
 from mlxserve.cli.bench import add_bench_command
 from mlxserve.cli.chat import add_run_command
 from mlxserve.cli.convert import add_convert_command
@@ -30,15 +31,29 @@ SUB_COMMANDS = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxserve", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"mlxserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add_command in SUB_COMMANDS:
         add_command(sub)
     return parser
 
 
+def sub_command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of sub-command ``name`` (its errors show its own usage)."""
+    (action,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:  # bare `mlxserve`: what it can do
+        parser.print_help()
+        return 0
+    if unknown:  # argparse would blame the top-level parser and show its usage
+        sub_command_parser(parser, args.command).error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", True) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -10,6 +10,12 @@ import os
 from pathlib import Path
 
 from mlxserve.cli.engine_args import add_engine_args, engine_config
+from mlxserve.cli.vllm_compat import (
+    SERVER_FLAGS,
+    add_no_effect_flags,
+    check_quantization,
+    warn_no_effect,
+)
 from mlxserve.loader import generation_config
 from mlxserve.parsers import REASONING_PARSERS, TOOL_PARSERS
 
@@ -26,7 +32,8 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (hub id, directory, .gguf; default: the embedded SmolLM2) "
         "over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics.",
+        "/v1/embeddings, /v1/models, /tokenize, /detokenize, /health, /version, /metrics; "
+        "also Anthropic's /v1/messages and Ollama's /api/* (see README).",
     )
     p.add_argument("model", nargs="?", default=None, metavar="MODEL")
     g = p.add_argument_group("server")
@@ -111,6 +118,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     add_engine_args(p)
+    add_no_effect_flags(p, SERVER_FLAGS)
     p.set_defaults(handler=serve_command)
 
 
@@ -190,6 +198,7 @@ def serve_command(args: argparse.Namespace) -> int:
     names = tuple(args.served_model_names or ())
     keys = api_keys(args)
     origins = parse_origins(args.allowed_origins)
+    warn_no_effect(args, SERVER_FLAGS)
     defaults = generation_config_choice(args.generation_config)
     config = engine_config(args, model)
     if config.max_num_batched_tokens is None:  # a server favours smooth streams
@@ -207,6 +216,7 @@ def serve_command(args: argparse.Namespace) -> int:
     logger.info("loading %s ...", model or "the default model")
     try:
         engine = LLMEngine(config)
+        check_quantization(args, engine.loaded.source.kind, engine.loaded.config)
     except BaseException:
         sock.close()
         raise

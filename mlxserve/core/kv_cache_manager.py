@@ -149,8 +149,13 @@ class KVCacheManager:
         return low
 
     def _use_prefix_cache(self, request: Request) -> bool:
-        # Prompt logprobs need logits for every prompt token, so nothing may be skipped.
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+        # Prompt logprobs need logits for every prompt token, and a mean-pooled embedding
+        # every prompt token's hidden state, so nothing may be skipped.
+        return (
+            self.enable_caching
+            and request.sampling_params.prompt_logprobs is None
+            and request.pooling != "mean"
+        )
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes to cover every full block of its known tokens."""

@@ -64,6 +64,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "cache_salt",
+        "pooling",
         "structured_output",
     )
 
@@ -94,6 +95,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # full-block hashes, filled by the KV cache manager
         # Mixed into the first block's hash: only requests with the same salt share a prefix.
         self.cache_salt = cache_salt
+        # An embedding request: "last" or "mean" pooling of the prompt's final hidden states.
+        # It computes its prompt (prefill only), then finishes with a vector and no token.
+        self.pooling: str | None = None
         # The compiled constraint (structured outputs); the runner keeps the grammar state.
         self.structured_output = structured_output
 
@@ -176,3 +180,22 @@ class RequestOutput:
     # Set when the request failed (its samples end with finish_reason "error"): what
     # went wrong. Other requests of the same batch are not affected.
     error: str | None = None
+    # An embedding request's vector (pooled, truncated to its dimensions, normalized).
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding vector (vLLM's name)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, shaped like vLLM's: ``out.outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -118,6 +118,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, object] | None = None
     # request_id -> what went wrong, for requests whose step failed (they got no token).
     failed: dict[str, str] = field(default_factory=dict)
+    # request_id -> pooled hidden state, for embedding requests whose prompt is done.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -332,6 +334,14 @@ class Scheduler:
             rid = request.request_id
             if request.is_finished:
                 continue  # aborted after schedule(); its blocks are already free
+            if request.pooling is not None:  # prefill only: done once the vector is out
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                if rid in model_runner_output.pooled:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    updated.append(request)
+                    any_finished = True
+                    self._release(request)
+                continue
             new_token_ids = model_runner_output.sampled_token_ids.get(rid) or []
             assert len(new_token_ids) == (
                 1 if rid in scheduler_output.sampling_request_ids else 0

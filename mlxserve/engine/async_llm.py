@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.exceptions import RequestFailedError
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.worker.spmd import RankLostError
 
@@ -71,6 +72,7 @@ class AsyncLLM:
         prompt: str | list[int] | None,
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
+        pooling_params: PoolingParams | None = None,
         grammar_starts_after: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request; closing the iterator early aborts the request.
@@ -79,18 +81,30 @@ class AsyncLLM:
         large schema never stalls the engine thread (nor other requests' steps); an
         invalid one raises ParameterError before anything is queued. With
         ``grammar_starts_after`` (e.g. "</think>") it applies after that text only.
+        With ``pooling_params`` it is an embedding request (see LLMEngine.add_request).
         """
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running")
         arrival = time.monotonic()
         structured = None
-        if params.structured_outputs is not None:
+        if params is not None and params.structured_outputs is not None:
             structured = await asyncio.to_thread(
                 self.engine.compile_structured_output, params, grammar_starts_after
             )
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt, params, prompt_token_ids, arrival, structured))
+        self._inbox.put(
+            (
+                "add",
+                request_id,
+                prompt,
+                params,
+                prompt_token_ids,
+                arrival,
+                structured,
+                pooling_params,
+            )
+        )
         finished = False
         try:
             while True:
@@ -171,7 +185,7 @@ class AsyncLLM:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, rid, prompt, params, token_ids, arrival, structured = item
+            _, rid, prompt, params, token_ids, arrival, structured, pooling = item
             try:
                 self.engine.add_request(
                     rid,
@@ -180,6 +194,7 @@ class AsyncLLM:
                     prompt_token_ids=token_ids,
                     arrival_time=arrival,
                     structured_output=structured,
+                    pooling_params=pooling,
                 )
             except Exception as e:  # noqa: BLE001 -- bad requests go back to their caller
                 stream = self._streams.get(rid)

@@ -15,6 +15,8 @@ import logging
 import sys
 import time
 
+import numpy as np
+
 from mlxserve import ops
 from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestOutput, RequestStatus
@@ -25,6 +27,7 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.loader import LoadedModel, load_model
 from mlxserve.models.tensor_parallel import check_tensor_parallel, shard_model
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
 from mlxserve.utils import cdiv, uses_gpu
@@ -50,6 +53,14 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 32
 # Fewest blocks between two recurrent-state snapshots inside one prompt.
 SNAPSHOT_MIN_BLOCKS = 16
+
+
+def finish_embedding(vector: list[float], pooling: PoolingParams) -> list[float]:
+    """A pooled hidden state as the user asked: its first ``dimensions`` values, unit norm."""
+    v = np.asarray(vector, dtype=np.float64)[: pooling.dimensions]
+    if pooling.normalize:
+        v = v / max(float(np.linalg.norm(v)), 1e-12)
+    return v.tolist()
 
 
 def default_max_num_batched_tokens(serving: bool = False) -> int:
@@ -95,6 +106,13 @@ class LLMEngine:
             self.tokenizer.chat_templates = config.chat_template
             self.tokenizer.chat_format = "jinja"  # the user's template wins over harmony too
         self.model_name = config.served_model_name or loaded.source.name
+        # Embeddings: how the hidden states are pooled, their size, and whether the model
+        # was trained (Matryoshka) so that a prefix of the vector is an embedding too.
+        self.pooling_method = loaded.pooling
+        self.embedding_size = int(loaded.config.get("hidden_size", 0))
+        self.is_matryoshka = bool(
+            loaded.config.get("is_matryoshka") or loaded.config.get("matryoshka_dimensions")
+        )
         self.max_num_batched_tokens = (
             config.max_num_batched_tokens or default_max_num_batched_tokens()
         )
@@ -104,6 +122,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             memory_fraction=config.memory_fraction,
             num_blocks=config.num_blocks,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             enable_prefix_caching=config.enable_prefix_caching,
         )
         # Tensor parallel: the other ranks, started here; None in one process.
@@ -190,14 +209,20 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
         structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         """Queue a request; ParameterError (naming the field, with the numbers) if it
         can never run. The one place these checks live.
 
+        With ``pooling_params`` it is an embedding request: the prompt is computed
+        (prefill only, batched with everything else) and its output carries ``embedding``.
         ``structured_output`` is ``compile_structured_output(params)`` done beforehand
         (AsyncLLM compiles off the engine thread); otherwise it is compiled here.
         """
+        if pooling_params is not None:
+            self._check_pooling(pooling_params)
+            params = SamplingParams(max_tokens=1)
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
@@ -220,10 +245,31 @@ class LLMEngine:
             first = parent.make_requests(
                 prompt_token_ids, self.eos_token_ids, max_tokens, arrival, structured_output
             )
+            if pooling_params is not None:
+                first.pooling = self.pooling_method
+                self.outputs.states[request_id].pooling = pooling_params
             self.scheduler.add_request(first)
         except ValueError:
             self._forget(request_id)
             raise
+
+    def _check_pooling(self, pooling: PoolingParams) -> None:
+        dims = pooling.dimensions
+        if dims is None:
+            return
+        if not self.is_matryoshka:
+            raise ParameterError(
+                f"dimensions {dims}: this model was not trained for shorter embeddings "
+                "(no matryoshka_dimensions in its config), so it always returns "
+                f"{self.embedding_size}; leave dimensions out",
+                parameter="dimensions",
+            )
+        if dims > self.embedding_size:
+            raise ParameterError(
+                f"dimensions must be at most {self.embedding_size} (the model's hidden size), "
+                f"got {dims}",
+                parameter="dimensions",
+            )
 
     def compile_structured_output(
         self, params: SamplingParams, starts_after: str | None = None
@@ -408,6 +454,10 @@ class LLMEngine:
             if self.fanout.parent_of(req.request_id) is None:
                 continue  # a sibling sample failed earlier in this loop: the request ended
             new = ro.sampled_token_ids.get(req.request_id, [])
+            if req.pooling is not None:
+                vector = ro.pooled[req.request_id]
+                state = self.outputs.states[self.fanout.owner(req.request_id)[0].request_id]
+                state.embedding = finish_embedding(vector, state.pooling)
             logprobs = (ro.logprobs or {}).get(req.request_id)
             plp = (ro.prompt_logprobs or {}).get(req.request_id)
             try:

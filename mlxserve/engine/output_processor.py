@@ -19,6 +19,7 @@ from mlxserve.core.request import (
     RequestStatus,
 )
 from mlxserve.engine.parallel_sampling import ParallelSampling, ParentRequest
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.tokenizer import TextStream
 
@@ -52,6 +53,8 @@ class RequestState:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why the request failed (its samples end with "error")
+    pooling: PoolingParams | None = None  # an embedding request
+    embedding: list[float] | None = None  # its vector, once computed
 
     @property
     def finished(self) -> bool:
@@ -204,6 +207,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             error=state.error,
+            embedding=state.embedding,
         )
 
     def remove(self, request_id: str) -> None:

@@ -23,6 +23,7 @@ from mlxserve.blas import fast_blas
 from mlxserve.loader import generation_config, hub
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.loader.local import read_model_dir
+from mlxserve.loader.pooling import gguf_pooling_method, read_pooling_method
 from mlxserve.models import dequantize_model, quantized_bytes_as_float
 from mlxserve.utils import usable_memory, uses_gpu
 
@@ -58,6 +59,8 @@ class LoadedModel:
     # The model's own sampling defaults (generation_config.json or GGUF general.sampling.*),
     # as SamplingParams fields; front-ends decide whether to use them.
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
+    # How an embedding pools the hidden states: "last" token or "mean" (loader/pooling.py).
+    pooling: str = "last"
 
 
 def default_model_path() -> Path:
@@ -197,9 +200,11 @@ def load_model(
         if not skip_tokenizer_init and tok is None:
             tok = _load_tokenizer(source, meta)
         defaults = generation_config.from_gguf_metadata(meta, str(source.path))
+        pooling = gguf_pooling_method(meta, str(meta.get("general.architecture", "")))
     else:
         config, weights = read_model_dir(source.path)
         defaults = generation_config.from_model_dir(source.path)
+        pooling = read_pooling_method(source.path)
     act_dtype = resolve_dtype(dtype, config)
     # Only a quantized model on the CPU needs the kernels (built on first use).
     quantized = any(name.endswith(".scales") for name in weights)
@@ -220,7 +225,7 @@ def load_model(
             act_dtype,
             fast_blas(),
         )
-    return LoadedModel(net, tok, config, source, act_dtype, defaults)
+    return LoadedModel(net, tok, config, source, act_dtype, defaults, pooling)
 
 
 def should_dequantize(model: nn.Module, dtype: mx.Dtype) -> bool:

@@ -305,6 +305,17 @@ def select_rows(
     return h if logits_indices is None else h[logits_indices]
 
 
+def split_hidden_rows(
+    h: mx.array,  # (num_rows, hidden)
+    num_hidden_rows: int,
+) -> tuple[mx.array, mx.array | None]:  # (num_rows - k, hidden), (k, hidden) or None
+    """Split off the last ``num_hidden_rows`` rows: those are wanted as hidden states."""
+    if not num_hidden_rows:
+        return h, None
+    n = h.shape[0] - num_hidden_rows
+    return h[:n], h[n:]
+
+
 def context_limit(max_position_embeddings: int | None, sliding_window: int | None) -> int | None:
     """Longest context computed exactly: full attention equals a sliding window up to its size."""
     limits = [x for x in (max_position_embeddings, sliding_window) if x is not None]

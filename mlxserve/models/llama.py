@@ -26,6 +26,7 @@ from mlxserve.models.base import (
     context_limit,
     resolve_rope,
     select_rows,
+    split_hidden_rows,
 )
 from mlxserve.ops import AttentionMetadata
 
@@ -220,11 +221,14 @@ class Model(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_cache: KVCache,
         logits_indices: mx.array | None = None,  # (num_rows,) int32
-    ) -> mx.array:  # (num_rows or num_tokens, vocab_size)
+        num_hidden_rows: int = 0,
+    ) -> mx.array | tuple[mx.array, mx.array]:  # (num_rows or num_tokens, vocab_size)
+        """Logits of the selected rows; with ``num_hidden_rows``, the last that many selected
+        rows come back as final hidden states instead: ``(logits, hidden)`` (embeddings)."""
         h = self.model(input_ids, positions, attn_metadata, kv_cache, logits_indices)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        h, hidden = split_hidden_rows(h, num_hidden_rows)
+        head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
+        return head(h) if hidden is None else (head(h), hidden)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop precomputed rotary tables, and the LM head when it is tied to the embeddings."""

@@ -83,6 +83,10 @@ class _Step:
     kv_cast_after_fetch: bool  # the layers cast K/V (dtype only) after update_and_fetch
     owners: dict[int, PagedLayerCache]  # id(keys returned by update_and_fetch) -> view
     state_md: StateMetadata | None = None
+    # The last num_hidden_rows selected rows are wanted as hidden states (embeddings): the
+    # hooked decoder stack keeps them here and hands only the others to the LM head.
+    num_hidden_rows: int = 0
+    hidden: mx.array | None = None  # (num_hidden_rows, hidden)
 
 
 @dataclass
@@ -284,11 +288,19 @@ class MlxLmModel(nn.Module):
         *,
         group_metadata: tuple[AttentionMetadata, ...] | None = None,
         state_metadata: StateMetadata | None = None,
-    ) -> mx.array:  # (num_rows or num_tokens, vocab_size)
-        """One paged step. With ``group_metadata`` (one per KV cache group of the layout)
-        the pools are the layout's tensors; without, ``attn_metadata`` serves every
-        attention layer, each with its own pool (``KVCache.allocate_for``).
-        ``state_metadata`` places the recurrent layers' states."""
+        num_hidden_rows: int = 0,
+    ) -> mx.array | tuple[mx.array, mx.array]:  # (num_rows or num_tokens, vocab_size)
+        """One paged step: the logits of the selected rows. With ``group_metadata`` (one
+        per KV cache group of the layout) the pools are the layout's tensors; without,
+        ``attn_metadata`` serves every attention layer, each with its own pool
+        (``KVCache.allocate_for``). ``state_metadata`` places the recurrent layers'
+        states. With ``num_hidden_rows``, the last that many selected rows come back as
+        final hidden states instead: ``(logits, hidden)`` (embeddings)."""
+        if num_hidden_rows and not self._selects_rows:
+            raise UnsupportedModelError(
+                f"{self.model_type}: embeddings need the decoder stack's hidden states, and "
+                "the adapter found no decoder stack module to take them from"
+            )
         layout = self._layout
         mds = group_metadata if group_metadata is not None else (attn_metadata,)
         step = _Step(
@@ -302,6 +314,7 @@ class MlxLmModel(nn.Module):
             self._kv_cast_after_fetch,
             {},
             state_metadata,
+            num_hidden_rows,
         )
         views: list[PagedLayerCache | PagedStateCache] = []
         for i, spec in enumerate(self._cache_specs):
@@ -339,12 +352,15 @@ class MlxLmModel(nn.Module):
         if logits_indices is not None:
             if not self._selects_rows:
                 return logits[logits_indices]
-            if logits.shape[0] != logits_indices.shape[0]:
+            if logits.shape[0] != logits_indices.shape[0] - num_hidden_rows:
                 raise UnsupportedModelError(
                     f"{self.model_type}: the LM head got {logits.shape[0]} rows, not the "
-                    f"{logits_indices.shape[0]} selected (its decoder stack is not the "
-                    "module the adapter hooked)"
+                    f"{logits_indices.shape[0] - num_hidden_rows} selected (its decoder "
+                    "stack is not the module the adapter hooked)"
                 )
+        if num_hidden_rows:
+            assert step.hidden is not None, "the hooked decoder stack keeps the hidden rows"
+            return logits, step.hidden[:, 0, :]
         return logits
 
 
@@ -375,6 +391,9 @@ def _hook_row_selection(model: nn.Module) -> bool:
         state = _STEP.get()
         if isinstance(state, _Step) and state.logits_indices is not None:
             h = h[state.logits_indices]
+            if state.num_hidden_rows:  # (rows, 1, hidden): the LM head never sees these
+                n = h.shape[0] - state.num_hidden_rows
+                h, state.hidden = h[:n], h[n:]
         return h
 
     inner.__class__ = type(

@@ -1,7 +1,7 @@
 """The FastAPI app: routes, API-key check, CORS, metrics and the periodic stats log.
 
 GET  /health /version /metrics /v1/models /v1/models/{id}
-POST /v1/completions /v1/chat/completions /tokenize /detokenize
+POST /v1/completions /v1/chat/completions /v1/embeddings /tokenize /detokenize
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server import openapi as doc
+from mlxserve.server.anthropic import AnthropicServing, add_anthropic_routes
+from mlxserve.server.anthropic import error_body as anthropic_error_body
 from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
 from mlxserve.server.chat_tools import ChatFeatures
+from mlxserve.server.embeddings import EmbeddingRequest, create_embedding
 from mlxserve.server.errors import (
     APIError,
     bad_request,
@@ -34,19 +37,22 @@ from mlxserve.server.errors import (
     install_error_handlers,
 )
 from mlxserve.server.metrics import ServerMetrics
+from mlxserve.server.ollama import OllamaServing, add_ollama_routes
 from mlxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from mlxserve.server.responses import ResponsesServing, add_responses_routes
 from mlxserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("mlxserve")
 
 # Paths that need the API key when one is set (health, version and metrics stay open
 # for load balancers and Prometheus, as in vLLM).
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/api/")
+OPEN_PATHS = ("/api/version",)  # like /version
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,13 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     install_error_handlers(app)
     doc.install_openapi(
         app,
-        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            EmbeddingRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ],
         list(config.model_names),
     )
     limit = config.max_request_body_bytes
@@ -181,6 +193,16 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
         return await serving.create_chat_completion(request, body)
 
     @app.post(
+        "/v1/embeddings",
+        openapi_extra=doc.request_body(EmbeddingRequest),
+        response_model=None,
+        responses={200: doc.ok(doc.EmbeddingResponse)} | doc.GENERATE_ERRORS,
+    )
+    async def embeddings(request: Request) -> Response:
+        body = await parse_body(request, EmbeddingRequest, limit)
+        return await create_embedding(serving, request, body)
+
+    @app.post(
         "/tokenize",
         openapi_extra=doc.request_body(TokenizeRequest),
         response_model=None,
@@ -229,6 +251,12 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
         text = await run_in_threadpool(tokenizer.decode, body.tokens, False)
         return {"prompt": text}
 
+    from mlx.utils import tree_flatten
+
+    model_size = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
+    add_ollama_routes(app, OllamaServing(serving, engine, model_size), limit)
+    add_anthropic_routes(app, AnthropicServing(serving), limit)
+    add_responses_routes(app, ResponsesServing(serving), limit)
     return app
 
 
@@ -248,7 +276,8 @@ _METRICS_RESPONSES = {
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` holds one of the keys (constant-time)."""
+    """401 unless ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``) holds one of the
+    keys (constant-time)."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
@@ -259,21 +288,30 @@ class APIKeyMiddleware:
             scope["type"] != "http"
             or scope.get("method") == "OPTIONS"
             or not scope["path"].startswith(PROTECTED_PREFIXES)
+            or scope["path"] in OPEN_PATHS
         ):
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        # Anthropic's clients send the key as x-api-key instead.
+        x_api_key = headers.get(b"x-api-key")
         ok = False
         for key in self.keys:  # no early exit: the time does not depend on which key matched
-            ok |= hmac.compare_digest(token.strip(), key)
-        if not ok or scheme.lower() != b"bearer":
-            error = APIError(
-                401,
-                "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-            response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+            ok |= hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer"
+            if x_api_key is not None:
+                ok |= hmac.compare_digest(x_api_key.strip(), key)
+        if not ok:
+            message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+            error = APIError(401, message, code="invalid_api_key")
+            body = error.body()
+            path = scope["path"]
+            if path.startswith("/v1/messages"):  # each API's clients read their own shape
+                body = anthropic_error_body(401, message.replace("send the header", "send"))
+                body["error"]["message"] += " or 'x-api-key: <key>'"
+            elif path.startswith("/api/"):
+                body = {"error": message}
+            response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -212,7 +212,8 @@ class ServerMetrics:
         # An abort's output is cumulative, not a delta: its tokens were counted already.
         num_new = 0 if aborted else sum(len(c.token_ids) for c in out.outputs)
         live = self._live.setdefault(rid, _Live())
-        if num_new and not live.has_tokens:
+        # An embedding finishes with its prompt computed and no token: count the prompt then.
+        if (num_new or out.embedding is not None) and not live.has_tokens:
             live.has_tokens = True
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.request_prompt_tokens.observe(len(out.prompt_token_ids))

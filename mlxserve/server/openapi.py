@@ -157,6 +157,26 @@ class ModelList(_Doc):
     data: list[ModelCard]
 
 
+class EmbeddingData(_Doc):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(_Doc):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Doc):
+    """POST /v1/embeddings."""
+
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class Version(_Doc):
     version: str
 
@@ -185,7 +205,19 @@ GENERATE_ERRORS = BODY_ERRORS | {503: _error("The server is shutting down")}
 
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """The responses of a generation route: JSON, or an event stream with stream=true."""
-    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    # One server-sent event (OpenAPI 3.1 has no itemSchema, so the schema is read per
+    # event, as schemathesis does): its data is a JSON chunk, or "[DONE]" at the end.
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string"},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
+    stream = {"text/event-stream": {"schema": event}}
     ok = {"description": "The completion (JSON), or an event stream", "model": model}
     return {200: ok | {"content": stream}} | GENERATE_ERRORS
 

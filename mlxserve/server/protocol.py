@@ -9,6 +9,7 @@ float field also takes a JSON integer ("temperature": 1).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -134,12 +135,11 @@ class _SamplingFields(StructuredFields):
         fields this request leaves out, as vLLM's ``--generation-config auto``.
         """
         structured_outputs, _ = self.constraint()
-        given = self.model_fields_set
         sampling = {
             name: getattr(self, name)
             for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         }
-        sampling |= {k: v for k, v in (defaults or {}).items() if k in sampling and k not in given}
+        sampling |= model_defaults(defaults, self.model_fields_set, sampling)
         try:
             return SamplingParams(
                 n=self.n,
@@ -161,6 +161,13 @@ class _SamplingFields(StructuredFields):
             )
         except ParameterError as e:
             raise request_error(e, rename or {}) from None
+
+
+def model_defaults(
+    defaults: dict[str, float | int] | None, given: set[str], fields: Iterable[str]
+) -> dict[str, float | int]:
+    """The model's sampling defaults for those of ``fields`` a request did not set."""
+    return {k: v for k, v in (defaults or {}).items() if k in fields and k not in given}
 
 
 class CompletionRequest(_SamplingFields):

@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.async_llm import AsyncLLM
+from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -62,13 +63,20 @@ class RequestGroup:
     def __init__(
         self,
         llm: AsyncLLM,
-        requests: list[tuple[str, str | None, list[int], SamplingParams]],
+        requests: list[tuple[str, str | None, list[int], SamplingParams | None]],
         in_flight: InFlight | None = None,
+        pooling_params: PoolingParams | None = None,  # embedding requests, all of them
         grammar_starts_after: str | None = None,
     ) -> None:
+        extra = {} if pooling_params is None else {"pooling_params": pooling_params}
         self._gens = [
             llm.generate(
-                rid, prompt, params, prompt_token_ids=ids, grammar_starts_after=grammar_starts_after
+                rid,
+                prompt,
+                params,
+                prompt_token_ids=ids,
+                grammar_starts_after=grammar_starts_after,
+                **extra,
             )
             for rid, prompt, ids, params in requests
         ]

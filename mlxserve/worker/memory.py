@@ -1,7 +1,8 @@
 """Sizing the KV block pool (and the recurrent-state slots) from the memory MLX may use.
 
 budget      = memory_fraction x usable memory (Metal working set, or system RAM on CPU)
-kv_budget   = budget - weights - activation peak (probed, scaled to the token budget)
+kv_budget   = budget - weights - activation peak (probed, scaled to the token budget),
+              or kv_cache_memory_bytes when given (vLLM's --kv-cache-memory-bytes)
 state slots = 1 (zeros) + max_num_seqs (running) + 2 x max_num_seqs (prefix snapshots),
               in at most half of kv_budget; only for models with recurrent layers
 num_blocks  = what is left / bytes per block (every K/V tensor of the layout), never more
@@ -117,6 +118,7 @@ def plan_kv_cache(
     num_blocks: int | None = None,
     enable_prefix_caching: bool = True,
     total_memory: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
 ) -> KVPlan:
     """Choose num_blocks, state slots and max_model_len, or raise ValueError naming the
     knob to turn. ``dtype`` is the K/V dtype (anything with ``.size`` bytes)."""
@@ -154,10 +156,20 @@ def plan_kv_cache(
     total = total_memory if total_memory is not None else usable_memory()
     budget = int(total * memory_fraction)
     kv_budget = budget - weights_bytes - activation_bytes
+    explicit = kv_cache_memory_bytes is not None  # an explicit budget, as vLLM's knob
+    if explicit:
+        kv_budget = kv_cache_memory_bytes
     slots = 0
     if layout.has_state:
         affordable = int(max(kv_budget, 0) * MAX_STATE_SHARE) // max(per_slot, 1)
         slots = min(wanted_slots, 1 + affordable)
+        if slots < 2 and explicit:
+            raise ValueError(
+                f"kv_cache_memory_bytes (--kv-cache-memory-bytes, $VLLM_CPU_KVCACHE_SPACE) "
+                f"{kv_cache_memory_bytes} does not hold one request's recurrent state "
+                f"({per_slot / 2**20:.1f} MiB) in its half for states; use at least "
+                f"{2 * 2 * per_slot}"
+            )
         if slots < 2:
             raise ValueError(
                 f"not enough memory for one request's recurrent state "
@@ -179,6 +191,13 @@ def plan_kv_cache(
     budget_blocks = max(kv_budget, 0) // bytes_per_block
     if budget_blocks < blocks_for(need_min):
         need_bytes = blocks_for(need_min) * bytes_per_block + slots * per_slot
+        if explicit:
+            room = max_tokens_in(layout, budget_blocks, block_size, chunk, need_min)
+            raise ValueError(
+                f"kv_cache_memory_bytes (--kv-cache-memory-bytes, $VLLM_CPU_KVCACHE_SPACE) "
+                f"{kv_cache_memory_bytes} holds {room} tokens of KV, fewer than {need_min}; "
+                f"use at least {need_bytes}"
+            )
         # Rounded up, so the suggested value really fits.
         fits = math.ceil(100 * (weights_bytes + activation_bytes + need_bytes) / total) / 100
         room = max_tokens_in(layout, budget_blocks, block_size, chunk, need_min)
@@ -196,8 +215,8 @@ def plan_kv_cache(
         length = max_tokens_in(layout, budget_blocks, block_size, chunk, model_max_len)
         if length < model_max_len:
             logger.warning(
-                "max_model_len capped at %d (model supports %d) to fit memory; raise "
-                "--gpu-memory-utilization for longer contexts",
+                "max_model_len capped at %d (model supports %d) to fit the KV cache; raise "
+                "--gpu-memory-utilization (or --kv-cache-memory-bytes) for longer contexts",
                 length,
                 model_max_len,
             )

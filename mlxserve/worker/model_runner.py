@@ -52,6 +52,7 @@ from mlxserve.worker.memory import (
     probe_activation_bytes,
     tree_bytes,
 )
+from mlxserve.worker.pooling import PoolingRows, PoolingSums
 from mlxserve.worker.sampler import (
     SamplerOutput,
     SamplingState,
@@ -88,10 +89,16 @@ class _Part:
     prompt_logprobs: tuple[mx.array, ...] | None
     # The samplers' logits (S, V) while their grammar bitmasks are being computed.
     logits: mx.array | None = None
+    # Embedding requests in this step: (request, chunk starts at 0, chunk ends the prompt),
+    # and per request the sum (mean pooling) or the last row of its chunk's hidden states.
+    poolers: list[tuple[Request, bool, bool]] = field(default_factory=list)
+    pooled: mx.array | None = None  # (len(poolers), hidden) float32
     inputs: ForwardInputs | None = None  # tensor parallel: what the other ranks run
 
     def arrays(self) -> list[mx.array]:
         out = list(self.prompt_logprobs or ())
+        if self.pooled is not None:
+            out.append(self.pooled)
         if self.result is None and self.logits is not None:
             out.append(self.logits)
         if self.result is not None:
@@ -109,6 +116,7 @@ class _Read:
 
     samples: list[tuple[Request, int, Logprobs | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)
+    pooled: list[tuple[Request, bool, bool, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -150,6 +158,8 @@ class ModelRunner:
         mx.random.seed(seed)
         self._rng = random.Random(seed)
         self._states: dict[str, _RequestState] = {}
+        # Mean pooling over a prompt computed in chunks: the running sum of hidden states.
+        self._pool_sums = PoolingSums()
         # Host time spent on grammar bitmasks, and in how many steps (bench/ reads them).
         self.num_mask_steps = 0
         self.mask_seconds = 0.0
@@ -168,12 +178,13 @@ class ModelRunner:
         max_num_seqs: int,
         memory_fraction: float,
         num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
     ) -> KVPlan:
         """Size the pool (worker/memory.py), probing a forward pass's activation peak."""
         m = self.model
         activation = 0
-        if num_blocks is None:
+        if num_blocks is None and kv_cache_memory_bytes is None:
             n = min(PROBE_TOKENS, max_num_batched_tokens)
             with ops.use_kernels(self.kernels):
                 per_token = probe_activation_bytes(
@@ -192,6 +203,7 @@ class ModelRunner:
             weights_bytes=tree_bytes(m.parameters()),
             activation_bytes=activation,
             num_blocks=num_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=enable_prefix_caching,
         )
         return plan if self.group is None else agree_on_plan(plan, self.group)
@@ -299,6 +311,7 @@ class ModelRunner:
         """
         for rid in so.finished_request_ids:
             self._states.pop(rid, None)
+            self._pool_sums.drop(rid)
         handle = StepHandle(so, [], {})
         if not so.scheduled_requests:
             return handle
@@ -427,6 +440,7 @@ class ModelRunner:
         samplers: list[Request] = []
         plp_rows: list[int] = []  # rows whose logits score the next prompt token
         plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
+        pooling = PoolingRows()  # embedding requests: hidden states, no logits
         for req in so.scheduled_requests:
             rid = req.request_id
             n = so.num_scheduled_tokens[rid]
@@ -437,6 +451,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(n)
             context_lens.append(end)
+            if req.pooling is not None:
+                pooling.add(req, row0, start, n, so.samples(rid))
+                continue
             state = self._state(req)
             if req.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
                 if start == 0:
@@ -450,21 +467,24 @@ class ModelRunner:
         md, extra = step_metadata(
             self.layout, so, query_lens, context_lens, self.block_size, self._takes_layout
         )
-        rows = sample_rows + plp_rows
+        rows = sample_rows + plp_rows + pooling.rows
         inputs = None
         if self.channel is not None:
             tables = [so.block_ids[r.request_id][0] for r in so.scheduled_requests]
             inputs = ForwardInputs(
                 self.num_blocks, input_ids, query_lens, context_lens, tables, rows
             )
-        logits = self.model(
+        out = self.model(
             mx.array(input_ids, dtype=mx.int32),
             mx.array(positions, dtype=mx.int32),
             md,
             self.kv_cache,
             logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
             **extra,
+            **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
         )
+        logits, hidden = out if pooling.rows else (out, None)
+        pooled = None if hidden is None else pooling.reduce(hidden)
         result = None
         sample_logits = logits[: len(samplers)] if samplers else None
         if samplers and not any(self._states[r.request_id].grammar for r in samplers):
@@ -477,7 +497,9 @@ class ModelRunner:
                 [r.prompt_token_ids[pos] for r, pos in plp_targets],
                 max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
             )
-        return _Part(samplers, result, plp_targets, plp, sample_logits, inputs)
+        return _Part(
+            samplers, result, plp_targets, plp, sample_logits, pooling.requests, pooled, inputs
+        )
 
     def _sample_masked(self, parts: list[_Part]) -> None:
         """Sample the parts that have grammar rows, with their token bitmasks (host work
@@ -520,6 +542,10 @@ class ModelRunner:
                 for j in range(req.sampling_params.prompt_logprobs or 0):
                     entry.setdefault(tops[0][i][j], tops[1][i][j])
                 read.prompt_logprobs.append((req, entry))
+        if part.pooled is not None:
+            rows = np.array(part.pooled, dtype=np.float64)
+            for (req, first, done), row in zip(part.poolers, rows, strict=True):
+                read.pooled.append((req, first, done, row))
         return read
 
     def _commit(self, read: _Read, output: ModelRunnerOutput) -> None:
@@ -542,3 +568,7 @@ class ModelRunner:
             if len(state.prompt_logprobs) == req.num_prompt_tokens:
                 state.prompt_logprobs_done = True
                 output.prompt_logprobs[req.request_id] = state.prompt_logprobs
+        for req, first, done, row in read.pooled:
+            vector = self._pool_sums.add(req, first, done, row)
+            if vector is not None:
+                output.pooled[req.request_id] = vector

@@ -1,0 +1,230 @@
+"""One generation on the engine for the API translators (Ollama, Anthropic, Responses).
+
+Each translator turns its body into chat messages (or a raw prompt) and SamplingParams;
+this runs them through the same AsyncLLM, RequestGroup, cancellation and in-flight
+tracking as /v1/chat/completions, and hands back the text as deltas or as a whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from mlxserve.exceptions import ParameterError
+from mlxserve.parsers import OutputParser, ParsedDelta, ParsedMessage
+from mlxserve.sampling_params import SamplingParams
+from mlxserve.server.chat_tools import ChatPlan
+from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.streams import (
+    ClientDisconnected,
+    RequestGroup,
+    SSEResponse,
+    run_unless_disconnected,
+)
+
+
+@dataclass
+class ChatResult:
+    """What one generation produced, with its token counts."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    start_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class ChatRun:
+    """A chat conversation (or a raw prompt) as one engine request.
+
+    With tools (OpenAI function tools and a tool_choice name, server/tool_messages.py
+    translates each API's) the server's ChatFeatures plan the prompt and the constraint, and
+    the reply is parsed into content, reasoning and tool calls, as on /v1/chat/completions.
+    """
+
+    def __init__(self, serving, prefix: str, prompt_param: str = "messages") -> None:
+        self.serving = serving
+        self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        self.prompt_param = prompt_param  # the request field a rejected prompt is blamed on
+        self.result = ChatResult()
+        self.group: RequestGroup | None = None
+        self.parser: OutputParser | None = None
+        self.parallel_tool_calls = True
+        # Engine parameter -> the request field that set it (for 400s).
+        self.field_names: dict[str, str] = {}
+
+    def prepare(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> tuple[str, list[int], ChatPlan]:
+        """Plan tools and reasoning, then render (call in a worker thread): text, ids, plan."""
+        try:
+            plan = self.serving.features.plan(
+                messages, tools or [], tool_choice, parallel_tool_calls, params
+            )
+        except ParameterError as e:
+            raise self._engine_error(e) from None
+        tok = self.serving.tokenizer
+        try:
+            text = tok.apply_chat_template(
+                plan.messages, tools=plan.tools, add_generation_prompt=True
+            )
+        except ValueError as e:
+            raise bad_request(str(e), self.prompt_param) from None
+        return text, tok.encode_rendered_chat(text), plan
+
+    async def start(
+        self,
+        raw: Request,
+        params: SamplingParams,
+        messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> None:
+        """Render and submit; returns once the engine accepted it (APIError 400 if not).
+
+        Raises ClientDisconnected if the client left meanwhile.
+        """
+        self.serving.check_accepting()
+        starts_after = None
+        if messages is not None:
+            text, ids, plan = await run_in_threadpool(
+                self.prepare, messages, params, tools, tool_choice, parallel_tool_calls
+            )
+            self.parser = plan.output_parser(text)
+            self.parallel_tool_calls = parallel_tool_calls
+            starts_after = plan.grammar_starts_after(text, params)
+        else:
+            assert prompt is not None
+            text = prompt
+            ids = await run_in_threadpool(self.serving.tokenizer.encode, prompt)
+        self.result.prompt_tokens = len(ids)
+        self.group = RequestGroup(
+            self.serving.llm,
+            [(self.request_id, text, ids, params)],
+            self.serving.in_flight,
+            grammar_starts_after=starts_after,
+        )
+        try:
+            await run_unless_disconnected(raw, self.group.start())
+        except ValueError as e:
+            await self.close()
+            raise self._engine_error(e) from None
+
+    def _engine_error(self, e: ValueError) -> APIError:
+        if isinstance(e, ParameterError) and e.parameter not in (None, "prompt"):
+            param = e.parameter
+            name = self.field_names.get(param) or self.field_names.get(param.split(".")[0], param)
+            return bad_request(str(e), name)
+        return bad_request(str(e), self.prompt_param)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The text as it is generated; ``result`` holds the totals once it ends."""
+        assert self.group is not None
+        res = self.result
+        async for _, out in self.group.outputs():
+            res.cached_tokens = out.num_cached_tokens
+            c = out.outputs[0]
+            res.token_ids += c.token_ids
+            res.text += c.text
+            if c.finish_reason is not None:
+                res.finish_reason, res.stop_reason = c.finish_reason, c.stop_reason
+            if out.error is not None:
+                raise APIError(500, out.error)
+            if c.text:
+                yield c.text
+
+    async def parsed_deltas(self) -> AsyncIterator[ParsedDelta]:
+        """The reply as it is generated, parsed: content, reasoning, whole tool calls."""
+        async for text in self.deltas():
+            delta = self.parser.feed(text) if self.parser else ParsedDelta(content=text)
+            if delta:
+                yield self._limit(delta)
+        if self.parser is not None:
+            delta = self.parser.finish()
+            if delta:
+                yield self._limit(delta)
+
+    def parsed(self) -> ParsedMessage:
+        """The whole reply, parsed (after collect())."""
+        text = self.result.text
+        if self.parser is None:
+            return ParsedMessage(text, "", [])
+        message = self.parser.parse(text)
+        if not self.parallel_tool_calls:
+            message.tool_calls = message.tool_calls[:1]
+        return message
+
+    def _limit(self, delta: ParsedDelta) -> ParsedDelta:
+        if not self.parallel_tool_calls:  # the first call only
+            delta.tool_calls = [tc for tc in delta.tool_calls if tc.index == 0]
+        return delta
+
+    async def collect(self, raw: Request) -> ChatResult:
+        """The whole generation (ClientDisconnected if the client leaves first)."""
+
+        async def drain() -> None:
+            async for _ in self.deltas():
+                pass
+
+        try:
+            await run_unless_disconnected(raw, drain())
+        finally:
+            await self.close()
+        return self.result
+
+    async def close(self) -> None:
+        """Abort whatever has not finished."""
+        if self.group is not None:
+            await self.group.close()
+
+
+class NDJSONResponse(SSEResponse):
+    """Newline-delimited JSON (Ollama's streams), closed the moment the client leaves."""
+
+    media_type = "application/x-ndjson"
+
+
+async def framed(
+    events: AsyncIterator[str], run: ChatRun, on_error: Callable[[Exception], str]
+) -> AsyncIterator[str]:
+    """Frames of a stream; an error once the status line is sent is reported in-stream."""
+    try:
+        async with contextlib.aclosing(events):
+            async for frame in events:
+                yield frame
+    except APIError as e:
+        yield on_error(e)
+    except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-stream
+        yield on_error(APIError(500, f"internal error: {e}"))
+    finally:
+        await run.close()
+
+
+async def started(run: ChatRun, raw: Request, start: Awaitable[None]) -> bool:
+    """Await ``start``; False if the client left meanwhile (answer 499 then)."""
+    try:
+        await start
+    except ClientDisconnected:
+        await run.close()
+        return False
+    return True

@@ -1,0 +1,418 @@
+"""Ollama's API (/api/*) as a thin translation onto the engine.
+
+    POST /api/chat /api/generate      NDJSON streams (Ollama streams unless "stream": false)
+    POST /api/embed /api/embeddings   the embedding requests of /v1/embeddings
+    POST /api/show   GET /api/tags /api/ps /api/version
+
+Errors are Ollama's shape, ``{"error": "<message>"}``, with the same status codes as the
+OpenAI routes. Options map to SamplingParams; runtime options (num_ctx, num_gpu, ...) set
+the server, not a request, and are accepted with no effect; a sampling option mlxserve
+does not implement is a 400 naming it, unless it holds Ollama's neutral value.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import ConfigDict
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlxserve import __version__
+from mlxserve.exceptions import ParameterError
+from mlxserve.parsers import ToolCall
+from mlxserve.pooling_params import PoolingParams
+from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed, started
+from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.protocol import _Strict
+from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
+from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
+
+logger = logging.getLogger("mlxserve.server")
+
+# Ollama option -> SamplingParams field.
+OPTION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+# Runtime options: they size or place the model, which the server's flags decide.
+RUNTIME_OPTIONS = {
+    "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "low_vram",
+    "use_mmap", "use_mlock", "numa", "vocab_only", "f16_kv", "logits_all",
+}  # fmt: skip
+# Sampling options not implemented, with the value that leaves sampling unchanged.
+NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0, "penalize_newline": False}
+
+
+class OllamaMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    thinking: str | None = None  # earlier reasoning: not part of the next prompt
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    images: list[str] | None = None
+
+
+class _Common(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    stream: bool = True
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None  # the model always stays loaded here
+    format: str | dict[str, Any] | None = None
+    think: bool | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """``format``: "json" (any JSON object) or a JSON schema, enforced by a grammar."""
+        if self.format in (None, ""):
+            return None
+        if self.format == "json":
+            return StructuredOutputsParams(json_object=True)
+        if isinstance(self.format, dict):
+            return StructuredOutputsParams(json=self.format)
+        raise bad_request(f"format must be 'json' or a JSON schema, got {self.format!r}", "format")
+
+    def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """The options as SamplingParams; a bad or unimplemented one is a 400 naming it.
+        ``defaults``: the model's (as a Modelfile's parameters), under the options."""
+        values: dict[str, Any] = {"max_tokens": None} | dict(defaults or {})
+        for key, value in (self.options or {}).items():
+            if key in OPTION_FIELDS:
+                values[OPTION_FIELDS[key]] = value
+            elif key == "num_predict":
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise bad_request("num_predict must be an integer", "options.num_predict")
+                values["max_tokens"] = value if value > 0 else None  # -1, -2: no limit
+            elif key in RUNTIME_OPTIONS:
+                continue
+            elif key in NEUTRAL_OPTIONS and value == NEUTRAL_OPTIONS[key]:
+                continue
+            else:
+                raise bad_request(f"option {key!r} is not supported by mlxserve", f"options.{key}")
+        try:
+            params = SamplingParams(**values)
+            params.structured_outputs = self.constraint()
+            return params
+        except (ParameterError, TypeError) as e:
+            name = getattr(e, "parameter", None)
+            option = next((k for k, v in OPTION_FIELDS.items() if v == name), name)
+            raise bad_request(str(e), f"options.{option}" if option else "options") from None
+
+
+class OllamaChatRequest(_Common):
+    messages: list[OllamaMessage]
+    tools: list[dict[str, Any]] | None = None
+
+
+class OllamaGenerateRequest(_Common):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    suffix: str | None = None
+    context: list[int] | None = None
+    images: list[str] | None = None
+
+
+class OllamaEmbedRequest(_Strict):
+    model: str
+    input: str | list[str]
+    truncate: bool = True
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+    dimensions: int | None = None
+
+
+class OllamaEmbeddingsRequest(_Strict):
+    model: str
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """An error in Ollama's shape."""
+    return JSONResponse({"error": e.message}, status_code=e.status)
+
+
+def _done_fields(res: ChatResult) -> dict[str, Any]:
+    total = int((time.monotonic() - res.start_time) * 1e9)
+    return {
+        "done": True,
+        "done_reason": "length" if res.finish_reason == "length" else "stop",
+        "total_duration": total,
+        "load_duration": 0,
+        "prompt_eval_count": res.prompt_tokens,
+        "eval_count": res.completion_tokens,
+    }
+
+
+class OllamaServing:
+    """The /api/* routes over the OpenAI serving object (its engine, checks and limits)."""
+
+    def __init__(self, serving, engine, model_size: int) -> None:
+        self.serving = serving
+        self.engine = engine
+        self.model_size = model_size
+
+    def model_name(self, name: str) -> str:
+        """A served name (Ollama's ":latest" tag allowed); 404 otherwise."""
+        bare = name.removesuffix(":latest")
+        return self.serving.check_model(bare if bare in self.serving.model_names else name)
+
+    def details(self) -> dict[str, Any]:
+        cfg = self.engine.loaded.config
+        family = str(cfg.get("model_type", ""))
+        source = self.engine.loaded.source
+        return {
+            "parent_model": "",
+            "format": "gguf" if source.kind == "gguf" else "safetensors",
+            "family": family,
+            "families": [family],
+            "parameter_size": "",
+            "quantization_level": "",
+        }
+
+    def model_entry(self, name: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": now_iso(),
+            "size": self.model_size,
+            "digest": "",
+            "details": self.details(),
+        }
+
+    # ------------------------------------------------------------- metadata
+    def tags(self) -> dict:
+        return {"models": [self.model_entry(n) for n in self.serving.model_names]}
+
+    def ps(self) -> dict:
+        models = [
+            self.model_entry(n)
+            | {"size_vram": 0, "expires_at": "2999-01-01T00:00:00Z"}
+            | {"context_length": self.engine.max_model_len}
+            for n in self.serving.model_names
+        ]
+        return {"models": models}
+
+    def show(self, body: dict[str, Any]) -> dict:
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str):
+            raise bad_request("model is required", "model")
+        self.model_name(name)
+        cfg = self.engine.loaded.config
+        info = {f"general.{k}": v for k, v in cfg.items() if isinstance(v, (int, float, str))}
+        info["general.context_length"] = self.engine.max_model_len
+        return {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": self.details(),
+            "model_info": info,
+            "capabilities": ["completion", "embedding"],
+            "modified_at": now_iso(),
+        }
+
+    def version(self) -> dict:
+        return {"version": __version__}
+
+    # ------------------------------------------------------------ generation
+    async def chat(self, raw: Request, req: OllamaChatRequest) -> Response:
+        model = self.model_name(req.model)
+        if any(m.images for m in req.messages):
+            raise bad_request("images are not supported (no vision models here)", "messages")
+        params = req.sampling_params(self.serving.sampling_defaults)
+        messages = ollama_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        if not messages:
+            raise bad_request("messages must not be empty", "messages")
+        tools = [
+            function_tool(f.get("name"), f.get("description"), f.get("parameters"), "tools")
+            for f in (t.get("function") or {} for t in req.tools or ())
+        ]
+        return await self._run(
+            raw, req.stream, params, model, "message", messages=messages, tools=tools or None
+        )
+
+    async def generate(self, raw: Request, req: OllamaGenerateRequest) -> Response:
+        model = self.model_name(req.model)
+        for name in ("suffix", "context", "images"):
+            if getattr(req, name):
+                raise bad_request(f"{name} is not supported", name)
+        if not req.prompt:  # Ollama's way of asking for the model to be loaded: it is
+            body = {"model": model, "created_at": now_iso(), "response": ""}
+            return JSONResponse(body | {"done": True, "done_reason": "load"})
+        params = req.sampling_params(self.serving.sampling_defaults)
+        if req.raw:
+            return await self._run(raw, req.stream, params, model, "response", prompt=req.prompt)
+        messages = [{"role": "system", "content": req.system}] if req.system else []
+        messages.append({"role": "user", "content": req.prompt})
+        return await self._run(raw, req.stream, params, model, "response", messages=messages)
+
+    async def _run(
+        self, raw: Request, stream: bool, params: SamplingParams, model: str, key: str, **what
+    ) -> Response:
+        run = ChatRun(self.serving, "ollama", "messages" if key == "message" else "prompt")
+        run.field_names = {"structured_outputs": "format"}
+        if not await started(run, raw, run.start(raw, params, **what)):
+            return Response(status_code=499)
+
+        def piece(content: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
+            if key == "response":
+                return {"response": content} | ({"thinking": thinking} if thinking else {})
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = [
+                    {"function": {"name": c.name, "arguments": call_input(c.arguments)}}
+                    for c in calls
+                ]
+            return {"message": message}
+
+        head = {"model": model}
+        if not stream:
+            try:
+                res = await run.collect(raw)
+            except ClientDisconnected:
+                return Response(status_code=499)
+            parsed = run.parsed()
+            reply = piece(parsed.content, parsed.reasoning_content, parsed.tool_calls)
+            return JSONResponse(head | {"created_at": now_iso()} | reply | _done_fields(res))
+
+        async def lines():
+            async for d in run.parsed_deltas():
+                calls = [ToolCall(tc.id or "", tc.name or "", tc.arguments) for tc in d.tool_calls]
+                reply = piece(d.content, d.reasoning_content, calls)
+                yield _line(head | {"created_at": now_iso()} | reply | {"done": False})
+            yield _line(head | {"created_at": now_iso()} | piece("") | _done_fields(run.result))
+
+        frames = framed(lines(), run, lambda e: _line({"error": e.message}))
+        return NDJSONResponse(frames, run.close)
+
+    # ------------------------------------------------------------ embeddings
+    async def embed(self, raw: Request, texts: list[str], dimensions: int | None) -> list:
+        """Vectors of ``texts`` through the engine (the /v1/embeddings path)."""
+        try:
+            pooling = PoolingParams(dimensions=dimensions)
+        except ParameterError as e:
+            raise bad_request(str(e), e.parameter) from None
+        self.serving.check_accepting()
+        tok = self.serving.tokenizer
+        rid = f"ollama-embed-{uuid.uuid4().hex}"
+        requests = [(f"{rid}-{i}", t, tok.encode(t), None) for i, t in enumerate(texts)]
+        group = RequestGroup(
+            self.serving.llm, requests, self.serving.in_flight, pooling_params=pooling
+        )
+
+        async def work() -> list:
+            await group.start()
+            vectors: list = [None] * len(texts)
+            async for i, out in group.outputs():
+                if out.embedding is not None:
+                    vectors[i] = out.embedding
+            return vectors
+
+        try:
+            return await run_unless_disconnected(raw, work())
+        except ParameterError as e:
+            raise bad_request(str(e), "input" if e.parameter == "prompt" else e.parameter) from None
+        except ValueError as e:
+            raise bad_request(str(e), "input") from None
+        finally:
+            await group.close()
+
+
+def _line(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"
+
+
+def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
+    """Register /api/* on ``app``; every error leaves in Ollama's shape."""
+    from mlxserve.server.body import parse_body, parse_json, read_body
+
+    def route(method: str, path: str):
+        def register(handler):
+            async def endpoint(request: Request) -> Response:
+                try:
+                    out = await handler(request)
+                except APIError as e:
+                    return error_response(e)
+                except Exception as e:  # noqa: BLE001 -- every error in Ollama's shape
+                    logger.exception("internal error while handling a request")
+                    message = f"internal server error: {type(e).__name__}: {e}"
+                    return error_response(APIError(500, message))
+                return out if isinstance(out, Response) else JSONResponse(out)
+
+            app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
+            return handler
+
+        return register
+
+    @route("GET", "/api/tags")
+    async def tags(request: Request):
+        return ollama.tags()
+
+    @route("GET", "/api/ps")
+    async def ps(request: Request):
+        return ollama.ps()
+
+    @route("GET", "/api/version")
+    async def version(request: Request):
+        return ollama.version()
+
+    @route("POST", "/api/show")
+    async def show(request: Request):
+        body = parse_json(await read_body(request, limit))
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return ollama.show(body)
+
+    @route("POST", "/api/chat")
+    async def chat(request: Request):
+        return await ollama.chat(request, await parse_body(request, OllamaChatRequest, limit))
+
+    @route("POST", "/api/generate")
+    async def generate(request: Request):
+        body = await parse_body(request, OllamaGenerateRequest, limit)
+        return await ollama.generate(request, body)
+
+    @route("POST", "/api/embed")
+    async def embed(request: Request):
+        body = await parse_body(request, OllamaEmbedRequest, limit)
+        model = ollama.model_name(body.model)
+        texts = [body.input] if isinstance(body.input, str) else list(body.input)
+        start = time.monotonic()
+        vectors = await ollama.embed(request, texts, body.dimensions)
+        tok = ollama.serving.tokenizer
+        return {
+            "model": model,
+            "embeddings": vectors,
+            "total_duration": int((time.monotonic() - start) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": sum(len(tok.encode(t)) for t in texts),
+        }
+
+    @route("POST", "/api/embeddings")
+    async def embeddings(request: Request):
+        body = await parse_body(request, OllamaEmbeddingsRequest, limit)
+        ollama.model_name(body.model)
+        (vector,) = await ollama.embed(request, [body.prompt], None)
+        return {"embedding": vector}

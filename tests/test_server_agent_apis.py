@@ -1,0 +1,111 @@
+"""Tools and structured output on the Anthropic, Responses and Ollama APIs (embedded SmolLM2).
+
+The official clients drive one `mlxserve serve`; a forced call (named tool) goes through
+the same planning, grammar and Hermes parser as /v1/chat/completions. Oracle: jsonschema
+validates every call's arguments and every structured answer against the schema sent.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import ollama
+import pytest
+from openai import OpenAI
+
+from tests.server_harness import metric, read_metrics, start_server
+
+MODEL = "SmolLM2-135M-Instruct"
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+QUESTION = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    s = start_server(["--max-model-len", "1024", "--disable-log-stats"], log)
+    yield s
+    s.stop()
+
+
+def test_anthropic_tool_use_round_trip(server) -> None:
+    client = anthropic.Anthropic(base_url=server.url, api_key="-", max_retries=0)
+    tool = {"name": "get_weather", "description": "The weather in a city", "input_schema": SCHEMA}
+    args = {"model": MODEL, "max_tokens": 60, "tools": [tool], "extra_body": {"temperature": 0}}
+    question = [{"role": "user", "content": QUESTION}]
+    forced = {"type": "tool", "name": "get_weather"}
+    msg = client.messages.create(messages=question, tool_choice=forced, **args)
+    (call,) = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and call.name == "get_weather" and call.id
+    jsonschema.validate(call.input, SCHEMA)
+    with client.messages.stream(messages=question, tool_choice=forced, **args) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    partial = "".join(
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    )
+    (streamed,) = [b for b in final.content if b.type == "tool_use"]
+    assert json.loads(partial) == streamed.input == call.input
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}
+    turns = question + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+        {"role": "user", "content": [result]},
+    ]
+    answer = client.messages.create(messages=turns, **args | {"max_tokens": 24})
+    assert answer.content[0].type == "text" and answer.content[0].text
+    with_tools = client.messages.count_tokens(model=MODEL, messages=turns, tools=[tool])
+    without = client.messages.count_tokens(model=MODEL, messages=question)
+    assert with_tools.input_tokens > without.input_tokens
+
+
+def test_responses_function_call_round_trip_and_json_schema(server) -> None:
+    client = OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    tool = {"type": "function", "name": "get_weather", "parameters": SCHEMA}
+    args = {"model": MODEL, "temperature": 0, "tools": [tool], "max_output_tokens": 60}
+    forced = {"type": "function", "name": "get_weather"}
+    first = client.responses.create(input=QUESTION, tool_choice=forced, **args)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    events = list(client.responses.create(input=QUESTION, tool_choice=forced, stream=True, **args))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call.arguments and events[-1].type == "response.completed"
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    second = client.responses.create(input=[output], previous_response_id=first.id, **args)
+    assert second.output_text and second.previous_response_id == first.id
+    fmt = {"type": "json_schema", "name": "place", "schema": SCHEMA, "strict": True}
+    structured = client.responses.create(
+        model=MODEL, input=QUESTION, text={"format": fmt}, max_output_tokens=40, temperature=0
+    )
+    jsonschema.validate(json.loads(structured.output_text), SCHEMA)
+
+
+def test_ollama_format_and_tools(server) -> None:
+    client = ollama.Client(host=server.url)
+    messages = [{"role": "user", "content": QUESTION}]
+    options = {"temperature": 0, "num_predict": 40}
+    out = client.chat(MODEL, messages=messages, format=SCHEMA, options=options)
+    jsonschema.validate(json.loads(out.message.content), SCHEMA)
+    out = client.generate(MODEL, QUESTION, format=SCHEMA, options=options, stream=True)
+    jsonschema.validate(json.loads("".join(part.response for part in out)), SCHEMA)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+    plain = client.chat(MODEL, messages=messages, options=options | {"num_predict": 1})
+    with_tools = client.chat(MODEL, messages=messages, tools=[tool], options=options)
+    assert with_tools.prompt_eval_count > plain.prompt_eval_count  # the tools are in the prompt
+    for call in with_tools.message.tool_calls or ():  # whether it calls is the model's choice
+        assert call.function.name == "get_weather"
+        jsonschema.validate(call.function.arguments, SCHEMA)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(MODEL, messages=messages, format={"type": "nonsense"}, options=options)
+    assert e.value.status_code == 400 and "invalid or unsupported JSON schema" in e.value.error
+    values = read_metrics(server.url)
+    assert metric(values, "vllm:kv_cache_usage_perc", model_name=MODEL) == 0
