@@ -38,14 +38,17 @@ def scenario_prompts(vocab_size: int) -> list[list[int]]:
 
 
 def run_scenario(llm: LLM) -> dict[str, Any]:
-    """Greedy outputs of the scenario (run twice: the second run hits the prefix cache)."""
+    """Greedy outputs of the scenario (run twice: the second run hits the prefix cache),
+    and two prompts' embeddings (pooled hidden states, no logits)."""
     prompts = scenario_prompts(llm.engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     first = llm.generate(prompts, params, use_tqdm=False)
     second = llm.generate(prompts[2:], params, use_tqdm=False)
+    embeddings = [e.outputs.embedding for e in llm.embed(prompts[:2], use_tqdm=False)]
     stats = llm.engine.get_stats()
     return {
         "tokens": [o.outputs[0].token_ids for o in first + second],
+        "embeddings": [list(map(float, e)) for e in embeddings],
         "num_preemptions": stats.num_preemptions,
         "prefix_cache_hits": stats.prefix_cache_hits,
     }
