@@ -33,10 +33,9 @@ from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutput
 from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
-from mlxserve.worker.launch import LaunchedRanks, LocalRanks, launched_rank
+from mlxserve.worker.launch import LaunchedRanks, LocalRanks, launched_rank, serve_rank
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
-from mlxserve.worker.rank import serve_rank
 from mlxserve.worker.spmd import RankLostError, StepChannel
 
 logger = logging.getLogger("mlxserve")

@@ -29,17 +29,24 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import mlx.core as mx
 
 from mlxserve.config import EngineConfig
 from mlxserve.exceptions import ParameterError
+from mlxserve.models.tensor_parallel import shard_model
+from mlxserve.worker.model_runner import ModelRunner
+from mlxserve.worker.spmd import RankLostError, StepChannel, serve_forwards
 
 logger = logging.getLogger("mlxserve")
 
 READY_TIMEOUT = 120.0  # seconds for a rank's interpreter to start and import MLX
 STOP_TIMEOUT = 10.0  # seconds for a rank to leave after STOP, then it is killed
+# Seconds the engine has, after a rank exited, to notice (RankLostError) before the
+# watchdog ends this process: a collective queued on a broken ring can block for good.
+LOST_GRACE = 10.0
 
 _group_made = False  # MLX keeps one global group per process
 
@@ -136,6 +143,8 @@ class LocalRanks:
                     os.environ[k] = v
         _group_made = True
         assert self.group.size() == size and self.group.rank() == 0, self.group
+        self._closing = False
+        threading.Thread(target=self._watch, name="mlxserve-ranks", daemon=True).start()
         logger.info(
             "tensor parallel: %d ranks on 127.0.0.1 (ring backend); ranks 1-%d are pids %s",
             size,
@@ -161,6 +170,29 @@ class LocalRanks:
                 os.read(fd, 16)
                 del pending[fd]
 
+    def _watch(self) -> None:
+        """If a rank exits and the engine has not failed within LOST_GRACE seconds (it
+        is idle, or blocked in a collective MLX cannot interrupt), say so and end the
+        process, killing the other ranks first: a dead group never hangs or lingers."""
+        while not self._closing:
+            why = self.lost()
+            if why is None:
+                time.sleep(0.25)
+                continue
+            deadline = time.monotonic() + LOST_GRACE
+            while not self._closing and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._closing:
+                return
+            message = (
+                f"tensor parallel: {why}; the engine cannot go on without it and did not "
+                f"stop within {LOST_GRACE:.0f} s (idle, or blocked in a collective that "
+                "cannot be interrupted): exiting this process (status 1)"
+            )
+            logger.critical(message)
+            self.kill()
+            os._exit(1)
+
     def lost(self) -> str | None:
         """Which rank has exited and how, or None while all run."""
         for rank, proc in enumerate(self.procs, start=1):
@@ -172,6 +204,7 @@ class LocalRanks:
 
     def wait(self, timeout: float = STOP_TIMEOUT) -> None:
         """After STOP: let the ranks leave, kill those that do not."""
+        self._closing = True  # their exits are expected now
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             try:
@@ -182,6 +215,7 @@ class LocalRanks:
 
     def kill(self) -> None:
         """Kill every rank still running and reap them (idempotent)."""
+        self._closing = True
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
@@ -193,3 +227,21 @@ class LocalRanks:
     def stop(self) -> None:
         """At exit: no rank outlives this process."""
         self.kill()
+
+
+def serve_rank(
+    model, dtype: mx.Dtype, config: EngineConfig, plan: dict, group: mx.distributed.Group
+) -> int:
+    """Keep this rank's shard of ``model``, plan the KV pool with rank 0, run forwards
+    until STOP; the exit status (1 if another rank was lost)."""
+    try:
+        shard_model(model, group)
+        runner = ModelRunner(
+            model, dtype=dtype, block_size=config.block_size, kernels=config.kernels
+        )
+        runner.plan_kv_cache(**plan)
+        serve_forwards(runner.run_forward, StepChannel(group, lambda: None))
+    except RankLostError as e:
+        logger.error("rank %d: %s", group.rank(), e)
+        return 1
+    return 0

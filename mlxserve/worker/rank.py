@@ -19,11 +19,7 @@ import mlx.core as mx
 
 from mlxserve.config import EngineConfig
 from mlxserve.loader import load_model
-from mlxserve.models.tensor_parallel import shard_model
-from mlxserve.worker.model_runner import ModelRunner
-from mlxserve.worker.spmd import RankLostError, StepChannel, serve_forwards
-
-logger = logging.getLogger("mlxserve")
+from mlxserve.worker.launch import serve_rank
 
 
 def _exit_with_parent() -> None:
@@ -33,24 +29,6 @@ def _exit_with_parent() -> None:
         time.sleep(0.5)
         if os.getppid() != parent:
             os._exit(1)
-
-
-def serve_rank(
-    model, dtype: mx.Dtype, config: EngineConfig, plan: dict, group: mx.distributed.Group
-) -> int:
-    """Keep this rank's shard of ``model``, plan the KV pool with rank 0, run forwards
-    until STOP; the exit status (1 if another rank was lost)."""
-    try:
-        shard_model(model, group)
-        runner = ModelRunner(
-            model, dtype=dtype, block_size=config.block_size, kernels=config.kernels
-        )
-        runner.plan_kv_cache(**plan)
-        serve_forwards(runner.run_forward, StepChannel(group, lambda: None))
-    except RankLostError as e:
-        logger.error("rank %d: %s", group.rank(), e)
-        return 1
-    return 0
 
 
 def main(argv: list[str]) -> int:
