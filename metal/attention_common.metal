@@ -1,21 +1,31 @@
 // attention_common.metal -- helpers shared by mlxserve's paged attention kernels.
 // Passed as the `header` of mx.fast.metal_kernel, so it sits before each generated kernel.
 //
-// Work split used by every attention kernel: a threadgroup owns one KV head and ROWS query
-// rows (the GQA group of that head, times the query tokens of a tile). Its simdgroups stride
-// over the context tokens through the block table; the 32 lanes of a simdgroup split
-// head_dim (lane owns dims lane, lane + 32, ...), so a K or V row is read once, coalesced,
-// for all ROWS rows. Each simdgroup keeps an online softmax per row; at the end the
-// simdgroups' partial results are merged through threadgroup memory.
+// Work split used by every attention kernel: a threadgroup owns one KV head and at most
+// MLXS_MAX_ROWS query rows (some heads of that KV head's GQA group, times the query tokens
+// of a tile). A GQA group wider than MLXS_MAX_ROWS is split into head groups of equal size,
+// each its own threadgroup, so the per-thread row registers never grow with the GQA ratio.
+// Simdgroups take whole blocks of the context in turn (one block-table read per block);
+// the 32 lanes of a simdgroup split head_dim (lane owns dims lane, lane + 32, ...), so a K
+// or V row is read once, coalesced, for all rows. Each simdgroup keeps an online softmax
+// per row; at the end the simdgroups' partial results are merged through threadgroup memory.
+// Exponentials are metal::fast::exp, as MLX's own attention kernels use.
 
 #define MLXS_DIMS_PER_LANE(HEAD_DIM) (((HEAD_DIM) + 31) / 32)
 #define MLXS_NEG_BIG (-1.0e30f)
+// Rows (query head x query token) per threadgroup; mlxserve/ops/metal.py's MAX_ROWS.
+#define MLXS_MAX_ROWS 8
+// Threadgroups per KV head for a GQA group of GQA heads, and heads in each of them.
+#define MLXS_HEAD_GROUPS(GQA) (((GQA) + MLXS_MAX_ROWS - 1) / MLXS_MAX_ROWS)
+#define MLXS_GROUP_HEADS(GQA) (((GQA) + MLXS_HEAD_GROUPS(GQA) - 1) / MLXS_HEAD_GROUPS(GQA))
 
-// Online-softmax attention of ROWS query rows over tokens t_begin, t_begin + t_step, ...
-// below t_end of one request. Row r sees tokens [start[r], limit[r]) (start > 0 only under a
-// sliding window); a row with limit 0 is unused.
+// Online-softmax attention of ROWS query rows over tokens [t_begin, t_end) of one request.
+// Simdgroup `simd` of NUM_SIMD takes the blocks holding those tokens in turn (the first,
+// the NUM_SIMD + 1st, ...), reading each block's table entry once. Row r sees tokens
+// [start[r], limit[r]) (start > 0 only under a sliding window); a row with limit 0 is unused.
 // q holds this lane's dims of each row, already multiplied by the softmax scale.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, typename KV, typename Table>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, int NUM_SIMD, typename KV,
+          typename Table>
 inline void paged_attend(
     thread const float (&q)[ROWS][MLXS_DIMS_PER_LANE(HEAD_DIM)],
     thread const int (&start)[ROWS],
@@ -27,7 +37,7 @@ inline void paged_attend(
     int num_kv_heads,
     int t_begin,
     int t_end,
-    int t_step,
+    uint simd,
     uint lane,
     thread float (&m)[ROWS],
     thread float (&l)[ROWS],
@@ -40,35 +50,40 @@ inline void paged_attend(
       acc[r][i] = 0.0f;
     }
   }
-  for (int t = t_begin; t < t_end; t += t_step) {
-    const int block = table[t / BLOCK_SIZE];
-    const int64_t row = (int64_t(block) * BLOCK_SIZE + t % BLOCK_SIZE) * num_kv_heads + kv_head;
-    KV k_row = k_cache + row * HEAD_DIM;
-    KV v_row = v_cache + row * HEAD_DIM;
-    float k[DPL];
-    float v[DPL];
-    for (int i = 0; i < DPL; ++i) {
-      const int d = int(lane) + 32 * i;
-      k[i] = d < HEAD_DIM ? static_cast<float>(k_row[d]) : 0.0f;
-      v[i] = d < HEAD_DIM ? static_cast<float>(v_row[d]) : 0.0f;
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      if (t >= limit[r] || t < start[r]) {  // same t, r on every lane: uniform in the simdgroup
-        continue;
-      }
-      float partial = 0.0f;
+  for (int b = t_begin / BLOCK_SIZE + int(simd); b * BLOCK_SIZE < t_end; b += NUM_SIMD) {
+    const int64_t block = table[b];
+    const int b_first = b * BLOCK_SIZE;
+    const int lo = metal::max(b_first, t_begin);
+    const int hi = metal::min(b_first + BLOCK_SIZE, t_end);
+    for (int t = lo; t < hi; ++t) {
+      const int64_t row = (block * BLOCK_SIZE + (t - b_first)) * num_kv_heads + kv_head;
+      KV k_row = k_cache + row * HEAD_DIM;
+      KV v_row = v_cache + row * HEAD_DIM;
+      float k[DPL];
+      float v[DPL];
       for (int i = 0; i < DPL; ++i) {
-        partial += q[r][i] * k[i];
+        const int d = int(lane) + 32 * i;
+        k[i] = d < HEAD_DIM ? static_cast<float>(k_row[d]) : 0.0f;
+        v[i] = d < HEAD_DIM ? static_cast<float>(v_row[d]) : 0.0f;
       }
-      const float score = metal::simd_sum(partial);
-      const float m_new = metal::max(m[r], score);
-      const float correction = metal::exp(m[r] - m_new);
-      const float p = metal::exp(score - m_new);
-      l[r] = l[r] * correction + p;
-      for (int i = 0; i < DPL; ++i) {
-        acc[r][i] = acc[r][i] * correction + p * v[i];
+      for (int r = 0; r < ROWS; ++r) {
+        if (t >= limit[r] || t < start[r]) {  // same t, r on every lane: uniform in the simdgroup
+          continue;
+        }
+        float partial = 0.0f;
+        for (int i = 0; i < DPL; ++i) {
+          partial += q[r][i] * k[i];
+        }
+        const float score = metal::simd_sum(partial);
+        const float m_new = metal::max(m[r], score);
+        const float correction = metal::fast::exp(m[r] - m_new);
+        const float p = metal::fast::exp(score - m_new);
+        l[r] = l[r] * correction + p;
+        for (int i = 0; i < DPL; ++i) {
+          acc[r][i] = acc[r][i] * correction + p * v[i];
+        }
+        m[r] = m_new;
       }
-      m[r] = m_new;
     }
   }
 }
@@ -113,9 +128,9 @@ inline float merge_row(
   }
   float sum = 0.0f;
   for (int s = 0; s < NUM_SIMD; ++s) {
-    sum += tg_stats[(NUM_SIMD + s) * ROWS + r] * metal::exp(tg_stats[s * ROWS + r] - mx);
+    sum += tg_stats[(NUM_SIMD + s) * ROWS + r] * metal::fast::exp(tg_stats[s * ROWS + r] - mx);
   }
-  const float factor = metal::exp(m[r] - mx);
+  const float factor = metal::fast::exp(m[r] - mx);
   for (int i = 0; i < DPL; ++i) {
     const int d = int(lane) + 32 * i;
     if (d < HEAD_DIM) {
@@ -146,6 +161,6 @@ inline int window_first(int pos) {
 // with an attention sink: a logit that joins the denominator only (gpt-oss).
 inline float with_sink(float o, float row_max, float row_sum, float sink) {
   const float m = metal::max(row_max, sink);
-  const float f = metal::exp(row_max - m);
-  return o * f / (row_sum * f + metal::exp(sink - m));
+  const float f = metal::fast::exp(row_max - m);
+  return o * f / (row_sum * f + metal::fast::exp(sink - m));
 }

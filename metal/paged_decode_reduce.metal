@@ -35,7 +35,7 @@ for (int p = p_first; p < used; ++p) {
 float sum = 0.0f;
 float o = 0.0f;
 for (int p = p_first; p < used; ++p) {
-  const float w = metal::exp(partial_max[base + p] - mx);
+  const float w = metal::fast::exp(partial_max[base + p] - mx);
   sum += partial_sum[base + p] * w;
   o += partial_out[(base + p) * HEAD_DIM + d] * w;
 }

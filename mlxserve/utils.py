@@ -1,4 +1,4 @@
-"""Leaf helpers shared across the wings: ceiling division, the device, usable memory.
+"""Leaf helpers shared across the wings: ceiling division, the device, usable memory, GPU cores.
 
 Nothing here imports another mlxserve module, so any module may import it without
 forming an import circle (the loader needs the device and memory without memory planning).
@@ -7,6 +7,9 @@ forming an import circle (the loader needs the device and memory without memory 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 
 GiB = 1 << 30
 
@@ -31,3 +34,20 @@ def usable_memory() -> int:
         info = mx.device_info()
         return int(info.get("max_recommended_working_set_size") or info["memory_size"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def gpu_core_count() -> int | None:
+    """The GPU's core count from the IORegistry (macOS), or None (MLX does not report it)."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        out = subprocess.run(
+            ["ioreg", "-rc", "AGXAccelerator", "-d", "1"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r'"gpu-core-count"\s*=\s*(\d+)', out)
+    return int(m.group(1)) if m else None

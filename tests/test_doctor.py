@@ -118,7 +118,7 @@ def test_kernel_self_tests_are_reported_per_variant() -> None:
         "write_kv",
         "paged_decode",
         "paged_decode_split+paged_decode_reduce",
-        "paged_prefill",
+        "paged_prefill_tiled",
     }
     assert "T=float16, HEAD_DIM=64, BLOCK_SIZE=16, GQA=3" in verdicts["paged_decode"]
     assert "FAILED, using the fallback: mismatch" in verdicts["paged_decode"]
@@ -139,12 +139,12 @@ def test_a_failed_self_test_makes_the_exit_status_1(monkeypatch, capsys) -> None
     from mlxserve.ops.metal import MetalKernels
     from tests.test_metal_selftest import broken
 
-    kernels = MetalKernels(broken(Emulator(), "paged_prefill", "wrong"))
+    kernels = MetalKernels(broken(Emulator(), "paged_prefill_tiled", "wrong"))
     monkeypatch.setattr(ops, "metal_kernels", lambda: kernels)
     args = build_parser().parse_args(["doctor", "--num-blocks", "65"])
     assert doctor.run_doctor(args) == 1
     out = capsys.readouterr().out
-    assert "self-test:  paged_prefill<T=float32, HEAD_DIM=64" in out
+    assert "self-test:  paged_prefill_tiled<T=float32, HEAD_DIM=64" in out
     assert out.count(": FAILED") == 1
 
 

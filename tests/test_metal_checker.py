@@ -38,6 +38,11 @@ def _mlx_sources(fn, args, capfd, path) -> set[str]:
     return set(re.findall(r"Generated source code for `[^`]*`:\n```\n(.*?)\n```", out, re.S))
 
 
+# Split every decode, also in mixed batches (as a GPU of 10 cores would these small batches).
+SPLIT = MetalConfig(partition_size=29, split_min_context=1, gpu_cores=10)
+SIMT = MetalConfig(prefill="simt")  # the SIMT prefill kernel, still selectable
+
+
 def _verbose_factory(**kwargs):
     kernel = mx.fast.metal_kernel(**kwargs)
     return lambda **call: kernel(**call, verbose=True)
@@ -50,7 +55,7 @@ def test_signatures_match_mlx(requests, dtype, capfd, tmp_path) -> None:
     case = Case(requests, 16, 4, 80, dtype, pad_tokens=1)
     inp = make_inputs(case)
     rec = Recorder()
-    configs = [None, MetalConfig(partition_size=29, split_min_context=1)]
+    configs = [None, SPLIT, SIMT]
     for config in configs:
         run_case(inp, dtype, metal_backend(rec.metal_kernel, config))
     from metal.checker.cases import DTYPES
@@ -68,7 +73,8 @@ def test_signatures_match_mlx(requests, dtype, capfd, tmp_path) -> None:
         with ops.force_backend("metal", _verbose_factory, config):
             theirs |= _mlx_sources(forward, args, capfd, tmp_path / f"f{i}.mlxfn")
     assert theirs == ours
-    assert len(ours) == (4 if requests == decode_requests(16) else 2)
+    # write_kv, decode or both prefill kernels, split-K's two
+    assert len(ours) == (4 if requests == decode_requests(16) else 5)
 
 
 def test_signature_edge_cases_match_mlx(capfd, tmp_path) -> None:
@@ -151,7 +157,7 @@ def _recorded_variants() -> list:
                     cases.append(Case(requests, 16, gqa, head_dim, dtype, window=5, sinks=True))
                 for case in cases:
                     inp = make_inputs(case)
-                    for config in (None, MetalConfig(partition_size=29, split_min_context=1)):
+                    for config in (None, SPLIT, SIMT):
                         run_case(inp, dtype, metal_backend(rec.metal_kernel, config))
     return rec.variants
 
@@ -217,6 +223,7 @@ def test_every_kernel_compiles_with_gxx_and_clang_address_spaces() -> None:
         "custom_kernel_paged_decode_split",
         "custom_kernel_paged_decode_reduce",
         "custom_kernel_paged_prefill",
+        "custom_kernel_paged_prefill_tiled",
     }
     # inputs with fewer than 8 elements are bound as `constant`: the 1-element sinks dummy
     # is, real sinks are `device`; metadata is padded, so always `device`
@@ -443,7 +450,7 @@ def test_errors_name_the_kernel_file_and_line() -> None:
     barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n\n// Merges row r"
     line = header[: header.index(barrier)].count("\n") + 1
     decode = read_source("paged_decode.metal")
-    old = "publish_stats<GQA, NUM_SIMD>(m, l, tg_stats, simd, lane);"
+    old = "publish_stats<ROWS, NUM_SIMD>(m, l, tg_stats, simd, lane);"
     exit_line = decode[: decode.index(old)].count("\n") + 1
 
     def factory(**kw):

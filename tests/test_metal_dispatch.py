@@ -171,7 +171,7 @@ def _layer(md: AttentionMetadata):
 @pytest.mark.parametrize(
     "query_lens,context_lens,kernels",
     [
-        ([1, 1, 5], [7, 16, 9], [b"custom_kernel_write_kv", b"custom_kernel_paged_prefill"]),
+        ([1, 1, 5], [7, 16, 9], [b"custom_kernel_write_kv", b"custom_kernel_paged_prefill_tiled"]),
         (
             [1, 1],
             [7, 1500],
@@ -280,9 +280,8 @@ def test_export_a_tiny_model_forward_through_the_metal_path(tmp_path, query_lens
     path = tmp_path / "model.mlxfn"
     with ops.force_backend("metal"):
         mx.export_function(str(path), forward, *args)
-    kernel = (
-        b"custom_kernel_paged_prefill" if max(query_lens) > 1 else b"custom_kernel_paged_decode"
-    )
+    prefill = b"custom_kernel_paged_prefill_tiled"
+    kernel = prefill if max(query_lens) > 1 else b"custom_kernel_paged_decode"
     assert path.read_bytes().count(kernel) >= 1
     if not ON_METAL:
         with pytest.raises((ValueError, RuntimeError), match=NEEDS_GPU):

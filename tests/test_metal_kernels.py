@@ -6,6 +6,7 @@ run them for real on the GPU (the "metal" backend, skipped elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 
@@ -26,6 +27,7 @@ from metal.checker.cases import (
 )
 from metal.checker.emulator import Emulator
 from metal.checker.record import Recorder
+from mlxserve.ops.metal import MetalConfig
 
 DTYPES = ["float16", "bfloat16", "float32"]
 HEAD_DIMS = [64, 80, 96, 128]
@@ -53,10 +55,13 @@ def paths(
     seed: int,
     window: int | None = None,
     sinks: bool = False,
+    num_kv_heads: int = 2,
 ):
-    """(name, case, config, kernels that must run) for the three kernel paths."""
+    """(name, case, config, kernels that must run) for the kernel paths: decode, split-K,
+    and the varlen prefill (the simdgroup-matrix kernel, and the SIMT one it replaced)."""
     dec = decode_requests(block_size)
-    variant = {"window": window, "sinks": sinks}
+    variant = {"window": window, "sinks": sinks, "num_kv_heads": num_kv_heads}
+    mixed = mixed_requests(block_size)
     return [
         (
             "decode",
@@ -72,20 +77,85 @@ def paths(
         ),
         (
             "prefill",
-            Case(
-                mixed_requests(block_size),
-                block_size,
-                gqa,
-                head_dim,
-                dtype,
-                pad_tokens=2,
-                seed=seed + 2,
-                **variant,
-            ),
+            Case(mixed, block_size, gqa, head_dim, dtype, pad_tokens=2, seed=seed + 2, **variant),
             None,
+            {"write_kv", "paged_prefill_tiled"},
+        ),
+        (
+            "prefill-simt",
+            Case(mixed, block_size, gqa, head_dim, dtype, pad_tokens=2, seed=seed + 3, **variant),
+            SIMT,
             {"write_kv", "paged_prefill"},
         ),
     ]
+
+
+SIMT = MetalConfig(prefill="simt")
+
+
+# Shapes beyond the sweep: (id, case, config, kernels that must run on the emulator). A
+# 10-core GPU is assumed for the split-K choice, so it is the same on every machine.
+TEN_CORES = MetalConfig(gpu_cores=10)
+LONG_DECODES = ((1, 1100), (1, 600), (1, 37))  # past split-K's 512 tokens, 6 groups < 40
+
+
+def extended_cases() -> list[tuple[str, Case, MetalConfig | None, set[str]]]:
+    """head_dim 256, GQA 16 (two head groups), multi-query (one KV head), >= 16 requests
+    per launch, contexts past the split-K threshold (decode-only and mixed) and sliding
+    windows there; each kernel path of the small shapes too."""
+    out = []
+    for dtype in DTYPES:  # head_dim 256: 8 simdgroups, 8 dims per lane
+        for name, case, config, ran in paths(dtype, 256, 16, 4, seed=256):
+            out.append((f"hd256-{dtype}-{name}", case, config, ran))
+    for name, case, config, ran in paths("float16", 128, 16, 16, seed=16):
+        out.append((f"gqa16-{name}", case, config, ran))
+    for name, case, config, ran in paths("bfloat16", 64, 8, 12, 12, window=7, sinks=True):
+        out.append((f"gqa12-window-sinks-{name}", case, config, ran))
+    for gqa in (8, 16):  # multi-query: every query head shares one KV head
+        for name, case, config, ran in paths("float32", 64, 16, gqa, seed=gqa, num_kv_heads=1):
+            out.append((f"mqa{gqa}-{name}", case, config, ran))
+    many = tuple((1, 3 + 7 * i) for i in range(20))
+    out.append(
+        (
+            "20-decodes",
+            Case(many, 16, 4, 64, "float16", pad_tokens=3),
+            TEN_CORES,
+            {"write_kv", "paged_decode"},
+        )
+    )
+    mixed = many[:16] + ((17, 40), (5, 70), (16, 16))
+    out.append(
+        (
+            "16-decodes-3-prefills",
+            Case(mixed, 16, 4, 64, "bfloat16", pad_tokens=2),
+            TEN_CORES,
+            {"write_kv", "paged_prefill_tiled"},
+        )
+    )
+    split = {"write_kv", "paged_decode_split", "paged_decode_reduce"}
+    for name, window, ran in (
+        ("long-decodes", None, split),
+        ("long-decodes-window-600", 600, split),  # attends 600 >= 512: split, skips partitions
+        ("long-decodes-window-300", 300, {"write_kv", "paged_decode"}),  # attends 300 only
+    ):
+        case = Case(LONG_DECODES, 16, 4, 128, "float16", pad_tokens=1, window=window, sinks=True)
+        out.append((name, case, TEN_CORES, ran))
+    long_mixed = (*LONG_DECODES, (20, 560))
+    case = Case(long_mixed, 16, 16, 128, "bfloat16", pad_tokens=1, window=530)
+    out.append(("long-decodes-in-mixed-step", case, TEN_CORES, split | {"paged_prefill_tiled"}))
+    # head_dim not a multiple of 8: the SIMT prefill, chosen automatically.
+    case = Case(mixed_requests(8), 8, 2, 36, "float32", pad_tokens=1, seed=36)
+    out.append(("hd36-prefill-is-simt", case, None, {"write_kv", "paged_prefill"}))
+    # The SIMT prefill stays selectable: every mixed shape above runs on it too.
+    for name, case, config, ran in list(out):
+        if "paged_prefill_tiled" in ran and not name.endswith("prefill"):
+            simt = dataclasses.replace(config or MetalConfig(), prefill="simt")
+            ran = ran - {"paged_prefill_tiled"} | {"paged_prefill"}
+            out.append((f"{name}-simt", case, simt, ran))
+    return out
+
+
+EXTENDED = extended_cases()
 
 
 @pytest.fixture(scope="session")
@@ -95,9 +165,10 @@ def emulator() -> Emulator:
         pytest.skip("the Metal emulator runs on Linux")
     rec = Recorder()
     sweeps = [(*p, 0) for p in SWEEP] + [(*v[:4], 0, *v[4:]) for v in VARIANTS]
-    for params in sweeps:
-        for _, case, config, _ in paths(*params):
-            run(make_inputs(case), case.dtype, metal_backend(rec.metal_kernel, config))
+    cases = [(case, config) for params in sweeps for _, case, config, _ in paths(*params)]
+    cases += [(case, config) for _, case, config, _ in EXTENDED]
+    for case, config in cases:
+        run(make_inputs(case), case.dtype, metal_backend(rec.metal_kernel, config))
     build.compile_variants(rec.variants)
     return Emulator()
 
@@ -118,6 +189,8 @@ def test_kernels_match_fallback(kernels, dtype, head_dim, block_size, gqa) -> No
     factory, emu = kernels
     seed = head_dim * 100 + block_size * 10 + gqa
     for name, case, config, expected in paths(dtype, head_dim, block_size, gqa, seed):
+        if name == "prefill-simt" and block_size != 16:  # the SIMT prefill: a third of the sweep
+            continue
         before = len(emu.launches) if emu else 0
         check(case, metal_backend(factory, config))
         if emu:
@@ -133,6 +206,16 @@ def test_window_and_sinks_match_fallback(
     seed = head_dim * 100 + block_size * 10 + gqa + 7
     for _, case, config, _ in paths(dtype, head_dim, block_size, gqa, seed, window, sinks):
         check(case, metal_backend(factory, config))
+
+
+@pytest.mark.parametrize("name,case,config,expected", EXTENDED, ids=[c[0] for c in EXTENDED])
+def test_extended_shapes_match_fallback(kernels, name, case, config, expected) -> None:
+    factory, emu = kernels
+    before = len(emu.launches) if emu else 0
+    check(case, metal_backend(factory, config))
+    if emu:
+        ran = {launch["name"] for launch in emu.launches[before:]}
+        assert ran == expected, (name, ran)
 
 
 def test_write_kv_updates_the_pool_in_place(kernels) -> None:
@@ -160,7 +243,7 @@ def test_write_kv_updates_the_pool_in_place(kernels) -> None:
         mx.eval(out, k_new, v_new)
     if emu:
         launches = emu.launches[-2:]
-        assert [x["name"] for x in launches] == ["write_kv", "paged_prefill"]
+        assert [x["name"] for x in launches] == ["write_kv", "paged_prefill_tiled"]
         assert launches[0]["written_inputs"] == ["k_cache", "v_cache"]
         assert launches[1]["written_inputs"] == []
     # Same buffer: no copy of the pool was made.
@@ -206,5 +289,5 @@ def test_attention_waits_for_the_write() -> None:
         inp = make_inputs(Case(requests, 8, 2, 64))
         run(inp, "float32", lambda: ops.force_backend("metal", spy))
         (token,) = seen["write_kv:out"]
-        reader = "paged_prefill" if requests == mixed_requests(8) else "paged_decode"
+        reader = "paged_prefill_tiled" if requests == mixed_requests(8) else "paged_decode"
         assert seen[reader][-1] is token

@@ -26,6 +26,7 @@ from metal.checker.cases import (
 )
 from metal.checker.emulator import Emulator, KernelError
 from mlxserve.ops.metal import read_source
+from mlxserve.ops.metal_config import MetalConfig
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the emulator runs on Linux")
 
@@ -41,6 +42,7 @@ class Mutation:
     paths: tuple[str, ...]  # decode | split | prefill
     caught_by: str  # mismatch | nan | race | divergence | fault
     windowed: bool = False  # run the case with a sliding window and attention sinks
+    gqa: int = 2  # query heads per KV head (> 8: several head groups per KV head)
 
 
 HEADER = "attention_common.metal"
@@ -98,19 +100,35 @@ MUTATIONS = [
         "race",
     ),
     Mutation(
-        "attention: wrong block at a block edge",
+        "attention: wrong block-table index",
         HEADER,
-        "table[t / BLOCK_SIZE]",
-        "table[(t + 1) / BLOCK_SIZE]",
+        "const int64_t block = table[b];",
+        "const int64_t block = table[b > 0 ? b - 1 : 0];",
         ALL,
         "mismatch",
     ),
     Mutation(
         "attention: off-by-one offset inside the block",
         HEADER,
-        "+ t % BLOCK_SIZE)",
-        "+ (t + 1) % BLOCK_SIZE)",
+        "(block * BLOCK_SIZE + (t - b_first))",
+        "(block * BLOCK_SIZE + (t + 1 - b_first) % BLOCK_SIZE)",
         ALL,
+        "mismatch",
+    ),
+    Mutation(
+        "attention: every simdgroup starts at the first block",
+        HEADER,
+        "b = t_begin / BLOCK_SIZE + int(simd);",
+        "b = t_begin / BLOCK_SIZE;",
+        ALL,
+        "mismatch",
+    ),
+    Mutation(
+        "attention: simdgroups stride over too few blocks",
+        HEADER,
+        "b += NUM_SIMD)",
+        "b += NUM_SIMD - 1)",
+        ("decode",),  # the only case whose contexts span more blocks than simdgroups
         "mismatch",
     ),
     Mutation(
@@ -127,23 +145,23 @@ MUTATIONS = [
         HEADER,
         "max(pos + 1 - WINDOW, 0)",
         "max(pos - WINDOW, 0)",
-        ALL,
+        (*ALL, "tiled"),
         "mismatch",
         windowed=True,
     ),
     Mutation(
         "attention: sink left out of the denominator",
         HEADER,
-        "(row_sum * f + metal::exp(sink - m))",
+        "(row_sum * f + metal::fast::exp(sink - m))",
         "(row_sum * f)",
-        ALL,
+        (*ALL, "tiled"),
         "mismatch",
         windowed=True,
     ),
     Mutation(
         "decode: every head takes its group's first sink",
         "paged_decode.metal",
-        "sinks[kv_head * GQA + r]",
+        "sinks[kv_head * GQA + head0 + r]",
         "sinks[kv_head * GQA]",
         ("decode",),
         "mismatch",
@@ -171,7 +189,7 @@ MUTATIONS = [
     Mutation(
         "decode: wrong GQA head mapping",
         "paged_decode.metal",
-        "(int64_t(req) * num_heads + kv_head * GQA + r) * HEAD_DIM",
+        "(int64_t(req) * num_heads + kv_head * GQA + head0 + r) * HEAD_DIM",
         "(int64_t(req) * num_heads + r * num_kv_heads + kv_head) * HEAD_DIM",
         ("decode",),
         "mismatch",
@@ -179,16 +197,25 @@ MUTATIONS = [
     Mutation(
         "decode: early lane exit",
         "paged_decode.metal",
-        "publish_stats<GQA",
-        LANE_EXIT + "publish_stats<GQA",
+        "publish_stats<ROWS",
+        LANE_EXIT + "publish_stats<ROWS",
         ("decode",),
         "divergence",
     ),
     Mutation(
+        "decode: a second head group reads the first group's queries",
+        "paged_decode.metal",
+        "(int64_t(req) * num_heads + kv_head * GQA + head0 + r) * HEAD_DIM",
+        "(int64_t(req) * num_heads + kv_head * GQA + r) * HEAD_DIM",
+        ("decode",),
+        "mismatch",
+        gqa=12,
+    ),
+    Mutation(
         "decode: last context token dropped",
         "paged_decode.metal",
-        "limit[r] = ctx;",
-        "limit[r] = ctx - 1;",
+        "limit[r] = r < rows ? ctx : 0;",
+        "limit[r] = r < rows ? ctx - 1 : 0;",
         ("decode",),
         "nan",  # context 1: nothing left to attend, 0/0
     ),
@@ -212,16 +239,25 @@ MUTATIONS = [
     Mutation(
         "split: wrong GQA head mapping",
         "paged_decode_split.metal",
-        "(int64_t(req) * num_heads + kv_head * GQA + r) * num_parts",
+        "(int64_t(req) * num_heads + kv_head * GQA + head0 + r) * num_parts",
         "(int64_t(req) * num_heads + r * num_kv_heads + kv_head) * num_parts",
         ("split",),
         "mismatch",
     ),
     Mutation(
+        "split: a second head group reads the first group's queries",
+        "paged_decode_split.metal",
+        "(int64_t(req) * num_heads + kv_head * GQA + head0 + r) * HEAD_DIM",
+        "(int64_t(req) * num_heads + kv_head * GQA + r) * HEAD_DIM",
+        ("split",),
+        "mismatch",
+        gqa=12,
+    ),
+    Mutation(
         "split: early lane exit",
         "paged_decode_split.metal",
-        "publish_stats<GQA",
-        LANE_EXIT + "publish_stats<GQA",
+        "publish_stats<ROWS",
+        LANE_EXIT + "publish_stats<ROWS",
         ("split",),
         "divergence",
     ),
@@ -275,6 +311,15 @@ MUTATIONS = [
         "mismatch",
     ),
     Mutation(
+        "prefill: every head group takes the first group's heads",
+        "paged_prefill.metal",
+        "% HG) * GH;",
+        "% HG) * 0;",
+        ("prefill",),
+        "nan",  # the second group's heads are never written
+        gqa=12,
+    ),
+    Mutation(
         "prefill: early lane exit",
         "paged_prefill.metal",
         "publish_stats<ROWS",
@@ -301,11 +346,19 @@ MUTATIONS = [
 ]
 
 
-def _case(path: str, windowed: bool = False) -> tuple[Case, object]:
-    requests = mixed_requests(BS) if path == "prefill" else decode_requests(BS)
+def _case(path: str, windowed: bool = False, gqa: int = 2) -> tuple[Case, object]:
+    """The batch for `path`: "prefill" runs the SIMT prefill kernel, "tiled" the
+    simdgroup-matrix one, "mixed-split" a mixed batch whose decodes take split-K."""
+    mixed = path in ("prefill", "tiled", "mixed-split")
+    requests = mixed_requests(BS) if mixed else decode_requests(BS)
     variant = {"window": 5, "sinks": True} if windowed else {}
-    case = Case(requests, BS, gqa=2, head_dim=80, dtype="float32", pad_tokens=2, seed=3, **variant)
-    return case, split_config(BS) if path == "split" else None
+    case = Case(requests, BS, gqa, head_dim=80, dtype="float32", pad_tokens=2, seed=3, **variant)
+    config = {
+        "split": split_config(BS),
+        "mixed-split": split_config(BS),
+        "prefill": MetalConfig(prefill="simt"),
+    }.get(path)
+    return case, config
 
 
 def _factory(emu: Emulator, mutation: Mutation | None):
@@ -324,12 +377,14 @@ def _factory(emu: Emulator, mutation: Mutation | None):
     return factory
 
 
-def _outcome(path: str, mutation: Mutation | None, windowed: bool = False) -> str:
+def _outcome(path: str, mutation: Mutation | None, windowed: bool = False, gqa: int = 2) -> str:
     """How the checker judges the kernels: 'ok' or the kind of failure."""
-    emu = Emulator(schedules=("forward", "reverse"), timeout_s=20.0)
-    case, config = _case(path, windowed or (mutation is not None and mutation.windowed))
+    emu = Emulator(schedules=("forward", "reverse", "serial"), timeout_s=20.0)
+    windowed = windowed or (mutation is not None and mutation.windowed)
+    case, config = _case(path, windowed, mutation.gqa if mutation else gqa)
+    factory = _factory(emu, mutation)  # outside the try: a missing edit site is no "mismatch"
     try:
-        check(case, metal_backend(_factory(emu, mutation), config))
+        check(case, metal_backend(factory, config))
     except KernelError as e:
         msg = str(e)
         if "schedules" in msg:
@@ -344,10 +399,11 @@ def _outcome(path: str, mutation: Mutation | None, windowed: bool = False) -> st
     return "ok"
 
 
+@pytest.mark.parametrize("gqa", [2, 12])
 @pytest.mark.parametrize("windowed", [False, True], ids=["plain", "window+sinks"])
-@pytest.mark.parametrize("path", ["decode", "split", "prefill"])
-def test_unmutated_kernels_pass(path, windowed) -> None:
-    assert _outcome(path, None, windowed) == "ok"
+@pytest.mark.parametrize("path", ["decode", "split", "prefill", "tiled", "mixed-split"])
+def test_unmutated_kernels_pass(path, windowed, gqa) -> None:
+    assert _outcome(path, None, windowed, gqa) == "ok"
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from metal.checker.cases import (
 )
 from metal.checker.cases import run as run_case
 from mlxserve import ops
-from mlxserve.ops.metal import MetalConfig
+from mlxserve.ops.metal import MetalConfig, MetalKernels
 from mlxserve.ops.selftest import KernelSelfTestError
 
 DECODE = Case(requests=((1, 5), (1, 11)), block_size=4, gqa=2, head_dim=32, seed=1)
@@ -84,7 +84,7 @@ def _check_twice(case: Case, factory, config: MetalConfig | None = None):
     "case,kernel,how,detail",
     [
         (DECODE, "paged_decode", "compile", "compile or launch error"),
-        (MIXED, "paged_prefill", "wrong", "mismatch: max abs error"),
+        (MIXED, "paged_prefill_tiled", "wrong", "mismatch: max abs error"),
         (DECODE, "write_kv", "lost", "lost write: k_cache slots"),
     ],
 )
@@ -111,10 +111,10 @@ def test_healthy_kernels_pass_and_run(emu, warnings) -> None:
     kernels = _check_twice(MIXED, emu.metal_kernel)
     assert warnings() == []
     results = kernels.self_tests.values()
-    assert {r.variant.split("<")[0] for r in results} == {"write_kv", "paged_prefill"}
+    assert {r.variant.split("<")[0] for r in results} == {"write_kv", "paged_prefill_tiled"}
     assert all(r.ok for r in results)
     names = [launch["name"] for launch in emu.launches]  # one self-test, then two batches
-    assert names.count("paged_prefill") == names.count("write_kv") == 3
+    assert names.count("paged_prefill_tiled") == names.count("write_kv") == 3
 
 
 def test_split_decode_variant_is_self_tested(emu, warnings) -> None:
@@ -179,4 +179,30 @@ def test_a_request_completes_token_exact_despite_a_wrong_kernel(emu, warnings, t
     (message,) = warnings()
     assert "paged_decode<" in message and "mismatch" in message
     names = {launch["name"] for launch in emu.launches}
-    assert {"write_kv", "paged_prefill", "paged_decode"} <= names  # kernels really ran
+    assert {"write_kv", "paged_prefill_tiled", "paged_decode"} <= names  # kernels really ran
+
+
+@pytest.mark.parametrize("how", ["compile", "wrong"])
+def test_a_failing_tiled_prefill_falls_back_to_the_simt_kernel(emu, warnings, how) -> None:
+    """The simdgroup-matrix prefill broken: batches run on the SIMT prefill kernel (still a
+    Metal kernel), exact as the fallback, with one warning saying so; doctor lists both."""
+    from mlxserve.ops import selftest
+
+    kernels = _check_twice(MIXED, broken(emu, "paged_prefill_tiled", how))
+    (message,) = warnings()
+    assert "Metal kernel paged_prefill_tiled<T=float32" in message
+    assert "uses the SIMT prefill kernel (paged_prefill)" in message
+    assert kernels.disabled == {"paged_prefill_tiled"}
+    results = {r.variant.split("<")[0]: r.ok for r in kernels.self_tests.values()}
+    assert results == {"write_kv": True, "paged_prefill_tiled": False, "paged_prefill": True}
+    names = [launch["name"] for launch in emu.launches]
+    assert names.count("paged_prefill") == 3  # its self-test, then both batches
+    fresh = MetalKernels(broken(emu, "paged_prefill_tiled", how))  # as `mlxserve doctor` runs
+    listed = [r.variant.split("<")[0] for r in selftest.run_all(fresh, mx.float32, 32, 4, 2)]
+    assert listed == [
+        "write_kv",
+        "paged_decode",
+        "paged_decode_split+paged_decode_reduce",
+        "paged_prefill_tiled",
+        "paged_prefill",
+    ]

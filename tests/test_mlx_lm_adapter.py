@@ -263,7 +263,7 @@ def test_adapted_model_through_the_metal_kernels(tmp_path: Path) -> None:
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
     if emulator is not None:  # 4 layers x (write, attend) x 2 steps, all on the kernels
         names = [launch["name"] for launch in emulator.launches]
-        assert names.count("paged_prefill") == names.count("paged_decode") == 4
+        assert names.count("paged_prefill_tiled") == names.count("paged_decode") == 4
 
 
 # ---- the engine ------------------------------------------------------------------------------

@@ -179,7 +179,8 @@ def runtime_library() -> Path:
 
 
 def variant_key(g: Generated) -> str:
-    return _digest(g.source, SHIM.read_text(), " ".join(GXX_FLAGS), "v1")
+    # "v2": libraries built before batch names included the shim text may hold an old shim.
+    return _digest(g.source, SHIM.read_text(), " ".join(GXX_FLAGS), "v2")
 
 
 def lookup(g: Generated) -> tuple[Path, str] | None:
@@ -209,7 +210,9 @@ def compile_variants(variants: list[Generated], jobs: int | None = None) -> None
 
     def build(batch: list[tuple[str, Generated]]) -> None:
         tu = translation_unit([g for _, g in batch], "emulate")
-        name = f"batch_{_digest(tu, ' '.join(tc.gxx + GXX_FLAGS))}"
+        # The shim is #included by path: its text must be part of the name, or an edited shim
+        # would reuse a library built from the old one.
+        name = f"batch_{_digest(tu, SHIM.read_text(), ' '.join(tc.gxx + GXX_FLAGS))}"
         lib = cache_dir() / f"{name}.so"
         if not lib.exists():
             src = cache_dir() / f"{name}.{os.getpid()}.cpp"

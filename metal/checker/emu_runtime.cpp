@@ -10,7 +10,12 @@
 // deadlock and is reported with the source lines. Invalid memory accesses (guard pages),
 // arithmetic traps and kernels that never finish (CPU-time limit) are reported too.
 //
-// This is one legal schedule of the kernel (two, with `reverse`), not Apple's hardware.
+// Schedules (mlxs_run's `schedule`): 0 forward and 1 reverse take runnable fibers in queue
+// order, threads in ascending / descending order, so simdgroups advance about in step;
+// 2 serial and 3 serial-reverse always run the lowest (highest) simdgroup that can run, so
+// one simdgroup runs ahead to the next threadgroup barrier before the others start -- what
+// exposes a threadgroup barrier missing between phases that touch memory other
+// simdgroups use. Each is one legal schedule of the kernel, not Apple's hardware.
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -98,6 +103,7 @@ struct Launch {
   unsigned tg_pos[3] = {0, 0, 0};
   unsigned n = 0;  // threads in the current threadgroup
   bool reverse = false;
+  bool serial = false;  // pick the runnable fiber of the lowest (reverse: highest) simdgroup
   std::vector<Simd> simds;
   unsigned tg_live = 0, tg_arrived = 0;
   int tg_first = -1;
@@ -513,6 +519,8 @@ extern "C" const void* mlxs_simd_exchange(const void* value, unsigned nbytes, un
   return buf;
 }
 
+extern "C" unsigned mlxs_lane_id(void) { return current_fiber().ids[26]; }
+
 extern "C" void mlxs_barrier(int simd_only, const char* file, int line) {
   Fiber& f = current_fiber();
   Launch& L = *g_launch;
@@ -602,12 +610,14 @@ extern "C" void mlxs_free(void* data, unsigned long nbytes) {
 
 // Runs entry over the grid. Returns 0, or an Error code with a message in err.
 extern "C" int mlxs_run(Entry entry, void** args, const unsigned grid_in[3],
-                        const unsigned group_in[3], int reverse, unsigned stack_kb,
+                        const unsigned group_in[3], int schedule, unsigned stack_kb,
                         double timeout_s, char* err, unsigned errlen,
                         unsigned long* fault_addr) {
   Launch L;
   L.entry = entry;
-  L.reverse = reverse != 0;
+  const bool reverse = schedule == 1 || schedule == 3;
+  L.reverse = reverse;
+  L.serial = schedule >= 2;
   L.args = args;
   unsigned grid[3], req[3], ntg[3];
   unsigned long nreq = 1;
@@ -670,8 +680,15 @@ extern "C" int mlxs_run(Entry entry, void** args, const unsigned grid_in[3],
       }
       make_runnable(L, 0, n);
       while (!L.runq.empty()) {
-        int i = L.runq.front();
-        L.runq.pop_front();
+        auto next = L.runq.begin();
+        if (L.serial) {  // the first queued fiber of the lowest (highest) simdgroup
+          for (auto it = L.runq.begin(); it != L.runq.end(); ++it) {
+            const int a = *it / kSimdWidth, b = *next / kSimdWidth;
+            if (L.reverse ? a > b : a < b) next = it;
+          }
+        }
+        int i = *next;
+        L.runq.erase(next);
         if (L.fibers[i].state == RUNNABLE) switch_to_fiber(L, i);
       }
       for (unsigned i = 0; i < n; ++i) {

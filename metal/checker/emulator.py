@@ -24,6 +24,9 @@ from metal.checker import build
 from metal.checker.signature import TYPE_STRINGS, Generated, dtype_name, generate_for_call
 
 _lib: ctypes.CDLL | None = None
+# Thread orders (emu_runtime.cpp): queue order ascending / descending, or one simdgroup at a
+# time from the lowest / highest (so a simdgroup runs ahead to the next threadgroup barrier).
+SCHEDULES = ("forward", "reverse", "serial", "serial-reverse")
 
 
 class KernelError(RuntimeError):
@@ -104,7 +107,7 @@ class _Guarded:
 class Emulator:
     """Settings for emulated kernels; ``metal_kernel`` is the mx.fast.metal_kernel stand-in.
 
-    schedules: run each launch under these fiber orders ("forward", "reverse") and require
+    schedules: run each launch under these fiber orders (of SCHEDULES) and require
     bitwise-identical results, so a missing barrier (a race) cannot hide behind one order.
     """
 
@@ -112,6 +115,11 @@ class Emulator:
     timeout_s: float = 60.0
     stack_kb: int = 64
     launches: list[dict] = field(default_factory=list)  # what ran, for tests
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.schedules if s not in SCHEDULES]
+        if unknown or not self.schedules:
+            raise ValueError(f"schedules must be some of {SCHEDULES}, got {self.schedules}")
 
     def metal_kernel(
         self,
@@ -257,7 +265,7 @@ class EmulatedKernel:
                         mem.view(np.uint8)[:] = 0xFF
                     else:
                         mem[:] = _fill_value(init_value, dt, arr.dtype)
-                self._run(entry, args, grid, threadgroup, schedule == "reverse", guarded)
+                self._run(entry, args, grid, threadgroup, SCHEDULES.index(schedule), guarded)
                 results.append(
                     [buf.array(a.dtype, a.size).copy() for buf, a in out_bufs]
                     + [buf.array(src.dtype, src.size).copy() for buf, src in in_bufs]
@@ -267,7 +275,7 @@ class EmulatedKernel:
                     if x.tobytes() != y.tobytes():
                         what = (out_bufs + in_bufs)[k][0].name
                         raise KernelError(
-                            f"{g.kernel_name}: `{what}` differs between the forward and "
+                            f"{g.kernel_name}: `{what}` differs between the {emu.schedules[0]} and "
                             f"{schedule} thread schedules: a race (missing barrier?)"
                         )
             final = results[0]
@@ -297,7 +305,7 @@ class EmulatedKernel:
             for buf in guarded:
                 buf.free()
 
-    def _run(self, entry, args, grid, threadgroup, reverse, guarded) -> None:
+    def _run(self, entry, args, grid, threadgroup, schedule, guarded) -> None:
         lib = _runtime()
         err = ctypes.create_string_buffer(8192)
         fault = ctypes.c_ulong(0)
@@ -306,7 +314,7 @@ class EmulatedKernel:
             args,
             (ctypes.c_uint * 3)(*grid),
             (ctypes.c_uint * 3)(*threadgroup),
-            int(reverse),
+            schedule,
             self.emulator.stack_kb,
             self.emulator.timeout_s,
             err,

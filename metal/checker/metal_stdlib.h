@@ -27,6 +27,7 @@ typedef __SIZE_TYPE__ size_t;
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
+typedef unsigned long ulong;
 
 // ---- emulator entry points (emu_runtime.cpp) -------------------------------------------
 #if defined(MLXS_EMULATE)
@@ -39,6 +40,7 @@ const void* mlxs_simd_exchange(const void* value, unsigned nbytes, unsigned* mas
                                unsigned* lane, void** shared, int* fresh, const char* what,
                                const char* file, int line);
 void mlxs_barrier(int simd_only, const char* file, int line);
+unsigned mlxs_lane_id(void);  // the running thread's lane, without waiting for the others
 void* mlxs_tg_alloc(const char* name, unsigned long nbytes, const char* file, int line);
 }
 #endif
@@ -156,6 +158,27 @@ inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
 inline bool isnan(float x) { return __builtin_isnan(x); }
 inline bool isinf(float x) { return __builtin_isinf(x); }
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+
+// fast:: variants (MSL's metal::fast namespace; float only on Apple GPUs). fast::exp is
+// libm's exp moved by the error bound we take for fast-math exp -- (3 + floor(|2x|)) ulp,
+// our reading of the MSL specification's fast-math accuracy table -- up or down depending
+// on x's bits, so a kernel tested here must tolerate that worst case, not a correctly
+// rounded exp (tests/test_metal_shim.py checks the model).
+namespace fast {
+inline float exp(float x) {
+  float y = __builtin_expf(x);
+  if (y > 0.0f && y <= __FLT_MAX__ && y >= __FLT_MIN__) {
+    int e;
+    __builtin_frexpf(y, &e);  // y in [2^(e-1), 2^e): one ulp is 2^(e-24)
+    const float ulp = __builtin_ldexpf(1.0f, e - 24);
+    const float ax = x < 0.0f ? -x : x;
+    const float n = 3.0f + __builtin_floorf(ax < 1.0e6f ? 2.0f * ax : 2.0e6f);
+    const unsigned bits = __builtin_bit_cast(unsigned, x) * 2654435761u;  // a hash of x
+    y += ((bits >> 31) ? n : -n) * ulp;
+  }
+  return y;
+}
+}  // namespace fast
 
 template <typename T>
 struct numeric_limits;
@@ -334,6 +357,131 @@ template <typename T>
 T simd_broadcast_first(T x);
 bool simd_all(bool x);
 bool simd_any(bool x);
+#endif
+
+// ---- simdgroup matrices (8x8 float, the subset our kernels use) ---------------------------
+// An 8x8 matrix is spread over the 32 lanes of a simdgroup, two consecutive elements of one
+// row per lane, in the layout MLX's kernels rely on (steel/gemm/mma.h): lane l holds row
+// (l / 16) * 4 + (l / 2) % 4, columns ((l / 8) % 2) * 4 + (l % 2) * 2 and the next one.
+// Every operation is a simdgroup collective: all 32 lanes must reach it together (a lane
+// that exited makes every lane's result NaN, as the GPU's is undefined). A load reads
+// memory when its lane arrives, a store writes when the lanes leave, so threadgroup data
+// another lane wrote (or reads) needs a simdgroup_barrier in between, as on the GPU.
+template <typename T, int COLS, int ROWS>
+struct simdgroup_matrix {
+#if defined(MLXS_EMULATE)
+  T e[2] = {mlxs_detail::poison<T>(), mlxs_detail::poison<T>()};  // uninitialized: NaN
+#else
+  T e[2];
+#endif
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+
+template <typename T, int COLS, int ROWS>
+inline simdgroup_matrix<T, COLS, ROWS> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, COLS, ROWS> m;
+  m.e[0] = value;
+  m.e[1] = value;
+  return m;
+}
+
+#if defined(MLXS_EMULATE)
+namespace mlxs_detail {
+inline int frag_row(unsigned lane) { return int((lane / 16) * 4 + (lane / 2) % 4); }
+inline int frag_col(unsigned lane) { return int(((lane / 8) % 2) * 4 + (lane % 2) * 2); }
+inline unsigned frag_lane(int row, int col) {  // the lane holding (row, col)
+  return unsigned(((row & 4) << 2) | ((row & 3) << 1) | ((col & 4) << 1) | ((col >> 1) & 1));
+}
+struct FragPair {
+  float a[2];
+  float b[2];
+  float c[2];
+};
+// Joins the collective; false when some lane of the simdgroup is missing.
+inline bool frag_sync(Lanes<FragPair>& l, const FragPair& mine, const char* what,
+                      const char* file, int line) {
+  l = exchange(mine, what, file, line);
+  return l.mask == 0xffffffffu;
+}
+}  // namespace mlxs_detail
+
+#define MLXS_SITE const char *file = __builtin_FILE(), int line = __builtin_LINE()
+template <typename P>
+inline void mlxs_frag_load(simdgroup_float8x8& d, P src, ulong elements_per_row,
+                           const char* file, int line) {
+  using namespace mlxs_detail;
+  const unsigned lane = mlxs_lane_id();
+  const int r = frag_row(lane), c = frag_col(lane);
+  const float x0 = float(src[r * elements_per_row + c]);  // read on arrival
+  const float x1 = float(src[r * elements_per_row + c + 1]);
+  const bool full = exchange(0.0f, "simdgroup_load", file, line).mask == 0xffffffffu;
+  d.e[0] = full ? x0 : poison<float>();
+  d.e[1] = full ? x1 : poison<float>();
+}
+// (Address spaces vanish here: one overload serves threadgroup and device pointers.)
+inline void simdgroup_load(simdgroup_float8x8& d, const float* src, ulong elements_per_row = 8,
+                           MLXS_SITE) {
+  mlxs_frag_load(d, src, elements_per_row, file, line);
+}
+template <typename P>
+inline void mlxs_frag_store(const simdgroup_float8x8& m, P dst, ulong elements_per_row,
+                            const char* file, int line) {
+  using namespace mlxs_detail;
+  const float e0 = m.e[0], e1 = m.e[1];
+  auto l = exchange(0.0f, "simdgroup_store", file, line);
+  const bool full = l.mask == 0xffffffffu;
+  const int r = frag_row(l.me), c = frag_col(l.me);
+  dst[r * elements_per_row + c] = full ? e0 : poison<float>();  // written on leaving
+  dst[r * elements_per_row + c + 1] = full ? e1 : poison<float>();
+}
+inline void simdgroup_store(const simdgroup_float8x8& m, float* dst, ulong elements_per_row = 8,
+                            MLXS_SITE) {
+  mlxs_frag_store(m, dst, elements_per_row, file, line);
+}
+// d = a * b + c: each lane computes its two elements from the lanes holding row r of a and
+// columns of b, summing k = 0..7 in order (float multiply-add, as an Apple GPU rounds).
+inline void simdgroup_multiply_accumulate(simdgroup_float8x8& d, const simdgroup_float8x8& a,
+                                          const simdgroup_float8x8& b,
+                                          const simdgroup_float8x8& c, MLXS_SITE) {
+  using namespace mlxs_detail;
+  FragPair mine = {{a.e[0], a.e[1]}, {b.e[0], b.e[1]}, {c.e[0], c.e[1]}};
+  Lanes<FragPair> l;
+  const bool full = frag_sync(l, mine, "simdgroup_multiply_accumulate", file, line);
+  const int r = frag_row(l.me), c0 = frag_col(l.me);
+  float out[2];
+  for (int j = 0; j < 2; ++j) {
+    float acc = 0.0f;
+    for (int k = 0; k < 8; ++k) {
+      const float x = l.v[frag_lane(r, k)].a[k & 1];
+      const float y = l.v[frag_lane(k, c0 + j)].b[(c0 + j) & 1];
+      acc = __builtin_fmaf(x, y, acc);
+    }
+    out[j] = full ? acc + mine.c[j] : poison<float>();
+  }
+  d.e[0] = out[0];
+  d.e[1] = out[1];
+}
+inline void simdgroup_multiply(simdgroup_float8x8& d, const simdgroup_float8x8& a,
+                               const simdgroup_float8x8& b, MLXS_SITE) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<float, 8, 8>(0.0f), file,
+                                line);
+}
+#undef MLXS_SITE
+#else
+void simdgroup_load(thread simdgroup_float8x8& d, const threadgroup float* src,
+                    ulong elements_per_row = 8);
+void simdgroup_load(thread simdgroup_float8x8& d, const device float* src,
+                    ulong elements_per_row = 8);
+void simdgroup_store(thread const simdgroup_float8x8& m, threadgroup float* dst,
+                     ulong elements_per_row = 8);
+void simdgroup_store(thread const simdgroup_float8x8& m, device float* dst,
+                     ulong elements_per_row = 8);
+void simdgroup_multiply_accumulate(thread simdgroup_float8x8& d,
+                                   thread const simdgroup_float8x8& a,
+                                   thread const simdgroup_float8x8& b,
+                                   thread const simdgroup_float8x8& c);
+void simdgroup_multiply(thread simdgroup_float8x8& d, thread const simdgroup_float8x8& a,
+                        thread const simdgroup_float8x8& b);
 #endif
 
 }  // namespace metal

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import platform
 import re
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
@@ -26,7 +25,7 @@ from mlxserve.cli.engine_args import add_engine_args, engine_config
 from mlxserve.config import EngineConfig
 from mlxserve.ops import selftest
 from mlxserve.ops.metal import MetalKernels
-from mlxserve.utils import GiB, usable_memory
+from mlxserve.utils import GiB, gpu_core_count, usable_memory
 
 # The MLX range pyproject.toml pins (tests/test_mlx_floor.py keeps them equal).
 MLX_FLOOR = (0, 32, 0)
@@ -100,23 +99,6 @@ def mlx_line(version: str) -> str:
 
 def _device_info() -> dict:
     return dict(mx.device_info())
-
-
-def gpu_core_count() -> int | None:
-    """The GPU's core count from the IORegistry (macOS), or None (MLX does not report it)."""
-    if sys.platform != "darwin":
-        return None
-    try:
-        out = subprocess.run(
-            ["ioreg", "-rc", "AGXAccelerator", "-d", "1"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r'"gpu-core-count"\s*=\s*(\d+)', out)
-    return int(m.group(1)) if m else None
 
 
 def metal_line(

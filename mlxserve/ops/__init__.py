@@ -66,7 +66,10 @@ def _metal_unavailable_reason() -> str | None:
 
 def check_kernels(choice: str) -> None:
     """ParameterError naming the reason when kernel choice ``choice`` (one of
-    config.KERNEL_CHOICES) cannot run on this machine: "metal" needs a Metal GPU."""
+    config.KERNEL_CHOICES) cannot run on this machine: "metal" needs a Metal GPU; any
+    choice but "fallback" needs valid Metal launch settings (MLXSERVE_METAL_PREFILL)."""
+    if choice != "fallback":
+        MetalConfig()  # a bad MLXSERVE_METAL_PREFILL is a ParameterError now, not mid-request
     reason = _metal_unavailable_reason() if choice == "metal" else None
     if reason:
         raise ParameterError(

@@ -26,77 +26,28 @@ from __future__ import annotations
 
 import importlib.resources
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
 from mlxserve.ops.metadata import AttentionMetadata
+from mlxserve.ops.metal_config import (
+    HEADER_FILE,
+    KERNELS,
+    MIN_DEVICE_ELEMENTS,
+    PATH_KERNELS,
+    TILED_ROWS,
+    TILED_SIMDGROUPS,
+    MetalConfig,
+    gpu_cores,
+    head_groups,
+    prefill_tile_tokens,
+)
 
 KernelFactory = Callable[..., Callable[..., list[mx.array]]]
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_HEAD_DIM = 256
-
-# name -> (source file, input names, output names)
-KERNELS = {
-    "write_kv": (
-        "write_kv.metal",
-        ["keys", "values", "slot_mapping", "k_cache", "v_cache"],
-        ["written"],
-    ),
-    "paged_decode": (
-        "paged_decode.metal",
-        [
-            "q",
-            "k_cache",
-            "v_cache",
-            "block_tables",
-            "context_lens",
-            "scale",
-            "sinks",
-            "kv_written",
-        ],
-        ["out"],
-    ),
-    "paged_decode_split": (
-        "paged_decode_split.metal",
-        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "kv_written"],
-        ["partial_out", "partial_max", "partial_sum"],
-    ),
-    "paged_decode_reduce": (
-        "paged_decode_reduce.metal",
-        ["partial_out", "partial_max", "partial_sum", "context_lens", "sinks"],
-        ["out"],
-    ),
-    "paged_prefill": (
-        "paged_prefill.metal",
-        [
-            "q",
-            "k_cache",
-            "v_cache",
-            "block_tables",
-            "context_lens",
-            "query_start_loc",
-            "scale",
-            "sinks",
-            "kv_written",
-        ],
-        ["out"],
-    ),
-}
-HEADER_FILE = "attention_common.metal"
-# MLX binds inputs of fewer elements as `constant`, others as `device`: a different source.
-# Metadata inputs are padded to this size, so a kernel's source never changes with the batch
-# (before MLX 0.32 a changed source under the same kernel name evicted the compiled pipeline,
-# and the self-test must verify the very source the batches run).
-MIN_DEVICE_ELEMENTS = 8
-# attention paths -> the kernels each launches
-PATH_KERNELS = {
-    "decode": "paged_decode",
-    "split": "paged_decode_split+paged_decode_reduce",
-    "prefill": "paged_prefill",
-}
 
 
 def kernel_dir() -> Path:
@@ -116,27 +67,21 @@ def read_source(file: str) -> str:
     return (kernel_dir() / file).read_text()
 
 
-@dataclass(frozen=True)
-class MetalConfig:
-    """Launch choices; the defaults are for Apple GPUs."""
-
-    num_simd: int = 4  # simdgroups per threadgroup (raised to cover head_dim)
-    partition_size: int = 512  # tokens per split-K partition
-    split_max_groups: int = 64  # split decode when (requests x kv heads) is below this ...
-    split_min_context: int = 1024  # ... and the longest context is at least this
-    rows_per_tile: int = 8  # prefill: query rows (tokens x GQA heads) per threadgroup
-
-
 class MetalKernels:
     """mlxserve's Metal kernels, each built once from `factory` (mx.fast.metal_kernel)."""
 
     def __init__(self, factory: KernelFactory | None = None, config: MetalConfig | None = None):
         self.factory = factory or mx.fast.metal_kernel
         self.config = config or MetalConfig()
+        if self.config.gpu_cores is None:
+            self.gpu_cores, self.gpu_cores_source = gpu_cores()
+        else:
+            self.gpu_cores, self.gpu_cores_source = self.config.gpu_cores, "configured"
         self._kernels: dict[str, Callable[..., list[mx.array]]] = {}
         self._constants: dict[tuple, mx.array] = {}
         self.self_tests: dict[str, object] = {}  # variant -> ops.selftest.SelfTestResult
         self._bound: dict[str, tuple[object, tuple]] = {}  # padded metadata, by kind
+        self.disabled: set[str] = set()  # kernels replaced after a failed self-test
 
     def kernel(self, name: str) -> Callable[..., list[mx.array]]:
         """The kernel object for `name`, built on first use."""
@@ -207,12 +152,13 @@ class MetalKernels:
         window: int | None = None,
         sinks: mx.array | None = None,  # (num_heads,)
         token: mx.array | None = None,
-        path: str | None = None,
+        paths: tuple[str, ...] | None = None,
     ) -> mx.array:  # (num_tokens, num_heads, head_dim)
-        """Decode-only batches use the decode kernel (split-K for long contexts), mixed ones
-        the varlen prefill kernel; `token` is write_kv's ordering token, if the pools were
-        just written. `window` and `sinks` as in ops.paged_attention. `path` forces one of
-        PATHS (the self-test), else attention_path() picks it."""
+        """Decode-only batches use the decode kernel (split-K for few long contexts), mixed
+        ones the varlen prefill kernel (its decodes split-K'd too when that pays);
+        `token` is write_kv's ordering token, if the pools were just written. `window` and
+        `sinks` as in ops.paged_attention. `paths` forces attention_paths()'s choice (the
+        self-test)."""
         _check_pool(k_cache, v_cache)
         reason = unsupported_reason(q, k_cache, v_cache)
         if reason is not None:
@@ -244,43 +190,83 @@ class MetalKernels:
             ("WINDOW", window or 0),
         ]
         threads = num_simd * 32
-        path = path or self.attention_path(md, num_kv_heads, window)
-        if path == "prefill":
-            tq = max(1, self.config.rows_per_tile // gqa)
-            num_tiles = md.num_reqs + -(-num_tokens // tq) + 1
-            (out,) = self.kernel("paged_prefill")(
-                inputs=[*common, query_start_loc, scale_arr, sinks, token],
-                output_shapes=[q.shape],
-                output_dtypes=[k_cache.dtype],
-                grid=(threads * num_kv_heads, num_tiles, 1),
-                threadgroup=(threads, 1, 1),
-                template=[*base, ("USE_SINKS", use_sinks), ("TQ", tq)],
-            )
-        elif path == "split":
-            out = self._split_decode(
-                common, scale_arr, sinks, use_sinks, token, base, md, q.shape, threads
-            )
-        else:
-            (out,) = self.kernel("paged_decode")(
+        width = threads * num_kv_heads * head_groups(gqa)[0]  # grid x: one per head group
+        paths = paths or self.attention_paths(md, num_kv_heads, gqa, window)
+        split = "split" in paths
+        decoded = None
+        if split:  # the decodes (rows 0 .. num_decodes - 1), or every row of a decode batch
+            rows = md.num_decodes if "prefill" in paths else num_tokens
+            decoded = self._split_decode(common, scale_arr, sinks, use_sinks, token, base, md, rows)
+        elif "decode" in paths:
+            (decoded,) = self.kernel("paged_decode")(
                 inputs=[*common, scale_arr, sinks, token],
                 output_shapes=[q.shape],
                 output_dtypes=[k_cache.dtype],
-                grid=(threads * num_kv_heads, num_tokens, 1),
+                grid=(width, num_tokens, 1),
                 threadgroup=(threads, 1, 1),
                 template=[*base, ("USE_SINKS", use_sinks)],
             )
+        if "prefill" not in paths:
+            out = decoded
+        else:
+            name = self.prefill_kernel(head_dim)
+            tq = prefill_tile_tokens(gqa, tiled=name == "paged_prefill_tiled")
+            req_begin = md.num_decodes if split else 0
+            num_tiles = md.num_reqs - req_begin + -(-num_tokens // tq) + 1
+            template = [*base, ("USE_SINKS", use_sinks), ("TQ", tq)]
+            if name == "paged_prefill_tiled":  # 4 simdgroups of 8 rows, 32-row tiles
+                threads = TILED_SIMDGROUPS * 32
+                width = threads * num_kv_heads * head_groups(gqa, TILED_ROWS)[0]
+                template = [kv for kv in template if kv[0] != "NUM_SIMD"]
+            (out,) = self.kernel(name)(
+                inputs=[
+                    *common,
+                    query_start_loc,
+                    self._constant(req_begin, mx.int32),
+                    scale_arr,
+                    sinks,
+                    token,
+                ],
+                output_shapes=[q.shape],
+                output_dtypes=[k_cache.dtype],
+                grid=(width, num_tiles, 1),
+                threadgroup=(threads, 1, 1),
+                template=template,
+            )
+            if split and md.num_decodes:  # decode rows from split-K, the rest from prefill
+                out = mx.concatenate([decoded, out[md.num_decodes :]])
         return out if out.dtype == out_dtype else out.astype(out_dtype)
 
-    def attention_path(self, md: AttentionMetadata, num_kv_heads: int, window: int | None) -> str:
-        """Which of PATHS attends this batch: prefill kernel for batches with prefill chunks,
-        split-K decode for few long contexts, else the decode kernel."""
+    def prefill_kernel(self, head_dim: int) -> str:
+        """The varlen prefill kernel in use: the simdgroup-matrix one (config.prefill
+        "tiled", head_dim a multiple of 8, not disabled by a failed self-test), else the
+        SIMT one."""
+        tiled = self.config.prefill == "tiled" and "paged_prefill_tiled" not in self.disabled
+        return "paged_prefill_tiled" if tiled and head_dim % 8 == 0 else "paged_prefill"
+
+    def attention_paths(
+        self, md: AttentionMetadata, num_kv_heads: int, gqa: int, window: int | None
+    ) -> tuple[str, ...]:
+        """Which of PATH_KERNELS attend this batch: the prefill kernel for batches with
+        prefill chunks, split-K for decodes too few to fill the GPU over long contexts (in
+        mixed batches as well), else the decode kernel."""
+        split = self.split_decodes(md, num_kv_heads, gqa, window)
         if md.num_decodes < md.num_reqs:
-            return "prefill"
+            return ("split", "prefill") if split else ("prefill",)
+        return ("split",) if split else ("decode",)
+
+    def split_decodes(
+        self, md: AttentionMetadata, num_kv_heads: int, gqa: int, window: int | None
+    ) -> bool:
+        """Whether this batch's decodes take split-K: their threadgroups number fewer than
+        groups_per_core per GPU core and the longest attended context is long enough."""
+        if md.num_decodes == 0:
+            return False
         cfg = self.config
         attended = min(md.max_decode_context_len, window or md.max_decode_context_len)
-        if md.num_reqs * num_kv_heads < cfg.split_max_groups and attended >= cfg.split_min_context:
-            return "split"
-        return "decode"
+        groups = md.num_decodes * num_kv_heads * head_groups(gqa)[0]
+        target = self.gpu_cores * cfg.groups_per_core
+        return groups < target and attended >= cfg.split_min_context
 
     def attention_variant(
         self,
@@ -295,6 +281,8 @@ class MetalKernels:
         """The kernel(s) and template arguments `path` launches for these shapes, as text:
         what the self-test verifies once (ops/selftest.py) and what its warning names."""
         num_simd = max(self.config.num_simd, -(-head_dim // 32))
+        kernel = PATH_KERNELS[path]
+        tiled = path == "prefill" and self.prefill_kernel(head_dim) == "paged_prefill_tiled"
         args = [
             f"T={_dtype_name(dtype)}",
             f"HEAD_DIM={head_dim}",
@@ -304,32 +292,37 @@ class MetalKernels:
             f"WINDOW={window or 0}",
             f"USE_SINKS={str(use_sinks).lower()}",
         ]
+        if tiled:
+            kernel = "paged_prefill_tiled"
+            args.remove(f"NUM_SIMD={num_simd}")
         if path == "prefill":
-            args.append(f"TQ={max(1, self.config.rows_per_tile // gqa)}")
+            args.append(f"TQ={prefill_tile_tokens(gqa, tiled=tiled)}")
         if path == "split":
             args.append(f"PARTITION_SIZE={self.config.partition_size}")
-        return f"{PATH_KERNELS[path]}<{', '.join(args)}>"
+        return f"{kernel}<{', '.join(args)}>"
 
-    def _split_decode(
-        self, common, scale_arr, sinks, use_sinks, token, base, md, q_shape, threads
-    ) -> mx.array:
-        num_tokens, num_heads, head_dim = q_shape
+    def _split_decode(self, common, scale_arr, sinks, use_sinks, token, base, md, rows) -> mx.array:
+        """Split-K decode attention of q's first `rows` rows: (rows, num_heads, head_dim)."""
+        q = common[0]
+        _, num_heads, head_dim = q.shape
         num_kv_heads = common[1].shape[2]
+        gqa = num_heads // num_kv_heads
+        threads = base[4][1] * 32
         part = self.config.partition_size
         # Partitions: enough for the longest context, rounded up to a power of two so the
         # partial buffers keep their shape while contexts grow.
         num_parts = 1 << max(0, (-(-md.max_decode_context_len // part) - 1).bit_length())
         # Unused rows keep the partials >= 8 elements: the reduce binds them as `device`.
-        rows = max(num_tokens, -(-MIN_DEVICE_ELEMENTS // (num_heads * num_parts)))
+        buf_rows = max(rows, -(-MIN_DEVICE_ELEMENTS // (num_heads * num_parts)))
         partial_out, partial_max, partial_sum = self.kernel("paged_decode_split")(
             inputs=[*common, scale_arr, token],
             output_shapes=[
-                (rows, num_heads, num_parts, head_dim),
-                (rows, num_heads, num_parts),
-                (rows, num_heads, num_parts),
+                (buf_rows, num_heads, num_parts, head_dim),
+                (buf_rows, num_heads, num_parts),
+                (buf_rows, num_heads, num_parts),
             ],
             output_dtypes=[mx.float32, mx.float32, mx.float32],
-            grid=(threads * num_kv_heads, num_tokens, num_parts),
+            grid=(threads * num_kv_heads * head_groups(gqa)[0], rows, num_parts),
             threadgroup=(threads, 1, 1),
             template=[*base, ("PARTITION_SIZE", part)],
         )
@@ -337,9 +330,9 @@ class MetalKernels:
         t, dim, window = base[0], base[1], base[5]
         (out,) = self.kernel("paged_decode_reduce")(
             inputs=[partial_out, partial_max, partial_sum, common[4], sinks],
-            output_shapes=[q_shape],
+            output_shapes=[(rows, num_heads, head_dim)],
             output_dtypes=[t[1]],
-            grid=(width, num_heads, num_tokens),
+            grid=(width, num_heads, rows),
             threadgroup=(width, 1, 1),
             template=[t, dim, ("PARTITION_SIZE", part), window, ("USE_SINKS", use_sinks)],
         )

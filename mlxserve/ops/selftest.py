@@ -15,6 +15,7 @@ import logging
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,8 @@ import numpy as np
 from mlxserve.ops import fallback
 from mlxserve.ops.metadata import AttentionMetadata
 from mlxserve.ops.metal import PATH_KERNELS, MetalKernels, write_variant
+
+TILED, SIMT = "paged_prefill_tiled", "paged_prefill"
 
 logger = logging.getLogger("mlxserve")
 
@@ -66,16 +69,45 @@ def attention_ok(
         return True
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     gqa = q.shape[1] // num_kv_heads
-    path = kernels.attention_path(md, num_kv_heads, window)
     use_sinks = sinks is not None
     dtype = k_cache.dtype
-    variant = kernels.attention_variant(path, dtype, head_dim, block_size, gqa, window, use_sinks)
-    return _verified(
-        kernels,
-        variant,
-        lambda: _test_attention(kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks),
-        mode,
+    for path in kernels.attention_paths(md, num_kv_heads, gqa, window):
+        results = _verify_path(
+            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, mode
+        )
+        if not results[-1].ok:
+            return False
+    return True
+
+
+def _verify_path(
+    kernels: MetalKernels,
+    path: str,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    gqa: int,
+    window: int | None,
+    use_sinks: bool,
+    mode: str,
+) -> list[SelfTestResult]:
+    """Self-test (or recall) the variant `path` launches; a failed tiled prefill is
+    disabled and the SIMT prefill tested in its place. The results, the one in use last."""
+    test = partial(
+        _test_attention, kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
     )
+    results = []
+    while True:
+        tiled = path == "prefill" and kernels.prefill_kernel(head_dim) == TILED
+        variant = kernels.attention_variant(
+            path, dtype, head_dim, block_size, gqa, window, use_sinks
+        )
+        instead = f"the SIMT prefill kernel ({SIMT})" if tiled else "the MLX fallback"
+        ok = _verified(kernels, variant, test, mode, instead)
+        results.append(kernels.self_tests[variant])
+        if ok or not tiled:
+            return results
+        kernels.disabled.add(TILED)  # prefill_kernel() now picks the SIMT kernel
 
 
 def write_ok(kernels: MetalKernels, dtype: mx.Dtype, mode: str | None) -> bool:
@@ -95,26 +127,25 @@ def run_all(
     use_sinks: bool = False,
 ) -> list[SelfTestResult]:
     """Self-test (or recall) every variant a model of these shapes uses: the write and each
-    attention path (``mlxserve doctor``). Failures are logged as on first use."""
-    variants = [(write_variant(dtype), lambda: _test_write(kernels, dtype))]
+    attention path, and the SIMT prefill where the tiled one failed (``mlxserve doctor``).
+    Failures are logged as on first use."""
+    write = write_variant(dtype)
+    _verified(kernels, write, lambda: _test_write(kernels, dtype), "fallback")
+    results = [kernels.self_tests[write]]
     for path in PATH_KERNELS:
-        variant = kernels.attention_variant(
-            path, dtype, head_dim, block_size, gqa, window, use_sinks
+        results += _verify_path(
+            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, "fallback"
         )
-        variants.append(
-            (
-                variant,
-                lambda path=path: _test_attention(
-                    kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
-                ),
-            )
-        )
-    for variant, test in variants:
-        _verified(kernels, variant, test, "fallback")
-    return [kernels.self_tests[variant] for variant, _ in variants]
+    return results
 
 
-def _verified(kernels: MetalKernels, variant: str, test: Callable[[], str], mode: str) -> bool:
+def _verified(
+    kernels: MetalKernels,
+    variant: str,
+    test: Callable[[], str],
+    mode: str,
+    instead: str = "the MLX fallback",
+) -> bool:
     result = kernels.self_tests.get(variant)
     if result is None:
         try:
@@ -125,11 +156,12 @@ def _verified(kernels: MetalKernels, variant: str, test: Callable[[], str], mode
         kernels.self_tests[variant] = result
         if not result.ok and mode == "fallback":
             logger.warning(
-                "Metal kernel %s failed its self-test (%s) with %s; this op uses the MLX "
-                "fallback from now on (slower, same results). Please report this.",
+                "Metal kernel %s failed its self-test (%s) with %s; this op uses %s from "
+                "now on (slower, same results). Please report this.",
                 variant,
                 detail,
                 platform_versions(),
+                instead,
             )
     if not result.ok and mode == "raise":
         raise KernelSelfTestError(
@@ -215,7 +247,7 @@ def _test_attention(
     scale = head_dim**-0.5
     mx.eval(k_cache, v_cache, q)
     want = fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
-    got = kernels.paged_attention(q, k_cache, v_cache, md, scale, window, sinks, path=path)
+    got = kernels.paged_attention(q, k_cache, v_cache, md, scale, window, sinks, paths=(path,))
     mx.eval(want, got)
     want = np.array(want.astype(mx.float32))
     got = np.array(got.astype(mx.float32))
