@@ -204,8 +204,10 @@ class EngineConfig:
     revision: str | None = None
     # Checked against the machine when the engine starts (metal needs a Metal GPU).
     kernels: str = field(default_factory=default_kernels)
-    # Scale-out (mx.distributed) is not wired in yet: one device, so these must be 1.
+    # Processes the model's layers are split over (rank 0 is the engine's own; the others
+    # are started on this machine, or by mlx.launch: mlxserve/worker/launch.py).
     tensor_parallel_size: int = 1
+    # Not implemented yet: these must be 1.
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     # Speculative decoding (None: off); a dict or JSON string is parsed into the dataclass.
@@ -248,15 +250,20 @@ class EngineConfig:
                 self.kv_cache_memory_bytes,
                 ">= 1",
             )
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
             size = getattr(self, name)
             _require(
                 size == 1,
                 name,
                 size,
-                "1 for now: mlxserve runs a model on one device (scale-out over "
-                "mx.distributed is not wired in yet)",
+                "1 for now: only tensor parallelism is implemented (tensor_parallel_size)",
             )
+        _require(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            ">= 1",
+        )
         _require(
             self.kernels in KERNEL_CHOICES,
             "kernels (MLXSERVE_KERNELS)",

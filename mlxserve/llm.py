@@ -28,6 +28,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (they are also killed when this process
+        exits); nothing to do in one process."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         """The model's tokenizer (encode/decode/apply_chat_template)."""
         return self.engine.tokenizer

@@ -89,10 +89,11 @@ def test_a_copied_vllm_line_parses_and_warns_once_per_no_effect_flag(caplog) -> 
     assert not warn_no_effect(build_parser().parse_args(["serve"]), ENGINE_FLAGS)
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-tp", "--pipeline-parallel-size"])
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "-pp", "--data-parallel-size"])
 def test_parallel_sizes_above_one_are_a_clear_error(flag: str) -> None:
+    """Tensor parallel is implemented (tests/test_tensor_parallel.py); these are not."""
     args = build_parser().parse_args(["serve", flag, "2"])
-    with pytest.raises(ParameterError, match="must be 1 for now: mlxserve runs a model on one"):
+    with pytest.raises(ParameterError, match="must be 1 for now: only tensor parallelism"):
         engine_config(args, None)
     out = mlxserve("serve", "--port", "1", flag, "2")
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "got 2" in out.stderr

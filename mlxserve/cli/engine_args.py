@@ -71,13 +71,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, as a JSON object, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'',
     )
-    for name, short in (("tensor", "-tp"), ("pipeline", "-pp"), ("data", "-dp")):
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many processes (started here on 127.0.0.1, or by "
+        "mlx.launch); llama-family models whose head counts it divides",
+    )
+    for name, short in (("pipeline", "-pp"), ("data", "-dp")):
         g.add_argument(
             f"--{name}-parallel-size",
             short,
             type=int,
             default=1,
-            help="1 for now: one device (scale-out is not wired in yet)",
+            help="1 for now (not implemented; see --tensor-parallel-size)",
         )
     add_no_effect_flags(parser, ENGINE_FLAGS)
 

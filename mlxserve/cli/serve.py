@@ -190,6 +190,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES
     from mlxserve.server.metrics import ServerMetrics
     from mlxserve.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT, GracefulServer, bind_socket
+    from mlxserve.worker.launch import launched_rank
 
     if args.model and args.model_flag and args.model != args.model_flag:
         raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
@@ -206,6 +207,10 @@ def serve_command(args: argparse.Namespace) -> int:
         )
     if names:
         config = dataclasses.replace(config, served_model_name=names[0])
+    if config.tensor_parallel_size > 1 and launched_rank() not in (None, 0):
+        # Started by mlx.launch on every rank: the others only run rank 0's forwards
+        # (LLMEngine exits the process when rank 0 stops); rank 0 serves HTTP.
+        LLMEngine(config)
     # Bind first: a port in use is an error now, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
     logger.info("loading %s ...", model or "the default model")
@@ -221,7 +226,14 @@ def serve_command(args: argparse.Namespace) -> int:
         prefix_caching_off=engine.prefix_caching_off,
         speculative=engine.speculative_config is not None,
     )
-    llm = AsyncLLM(engine, on_step=metrics.on_step)
+    server: GracefulServer | None = None
+
+    def engine_dead(reason: str) -> None:  # engine thread: a tensor-parallel rank is gone
+        if server is not None:
+            server.in_flight.start_draining()
+            server.should_exit = True
+
+    llm = AsyncLLM(engine, on_step=metrics.on_step, on_dead=engine_dead)
     server_config = ServerConfig(
         model_names=names,
         api_keys=keys,
@@ -256,3 +268,6 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         llm.shutdown()
+    if llm.dead_reason is not None:
+        logger.error("exiting: %s", llm.dead_reason)
+        return 1

@@ -23,6 +23,7 @@ from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.exceptions import RequestFailedError
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.worker.spmd import RankLostError
 
 logger = logging.getLogger("mlxserve")
 
@@ -46,13 +47,17 @@ class _Stream:
 class AsyncLLM:
     """Thread-owned LLMEngine with an async generate() per request."""
 
-    def __init__(self, engine: LLMEngine, on_step=None) -> None:
+    def __init__(self, engine: LLMEngine, on_step=None, on_dead=None) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         # Requests the engine accepted and that have not finished (engine thread only).
         self._accepted: set[str] = set()
         self._on_step = on_step  # called in the engine thread after each step (metrics)
+        # Called in the engine thread with the reason when the engine cannot go on (a
+        # tensor-parallel rank is gone); the server then exits. ``dead_reason`` keeps it.
+        self._on_dead = on_dead
+        self.dead_reason: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlxserve-engine", daemon=True)
         self._thread.start()
@@ -130,6 +135,7 @@ class AsyncLLM:
         try:
             self._serve()
         finally:
+            self.engine.shutdown()  # the other tensor-parallel ranks, from this thread
             self.engine.runner.release_thread()
 
     def _serve(self) -> None:
@@ -142,6 +148,13 @@ class AsyncLLM:
                 continue
             try:
                 outputs = self.engine.step(delta=True)
+            except RankLostError as e:  # the engine is dead: fail everything, stop
+                logger.error("%s", e)
+                self.dead_reason = str(e)
+                self._fail_all(e)
+                if self._on_dead is not None:
+                    self._on_dead(self.dead_reason)
+                return
             except Exception as e:  # noqa: BLE001 -- keep serving; fail only this step's requests
                 logger.exception("engine step failed")
                 self._fail_all(e)

@@ -12,6 +12,7 @@ KV arrays, every evaluation). A request whose step fails ends alone with finish_
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import numpy as np
@@ -25,14 +26,17 @@ from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.loader import LoadedModel, load_model
+from mlxserve.models.tensor_parallel import check_tensor_parallel, shard_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
 from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
+from mlxserve.worker.launch import LaunchedRanks, LocalRanks, launched_rank, serve_rank
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
+from mlxserve.worker.spmd import RankLostError, StepChannel
 
 logger = logging.getLogger("mlxserve")
 
@@ -111,14 +115,7 @@ class LLMEngine:
         self.max_num_batched_tokens = (
             config.max_num_batched_tokens or default_max_num_batched_tokens()
         )
-        self.runner = ModelRunner(
-            loaded.model,
-            dtype=loaded.dtype,
-            block_size=config.block_size,
-            kernels=config.kernels,
-            seed=config.seed,
-        )
-        self.plan = self.runner.plan_kv_cache(
+        plan_args = dict(
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -127,6 +124,35 @@ class LLMEngine:
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        # Tensor parallel: the other ranks, started here; None in one process.
+        self.ranks: LocalRanks | LaunchedRanks | None = None
+        channel = None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(loaded.model, config.tensor_parallel_size)
+            if launched_rank() is None:
+                self.ranks = LocalRanks(config, plan_args)
+            else:  # every rank runs the caller's script: only rank 0 goes on from here
+                self.ranks = LaunchedRanks(config.tensor_parallel_size)
+                group = self.ranks.group
+                if group.rank() != 0:
+                    sys.exit(serve_rank(loaded.model, loaded.dtype, config, plan_args, group))
+        try:
+            if self.ranks is not None:
+                shard_model(loaded.model, self.ranks.group)
+                channel = StepChannel(self.ranks.group, self.ranks.lost)
+            self.runner = ModelRunner(
+                loaded.model,
+                dtype=loaded.dtype,
+                block_size=config.block_size,
+                kernels=config.kernels,
+                seed=config.seed,
+                channel=channel,
+            )
+            self.plan = self.runner.plan_kv_cache(**plan_args)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
         logger.info(self.plan.describe(config.max_num_seqs, self.max_num_batched_tokens))
         # On Metal: keep weights + pool resident, cap the buffer cache to the plan's slack.
         metal_memory.configure(
@@ -346,6 +372,30 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self, delta: bool = False) -> list[RequestOutput]:
+        """Advance by one forward pass (see :meth:`_step`); RankLostError if a
+        tensor-parallel rank is gone: the other ranks are stopped, the engine is dead."""
+        try:
+            return self._step(delta)
+        except RankLostError:
+            logger.error("a tensor-parallel rank is gone; stopping the others")
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing in one process). Call it on the
+        thread that steps; the engine cannot step afterwards."""
+        if self.ranks is None:
+            return
+        ranks, self.ranks = self.ranks, None
+        if ranks.lost() is None and self.runner.channel is not None:
+            try:
+                self.runner.channel.stop()
+            except RankLostError:
+                pass
+        ranks.wait()
+
+    def _step(self, delta: bool = False) -> list[RequestOutput]:
         """Advance by one forward pass; outputs of the requests that changed.
 
         Pipelined: the step launched by the previous call is collected first, the next

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -262,3 +262,14 @@ def tree_bytes(params) -> int:
     from mlx.utils import tree_flatten
 
     return sum(v.nbytes for _, v in tree_flatten(params))
+
+
+def agree_on_plan(plan: KVPlan, group: mx.distributed.Group) -> KVPlan:
+    """Tensor parallel: the plan every rank can hold (the smallest pool and context of
+    all ranks'). Every rank of ``group`` calls it after planning its own shard."""
+    mine = mx.array([plan.num_blocks, plan.max_model_len], dtype=mx.int32)
+    num_blocks, max_model_len = mx.distributed.all_min(mine, group=group).tolist()
+    if (num_blocks, max_model_len) == (plan.num_blocks, plan.max_model_len):
+        return plan
+    kv_bytes = (num_blocks - 1) * plan.bytes_per_block
+    return replace(plan, num_blocks=num_blocks, max_model_len=max_model_len, kv_bytes=kv_bytes)

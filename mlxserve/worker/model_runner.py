@@ -52,6 +52,7 @@ from mlxserve.worker.kv_inputs import probe_arguments, step_metadata
 from mlxserve.worker.memory import (
     PROBE_TOKENS,
     KVPlan,
+    agree_on_plan,
     plan_kv_cache,
     probe_activation_bytes,
     tree_bytes,
@@ -64,6 +65,7 @@ from mlxserve.worker.sampler import (
     prompt_logprobs,
     sample,
 )
+from mlxserve.worker.spmd import ForwardInputs, StepChannel
 
 __all__ = ["KVCacheLostError", "ModelRunner", "StepHandle"]
 
@@ -98,6 +100,7 @@ class _Part:
     # and per request the sum (mean pooling) or the last row of its chunk's hidden states.
     poolers: list[tuple[Request, bool, bool]] = field(default_factory=list)
     pooled: mx.array | None = None  # (len(poolers), hidden) float32
+    inputs: ForwardInputs | None = None  # tensor parallel: what the other ranks run
 
     def arrays(self) -> list[mx.array]:
         out = list(self.prompt_logprobs or ())
@@ -144,8 +147,11 @@ class ModelRunner:
         block_size: int,
         kernels: str = "auto",
         seed: int = 0,
+        channel: StepChannel | None = None,
     ) -> None:
         self.model = model
+        # Tensor parallel (rank 0): every forward's inputs go to the other ranks first.
+        self.channel = channel
         self.dtype = dtype
         self.block_size = block_size
         self.vocab_size: int = model.vocab_size
@@ -192,7 +198,7 @@ class ModelRunner:
                     m, self._allocate, self._probe_args, self.block_size, n
                 )
             activation = int(per_token * max_num_batched_tokens)
-        return plan_kv_cache(
+        plan = plan_kv_cache(
             layout=self.layout,
             dtype=self.dtype,
             block_size=self.block_size,
@@ -207,6 +213,18 @@ class ModelRunner:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=enable_prefix_caching,
         )
+        return plan if self.group is None else agree_on_plan(plan, self.group)
+
+    @property
+    def group(self) -> mx.distributed.Group | None:
+        """The tensor-parallel group this runner's model is sharded over (None: alone)."""
+        return getattr(self.model, "tp_group", None)
+
+    def _check_lost(self, error: BaseException) -> None:
+        """Re-raise a step's error as RankLostError when a tensor-parallel rank is gone:
+        no per-request isolation then (every forward needs every rank)."""
+        if self.channel is not None:
+            self.channel.check(error)
 
     def _probe_args(self, md: AttentionMetadata) -> dict[str, object]:
         return probe_arguments(self.layout, md) if self._takes_layout else {}
@@ -247,6 +265,7 @@ class ModelRunner:
         try:
             mx.eval(self.kv_cache.arrays())
         except Exception as e:  # noqa: BLE001 -- the engine must drop every request
+            self._check_lost(e)
             self.kv_cache = None  # the next ensure_blocks() makes a fresh, zeroed pool
             self._states.clear()
             raise KVCacheLostError(
@@ -254,6 +273,25 @@ class ModelRunner:
             ) from None
 
     # ------------------------------------------------------------------ steps
+    def run_forward(self, inputs: ForwardInputs) -> None:
+        """Tensor-parallel rank r > 0: run rank 0's forward on this shard.
+
+        Every rank must evaluate the same collectives: rank 0 evaluates the logits when
+        it needs rows of them (and only then does the last layer's output, with its
+        all_sums, get computed), so this rank evaluates them exactly then too.
+        """
+        self.ensure_blocks(inputs.num_blocks)
+        rows = inputs.logits_rows
+        with ops.use_kernels(self.kernels):
+            logits = self.model(
+                mx.array(inputs.input_ids, dtype=mx.int32),
+                mx.array(inputs.positions(), dtype=mx.int32),
+                inputs.metadata(self.block_size),
+                self.kv_cache,
+                logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
+            )
+        mx.eval(self.kv_cache.arrays(), *([logits] if rows else []))
+
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
         if state is None:
@@ -297,6 +335,7 @@ class ModelRunner:
                 self._sample_masked(masked)
                 mx.async_eval(*(a for part in masked for a in part.arrays()))
         except Exception as e:  # noqa: BLE001 -- collect() finds whose fault it was
+            self._check_lost(e)
             handle.error = describe(e)
         return handle
 
@@ -321,6 +360,7 @@ class ModelRunner:
             try:
                 reads = [self._read(part) for part in handle.parts]
             except Exception as e:  # noqa: BLE001 -- isolated below
+                self._check_lost(e)
                 error = describe(e)
             else:
                 for read in reads:
@@ -347,6 +387,7 @@ class ModelRunner:
             mx.eval(self.kv_cache.arrays(), [p.arrays() for p in parts])
             reads = [self._read(part) for part in parts]
         except Exception as e:  # noqa: BLE001 -- the caller splits this part further
+            self._check_lost(e)
             self._restore(pool)
             return describe(e)
         for read in reads:
@@ -366,10 +407,14 @@ class ModelRunner:
             pool = self._pool()
             try:
                 with ops.use_kernels(self.kernels):
-                    parts.append(self._build(sub))
+                    part = self._build(sub)
             except Exception as e:  # noqa: BLE001 -- split and try again
+                self._check_lost(e)
                 self._restore(pool)
                 return describe(e)
+            if self.channel is not None and part.inputs is not None:
+                self._start_everywhere(part)
+            parts.append(part)
             return None
 
         error = build(so)
@@ -381,6 +426,17 @@ class ModelRunner:
             )
             bisect(so, error, failed, build)
         return parts
+
+    def _start_everywhere(self, part: _Part) -> None:
+        """Tensor parallel: send a built part's forward to the other ranks and start it
+        here, so its collectives are queued before the next message's, in the order
+        every rank runs them."""
+        assert self.channel is not None and part.inputs is not None
+        self.channel.send(part.inputs)
+        try:
+            mx.async_eval(self.kv_cache.arrays(), part.arrays())
+        except RuntimeError as e:
+            raise self.channel.lost(e) from None
 
     def _build(self, so: SchedulerOutput) -> _Part:
         # The scheduler orders decodes (one token each) first, as the attention op wants.
@@ -434,6 +490,13 @@ class ModelRunner:
             self.layout, so, query_lens, context_lens, tables, self.block_size, self._takes_layout
         )
         rows = sample_rows + plp_rows + pooling.rows
+        inputs = None
+        if self.channel is not None:
+            # One full-attention group (the tensor-parallel models): one table per entry
+            # of query_lens (a request with drafts has one per verified position).
+            inputs = ForwardInputs(
+                self.num_blocks, input_ids, query_lens, context_lens, [t[0] for t in tables], rows
+            )
         out = self.model(
             mx.array(input_ids, dtype=mx.int32),
             mx.array(positions, dtype=mx.int32),
@@ -460,7 +523,7 @@ class ModelRunner:
                 [r.prompt_token_ids[pos] for r, pos in plp_targets],
                 max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
             )
-        part.result, part.prompt_logprobs = result, plp
+        part.result, part.prompt_logprobs, part.inputs = result, plp, inputs
         return part
 
     def _sample_rows(self, part: _Part) -> tuple[list[SamplingState], mx.array | None]:

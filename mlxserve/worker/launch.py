@@ -1,0 +1,247 @@
+"""Starting tensor-parallel ranks on this machine, the way ``mlx.launch`` does.
+
+``mlx.launch --backend ring`` starts each rank with ``MLX_RANK`` and ``MLX_HOSTFILE`` (a
+JSON list of ``["ip:port"]`` per rank) in its environment; ``mx.distributed.init``
+reads them. :class:`LocalRanks` does the same from inside the engine's process, which
+becomes rank 0, so ``LLM(model, tensor_parallel_size=2)`` works in a plain script::
+
+    rank 0 (this process)                 rank r = python -m mlxserve.worker.rank SPEC
+      spawn ranks 1..N-1 ------------->     report "ready" on a pipe, then init the ring
+      wait for every "ready"                load the model, shard it, plan the KV pool
+      init the ring (127.0.0.1 ports)       serve_forwards() until STOP or a lost peer
+      load, shard, plan (collectives) <->   (the same collectives)
+
+Waiting for "ready" before joining the ring keeps a rank that cannot even start (bad
+interpreter, import error) from leaving rank 0 blocked in ``init``, which has no
+timeout. After that, a rank that exits closes its sockets and rank 0's next collective
+fails (RankLostError). A rank whose parent dies exits on its own (it polls its parent).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import mlx.core as mx
+
+from mlxserve.config import EngineConfig
+from mlxserve.exceptions import ParameterError
+from mlxserve.models.tensor_parallel import shard_model
+from mlxserve.worker.model_runner import ModelRunner
+from mlxserve.worker.spmd import RankLostError, StepChannel, serve_forwards
+
+logger = logging.getLogger("mlxserve")
+
+READY_TIMEOUT = 120.0  # seconds for a rank's interpreter to start and import MLX
+STOP_TIMEOUT = 10.0  # seconds for a rank to leave after STOP, then it is killed
+# Seconds the engine has, after a rank exited, to notice (RankLostError) before the
+# watchdog ends this process: a collective queued on a broken ring can block for good.
+LOST_GRACE = 10.0
+
+_group_made = False  # MLX keeps one global group per process
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` TCP ports free on 127.0.0.1 right now."""
+    sockets = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def launched_rank() -> int | None:
+    """This process's rank when a launcher (``mlx.launch``, mpirun) started it, else None."""
+    rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    return None if rank is None else int(rank)
+
+
+class LaunchedRanks:
+    """The group ``mlx.launch`` made (any backend, any hosts); the launcher owns the
+    processes: it stops them all when one fails."""
+
+    def __init__(self, size: int) -> None:
+        global _group_made
+        self.group = mx.distributed.init(strict=True)
+        _group_made = True
+        if self.group.size() != size:
+            raise ParameterError(
+                f"tensor_parallel_size {size} differs from the {self.group.size()} processes "
+                "the launcher started; give it the same number",
+                parameter="tensor_parallel_size",
+            )
+
+    def lost(self) -> str | None:
+        return None  # remote processes: only a broken connection tells
+
+    def wait(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Nothing to reap: the launcher does."""
+
+    def kill(self) -> None:
+        """Nothing to kill: the launcher stops the others when this process exits."""
+
+
+class LocalRanks:
+    """Ranks 1..N-1 as child processes of this one (rank 0) on the ring backend."""
+
+    def __init__(self, config: EngineConfig, plan_args: dict[str, object]) -> None:
+        global _group_made
+        size = config.tensor_parallel_size
+        if _group_made:
+            raise RuntimeError(
+                "this process already started a tensor-parallel group; MLX has one per "
+                "process: start another engine in another process"
+            )
+        fd, self.hostfile = tempfile.mkstemp(prefix="mlxserve-ranks-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"127.0.0.1:{p}"] for p in free_ports(size)], f)
+        spec = json.dumps({"config": dataclasses.asdict(config), "plan": plan_args})
+        self.procs: list[subprocess.Popen] = []
+        ready = []
+        atexit.register(self.stop)
+        try:
+            for rank in range(1, size):
+                read_fd, write_fd = os.pipe()
+                env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile)
+                cmd = [sys.executable, "-m", "mlxserve.worker.rank", spec, str(write_fd)]
+                proc = subprocess.Popen(
+                    cmd, env=env, pass_fds=(write_fd,), stdin=subprocess.DEVNULL
+                )
+                os.close(write_fd)
+                self.procs.append(proc)
+                ready.append(read_fd)
+            self._wait_ready(ready)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            for read_fd in ready:
+                os.close(read_fd)
+        saved = {k: os.environ.get(k) for k in ("MLX_RANK", "MLX_HOSTFILE")}
+        os.environ.update(MLX_RANK="0", MLX_HOSTFILE=self.hostfile)
+        try:
+            self.group = mx.distributed.init(strict=True, backend="ring")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        _group_made = True
+        assert self.group.size() == size and self.group.rank() == 0, self.group
+        self._closing = False
+        threading.Thread(target=self._watch, name="mlxserve-ranks", daemon=True).start()
+        logger.info(
+            "tensor parallel: %d ranks on 127.0.0.1 (ring backend); ranks 1-%d are pids %s",
+            size,
+            size - 1,
+            " ".join(str(p.pid) for p in self.procs),
+        )
+
+    def _wait_ready(self, fds: list[int]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        pending = dict(zip(fds, range(1, len(fds) + 1), strict=True))
+        while pending:
+            why = self.lost()
+            if why is not None:
+                raise RuntimeError(f"tensor parallel: {why} before joining the group")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"tensor parallel: rank(s) {sorted(pending.values())} did not start "
+                    f"within {READY_TIMEOUT:.0f} s"
+                )
+            readable, _, _ = select.select(list(pending), [], [], min(left, 0.5))
+            for fd in readable:
+                os.read(fd, 16)
+                del pending[fd]
+
+    def _watch(self) -> None:
+        """If a rank exits and the engine has not failed within LOST_GRACE seconds (it
+        is idle, or blocked in a collective MLX cannot interrupt), say so and end the
+        process, killing the other ranks first: a dead group never hangs or lingers."""
+        while not self._closing:
+            why = self.lost()
+            if why is None:
+                time.sleep(0.25)
+                continue
+            deadline = time.monotonic() + LOST_GRACE
+            while not self._closing and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._closing:
+                return
+            message = (
+                f"tensor parallel: {why}; the engine cannot go on without it and did not "
+                f"stop within {LOST_GRACE:.0f} s (idle, or blocked in a collective that "
+                "cannot be interrupted): exiting this process (status 1)"
+            )
+            logger.critical(message)
+            self.kill()
+            os._exit(1)
+
+    def lost(self) -> str | None:
+        """Which rank has exited and how, or None while all run."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                return f"rank {rank} exited ({how})"
+        return None
+
+    def wait(self, timeout: float = STOP_TIMEOUT) -> None:
+        """After STOP: let the ranks leave, kill those that do not."""
+        self._closing = True  # their exits are expected now
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank still running and reap them (idempotent)."""
+        self._closing = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+        if os.path.exists(self.hostfile):
+            os.unlink(self.hostfile)
+
+    def stop(self) -> None:
+        """At exit: no rank outlives this process."""
+        self.kill()
+
+
+def serve_rank(
+    model, dtype: mx.Dtype, config: EngineConfig, plan: dict, group: mx.distributed.Group
+) -> int:
+    """Keep this rank's shard of ``model``, plan the KV pool with rank 0, run forwards
+    until STOP; the exit status (1 if another rank was lost)."""
+    try:
+        shard_model(model, group)
+        runner = ModelRunner(
+            model, dtype=dtype, block_size=config.block_size, kernels=config.kernels
+        )
+        runner.plan_kv_cache(**plan)
+        serve_forwards(runner.run_forward, StepChannel(group, lambda: None))
+    except RankLostError as e:
+        logger.error("rank %d: %s", group.rank(), e)
+        return 1
+    return 0
