@@ -27,7 +27,7 @@ from mlxserve.worker.spmd import ForwardInputs
 from tests.engine_helpers import make_tiny_model_dir
 from tests.paths import ROOT
 from tests.server_harness import free_port
-from tests.tp_script import SCENARIO_ARGS, run_chats, run_scenario
+from tests.tp_script import SCENARIO_ARGS, run_chats, run_scenario, run_spec
 
 TIMEOUT = 240  # seconds for one tensor-parallel run (generous: 2 shared cores)
 
@@ -152,6 +152,18 @@ def test_tp2_greedy_tokens_equal_one_process(tiny_dir: Path) -> None:
     assert two["prefix_cache_hits"] == one["prefix_cache_hits"]
     # Embeddings are floats summed in another order across ranks: equal to rounding.
     np.testing.assert_allclose(two["embeddings"], one["embeddings"], rtol=1e-4, atol=1e-5)
+
+
+def test_tp2_with_speculative_decoding_equals_one_process_without(tiny_dir: Path) -> None:
+    """Drafts verified as decode rows (one block table per verified position) reach every
+    rank: greedy tokens equal one process that does not speculate."""
+    proc = _script("spec", str(tiny_dir), "2")
+    one = run_spec(LLM(str(tiny_dir), **SCENARIO_ARGS))
+    out, err = _finish(proc, TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    two = json.loads(_line(out, "RESULT"))
+    assert two["accepted"] > 0  # drafts were verified (else this proves less)
+    assert two["tokens"] == one["tokens"]
 
 
 def test_llm_in_a_script_started_by_mlx_launch(tiny_dir: Path) -> None:

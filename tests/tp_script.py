@@ -4,6 +4,8 @@
     scenario  the batching / chunked prefill / prefix caching / preemption workload,
               printed as one JSON line (tokens and the scheduler counters)
     chat      greedy replies to two conversations (MODEL "" is the default model)
+    spec      the scenario's generations with n-gram speculative decoding (drafts verified
+              as decode rows on every rank), plus the speculation counters
     kill      print the ranks' pids, then generate until a rank is killed from outside;
               print how the engine failed and whether the ranks are gone
 """
@@ -67,6 +69,26 @@ def run_chats(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.chat(CHATS, params, use_tqdm=False)]
 
 
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+
+
+def run_spec(llm: LLM) -> dict[str, Any]:
+    """The scenario's greedy outputs (speculating if ``llm`` does) and its draft counters."""
+    prompts = scenario_prompts(llm.engine.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.get_stats()
+    return {
+        "tokens": [o.outputs[0].token_ids for o in out],
+        "accepted": stats.spec_decode_num_accepted_tokens,
+    }
+
+
 def kill(model: str, tp: int) -> None:
     llm = LLM(model, tensor_parallel_size=tp, dtype="float32", num_blocks=256)
     ranks = llm.engine.ranks
@@ -87,6 +109,10 @@ def main(argv: list[str]) -> None:
     if mode == "scenario":
         llm = LLM(model, tensor_parallel_size=tp, **SCENARIO_ARGS)
         print("RESULT", json.dumps(run_scenario(llm)), flush=True)
+        llm.shutdown()
+    elif mode == "spec":
+        llm = LLM(model, tensor_parallel_size=tp, speculative_config=SPEC, **SCENARIO_ARGS)
+        print("RESULT", json.dumps(run_spec(llm)), flush=True)
         llm.shutdown()
     elif mode == "chat":  # MODEL "" is the embedded default model
         llm = LLM(model or None, tensor_parallel_size=tp, num_blocks=64)
