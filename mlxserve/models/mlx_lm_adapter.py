@@ -83,12 +83,12 @@ class _Step:
     kv_cast_after_fetch: bool  # the layers cast K/V (dtype only) after update_and_fetch
     owners: dict[int, PagedLayerCache]  # id(keys returned by update_and_fetch) -> view
     state_md: StateMetadata | None = None
-    # Per recurrent layer, every request's starting state (read from the pools up front).
-    state_starts: list[list[mx.array]] | None = None
     # The last num_hidden_rows selected rows are wanted as hidden states (embeddings): the
     # hooked decoder stack keeps them here and hands only the others to the LM head.
     num_hidden_rows: int = 0
     hidden: mx.array | None = None  # (num_hidden_rows, hidden)
+    # Per recurrent layer, every request's starting state (read from the pools up front).
+    state_starts: list[list[mx.array]] | None = None
 
 
 @dataclass
@@ -315,8 +315,8 @@ class MlxLmModel(nn.Module):
             self._shares_kv,
             self._kv_cast_after_fetch,
             {},
-            state_metadata,
-            num_hidden_rows,
+            state_md=state_metadata,
+            num_hidden_rows=num_hidden_rows,
         )
         views: list[PagedLayerCache | PagedStateCache] = []
         for i, spec in enumerate(self._cache_specs):
