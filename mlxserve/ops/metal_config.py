@@ -16,6 +16,19 @@ import mlx.core as mx
 
 from mlxserve.exceptions import ParameterError
 
+# Both prefill kernels (SIMT and tiled) take the same inputs.
+PREFILL_INPUTS = [
+    "q",
+    "k_cache",
+    "v_cache",
+    "block_tables",
+    "context_lens",
+    "query_start_loc",
+    "req_begin",
+    "scale",
+    "sinks",
+    "kv_written",
+]
 # name -> (source file, input names, output names)
 KERNELS = {
     "write_kv": (
@@ -49,34 +62,12 @@ KERNELS = {
     ),
     "paged_prefill": (
         "paged_prefill.metal",
-        [
-            "q",
-            "k_cache",
-            "v_cache",
-            "block_tables",
-            "context_lens",
-            "query_start_loc",
-            "req_begin",
-            "scale",
-            "sinks",
-            "kv_written",
-        ],
+        PREFILL_INPUTS,
         ["out"],
     ),
     "paged_prefill_tiled": (
         "paged_prefill_tiled.metal",
-        [
-            "q",
-            "k_cache",
-            "v_cache",
-            "block_tables",
-            "context_lens",
-            "query_start_loc",
-            "req_begin",
-            "scale",
-            "sinks",
-            "kv_written",
-        ],
+        PREFILL_INPUTS,
         ["out"],
     ),
 }
