@@ -333,7 +333,9 @@ class Scheduler:
                         request.num_computed_tokens = request.num_tokens - 1
                     break
             # The draft model's KV past the target's (rejected drafts) is not kept either.
-            request.num_drafter_tokens = min(request.num_drafter_tokens, request.num_computed_tokens)
+            request.num_drafter_tokens = min(
+                request.num_drafter_tokens, request.num_computed_tokens
+            )
             if drafts:
                 assert self.spec is not None
                 self.spec.record(request, len(drafts), len(new_token_ids) - 1)

@@ -250,7 +250,8 @@ def check_same_tokenizer(target, draft, draft_name: str) -> None:
         problems.append(f"vocabulary size {draft.vocab_size} vs {target.vocab_size}")
     want, got = target.encode(PROBE_TEXT), draft.encode(PROBE_TEXT)
     if want != got:
-        at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        pairs = zip(want, got, strict=False)
+        at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(want), len(got)))
         problems.append(
             f"the probe text encodes differently (from token {at}: "
             f"{got[at : at + 4]} vs {want[at : at + 4]})"
@@ -312,4 +313,3 @@ def load_drafter(config, target_tokenizer, runner) -> Drafter:
         drafter.layout.bytes_per_block(runner.block_size, runner.dtype) // 1024,
     )
     return drafter
-

@@ -43,11 +43,11 @@ import numpy as np
 from mlxserve import ops
 from mlxserve.core.request import Logprobs, Request
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
-from mlxserve.worker.drafter import Drafter, Proposal
 from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
 from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
+from mlxserve.worker.drafter import Drafter, Proposal
 from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
 from mlxserve.worker.kv_inputs import probe_arguments, step_metadata
 from mlxserve.worker.memory import (
