@@ -183,13 +183,12 @@ def test_a_stop_token_among_accepted_drafts_ends_the_output_there() -> None:
     assert sched.kv_cache_manager.get_num_free_blocks() == 31
 
 
-def test_penalties_logprobs_and_grammars_do_not_speculate() -> None:
+def test_penalties_do_not_speculate() -> None:
     proposer = Proposer(lambda tokens, k: continuation(tokens, k))
     sched, model = make(proposer)
     rs = [
         req("p", [1, 2, 3], repetition_penalty=1.2),
         req("f", [1, 2, 4], frequency_penalty=0.5),
-        req("l", [1, 2, 5], logprobs=1),
     ]
     for r in rs:
         sched.add_request(r)
