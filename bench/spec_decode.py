@@ -9,8 +9,9 @@ Draft models (--draft, comma-separated; "none" to skip): ``self`` is the target 
 for itself (every greedy draft accepted: what the machinery costs when drafts are
 perfect, never faster, since each draft costs a full forward); ``layers:N`` is the target
 cut to its first N layers (an early-exit draft: the same embeddings, final norm and head,
-not trained to draft, made with ``mlxserve convert`` and kept in the bench cache);
-anything else is a model path or hub id.
+not trained to draft), ``layers:0-7+22-29`` keeps those layers (a layer-skipping draft,
+as self-speculative decoding does); both made with ``mlxserve convert`` and kept in the
+bench cache. Anything else is a model path or hub id.
 
 Workloads (greedy, one stream each unless --batch):
 - edit: a ~1,500-token Python file (mlxserve's own block pool, cut at a line boundary)
@@ -76,8 +77,19 @@ def repeat_prompt(tokenizer) -> str:
     return chat(tokenizer, "Repeat the following text exactly, word for word:\n\n" + text)
 
 
-def derived_draft(model: str | None, num_layers: int) -> str:
-    """The target cut to its first ``num_layers`` layers, as a model directory (cached)."""
+def parse_layers(text: str) -> list[int]:
+    """"10" -> layers 0..9; "0-7+24-29" -> those layers (inclusive ranges)."""
+    if "-" not in text and "+" not in text:
+        return list(range(int(text)))
+    out: list[int] = []
+    for part in text.split("+"):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def derived_draft(model: str | None, layers: str) -> str:
+    """The target keeping only ``layers`` (parse_layers), as a model directory (cached)."""
     import shutil
 
     import mlx.core as mx
@@ -85,27 +97,32 @@ def derived_draft(model: str | None, num_layers: int) -> str:
     from mlxserve.cli.convert import convert
     from mlxserve.loader import resolve_model
 
+    keep = parse_layers(layers)
     source = resolve_model(model)
-    out = cache_dir() / "drafts" / f"{source.path.stem}-layers{num_layers}"
+    out = cache_dir() / "drafts" / f"{source.path.stem}-layers{layers}"
     if (out / "model.safetensors").exists():
         return str(out)
-    full = out.with_name(out.name + "-full")
+    full = cache_dir() / "drafts" / f"{source.path.stem}-full"
     if not (full / "config.json").exists():
         shutil.rmtree(full, ignore_errors=True)
         convert(model, full)
     config = json.loads((full / "config.json").read_text())
-    if not 1 <= num_layers < config["num_hidden_layers"]:
-        raise SystemExit(f"layers:{num_layers}: the model has {config['num_hidden_layers']}")
-    weights = mx.load(str(full / "model.safetensors"))
-    kept = {
-        k: w
-        for k, w in weights.items()
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers
-    }
+    num_layers = config["num_hidden_layers"]
+    if not keep or max(keep) >= num_layers:
+        raise SystemExit(f"layers:{layers}: the model has {num_layers} layers")
+    renumber = {old: new for new, old in enumerate(keep)}
+    kept = {}
+    for name, w in mx.load(str(full / "model.safetensors")).items():
+        if name.startswith("model.layers."):
+            _, _, index, rest = name.split(".", 3)
+            if int(index) not in renumber:
+                continue
+            name = f"model.layers.{renumber[int(index)]}.{rest}"
+        kept[name] = w
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(full / name, out / name)
-    (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": num_layers}))
+    (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": len(keep)}))
     mx.save_safetensors(str(out / "model.safetensors"), kept, metadata={"format": "mlx"})
     return str(out)
 
@@ -117,7 +134,7 @@ def draft_path(model: str | None, name: str) -> str:
     if name == "self":
         return str(resolve_model(model).path)
     if name.startswith("layers:"):
-        return derived_draft(model, int(name.partition(":")[2]))
+        return derived_draft(model, name.partition(":")[2])
     return name
 
 
