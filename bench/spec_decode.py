@@ -78,7 +78,7 @@ def repeat_prompt(tokenizer) -> str:
 
 
 def parse_layers(text: str) -> list[int]:
-    """"10" -> layers 0..9; "0-7+24-29" -> those layers (inclusive ranges)."""
+    """ "10" -> layers 0..9; "0-7+24-29" -> those layers (inclusive ranges)."""
     if "-" not in text and "+" not in text:
         return list(range(int(text)))
     out: list[int] = []

@@ -78,6 +78,19 @@ def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(models, ref
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
 
 
+def test_the_target_as_its_own_draft_in_a_batch_has_every_draft_accepted(models, reference) -> None:
+    """Batched, the requests' catch-ups differ in length (1 token, or 2 after a full
+    accept) and the drafter orders them differently from the target: each request must
+    still get its own drafts."""
+    _, target, _ = models
+    # A small budget staggers the prompts: requests reach decoding in different steps.
+    llm = draft_llm(target, target, k=4, num_blocks=512, max_num_batched_tokens=24)
+    assert greedy(llm, prompts()) == reference
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 100
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
 def test_speculating_and_plain_requests_share_steps(models) -> None:
     """Requests that do not speculate (penalties) and ones that do, in one batch."""
     _, target, noisy = models

@@ -37,6 +37,10 @@ the blocks only they used are freed; prefix-cache hashes only ever cover verifie
 
     before: computed T-1, tokens T     scheduled: t(T-1) d0 d1 d2   computed T+3
     after:  d0 d1 accepted + x         tokens T+3, computed T+2 (x is fed next step)
+
+With a draft model the drafts are placeholders the runner fills in the same step, and
+``SchedulerOutput.drafter_feeds`` says which known tokens the draft model computes first
+(its catch-up, bounded per step: core/spec_decode.py).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from mlxserve.core.request import Request
 from mlxserve.core.scheduler_output import SchedulerOutput
@@ -60,6 +61,25 @@ class Proposal:
 
     token_ids: mx.array  # (num_drafts,) int32
     probs: mx.array | None  # (num_drafts, vocab) float32 q of each draft; None: all greedy
+
+    def sample_rows(
+        self, draft_ids: list[int], rows: list[int]
+    ) -> tuple[mx.array, mx.array | None]:  # (N,) int32, (N, vocab) float32 or None
+        """The sampler's per-row drafts and q: ``draft_ids`` (-1 where a row has none)
+        with the drafts put at ``rows``, and q there (zeros elsewhere)."""
+        index = mx.array(rows, dtype=mx.int32)
+        ids = mx.array(draft_ids, dtype=mx.int32)
+        ids[index] = self.token_ids
+        if self.probs is None:
+            return ids, None
+        probs = mx.zeros((len(draft_ids), self.probs.shape[-1]), dtype=mx.float32)
+        probs[index] = self.probs
+        return ids, probs
+
+    def read(self, placeholders: list[list[int]]) -> list[list[int]]:
+        """The drafts on the host (after evaluation), shaped as the placeholders."""
+        values = iter(np.array(self.token_ids).tolist())
+        return [[next(values) for _ in spec] for spec in placeholders]
 
 
 class Drafter:
@@ -132,8 +152,7 @@ class Drafter:
         ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables = [], [], []
-        drafting: list[Request] = []
-        last_rows: list[int] = []
+        last_row: dict[str, int] = {}  # requests that draft: the row that predicts d0
         for req in followed:
             start, end = so.drafter_feeds[req.request_id]
             ids += req.get_token_ids(start, end)
@@ -143,8 +162,10 @@ class Drafter:
             tables.append(so.block_ids[req.request_id][0])
             if so.draft_token_ids.get(req.request_id):
                 assert end == req.num_tokens, (req, start, end)
-                drafting.append(req)
-                last_rows.append(len(ids) - 1)
+                last_row[req.request_id] = len(ids) - 1
+        # The target's batch order (not the sort above): the proposal follows it.
+        drafting = [r for r in so.scheduled_requests if r.request_id in last_row]
+        last_rows = [last_row[r.request_id] for r in drafting]
         logits = self._forward(ids, positions, query_lens, context_lens, tables, last_rows)
         if not drafting:
             return None

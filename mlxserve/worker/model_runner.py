@@ -578,17 +578,9 @@ class ModelRunner:
             draft_ids += [*spec, -1]
         if len(states) == len(part.samplers):
             return states, None, None
-        ids = mx.array(draft_ids, dtype=mx.int32)
-        proposal = part.proposal
-        if proposal is None:
-            return states, ids, None
-        index = mx.array(rows, dtype=mx.int32)
-        ids[index] = proposal.token_ids
-        probs = None
-        if proposal.probs is not None:
-            probs = mx.zeros((len(states), proposal.probs.shape[-1]), dtype=mx.float32)
-            probs[index] = proposal.probs
-        return states, ids, probs
+        if part.proposal is not None:  # a draft model's: on the device
+            return states, *part.proposal.sample_rows(draft_ids, rows)
+        return states, mx.array(draft_ids, dtype=mx.int32), None
 
     def _sample_masked(self, parts: list[_Part]) -> None:
         """Sample the parts that have grammar rows, with their token bitmasks (host work
@@ -620,10 +612,7 @@ class ModelRunner:
             top_ids = np.array(r.top_ids).tolist() if r.top_ids is not None else None
             top_lp = np.array(r.top_logprobs).tolist() if r.top_logprobs is not None else None
             accepted = np.array(r.accepted).tolist() if r.accepted is not None else None
-            specs = part.drafts
-            if part.proposal is not None:  # the draft model's, known now
-                proposed = iter(np.array(part.proposal.token_ids).tolist())
-                specs = [[next(proposed) for _ in spec] for spec in specs]
+            specs = part.drafts if part.proposal is None else part.proposal.read(part.drafts)
             i = 0  # the request's first sample row
             for req, spec in zip(part.samplers, specs, strict=True):
                 tokens = []
