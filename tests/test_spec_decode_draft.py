@@ -202,3 +202,30 @@ def test_the_method_follows_from_the_model_and_tensor_parallel_is_refused() -> N
     with pytest.raises(ParameterError) as e:
         EngineConfig(speculative_config={"model": "some/draft"}, tensor_parallel_size=2)
     assert e.value.parameter == "tensor_parallel_size" and "draft model" in str(e.value)
+
+
+def test_a_draft_with_a_padded_embedding_drafts_in_the_targets_vocabulary(
+    models, reference, tmp_path
+) -> None:
+    """The target itself with 64 more embedding and head rows (as model families pad
+    differently), rows that score 5x the real ones: only if its logits are cut to the
+    target's width are its greedy drafts the target's own tokens, every one accepted."""
+    import json
+    import shutil
+
+    _, target, _ = models
+    padded = tmp_path / "padded"
+    padded.mkdir()
+    weights = mx.load(str(target / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = mx.concatenate([weights[name], 5 * weights[name][:64]])
+    mx.save_safetensors(str(padded / "model.safetensors"), weights)
+    config = json.loads((target / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps(config | {"vocab_size": VOCAB_SIZE + 64}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, padded / name)
+    llm = draft_llm(target, padded, num_blocks=512)
+    assert greedy(llm, prompts(4)) == reference[:4]
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 20
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
