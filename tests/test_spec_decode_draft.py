@@ -229,3 +229,14 @@ def test_a_draft_with_a_padded_embedding_drafts_in_the_targets_vocabulary(
     stats = llm.engine.get_stats()
     assert stats.spec_decode_num_draft_tokens > 20
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+def test_memory_planning_counts_the_draft_models_kv(models) -> None:
+    """In a fixed KV budget a block costs both models' K/V: with the target drafting for
+    itself (the same K/V per block) the pool holds half the blocks."""
+    _, target, _ = models
+    budget = {"kv_cache_memory_bytes": 2 << 20, "max_model_len": 256}  # under the cap
+    alone = LLM(str(target), **budget).engine.plan
+    both = draft_llm(target, target, **budget).engine.plan
+    assert both.bytes_per_block == 2 * alone.bytes_per_block
+    assert both.num_blocks - 1 == (alone.num_blocks - 1) // 2
