@@ -13,8 +13,7 @@ import mlx.nn as nn
 
 from mlxserve import ops
 from mlxserve.kv_cache_spec import KVCacheLayout
-from mlxserve.ops import AttentionMetadata
-from mlxserve.ops import kv_quant
+from mlxserve.ops import AttentionMetadata, kv_quant
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
 
