@@ -35,6 +35,8 @@ import mlx.core as mx
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import KV_SCALE_BYTES
 
+__all__ = ["KV_SCALE_BYTES", "dequantize", "is_quantized", "kv_pool_dtype", "quantize", "split"]
+
 QUANT_DTYPE = mx.int8
 QMAX = 127
 
