@@ -112,6 +112,7 @@ def with_fake_kv(transform: Callable, run: Callable):
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="default: the embedded SmolLM2 GGUF")
+    p.add_argument("--dtype", default="auto", help="activation dtype (auto: float32 on CPU)")
     p.add_argument("--kv-budget-mb", type=int, default=64, help="KV cache budget (MiB)")
     p.add_argument("--length", type=int, default=1024, help="tokens per request (capacity)")
     p.add_argument("--prompts", type=int, default=6, help="chat prompts for the greedy check")
@@ -129,7 +130,12 @@ def main(argv: list[str] | None = None) -> dict:
     from mlxserve.utils import cdiv
 
     budget = args.kv_budget_mb * 2**20
-    results: dict = {"budget_mib": args.kv_budget_mb, "length": args.length, "dtypes": {}}
+    results: dict = {
+        "budget_mib": args.kv_budget_mb,
+        "length": args.length,
+        "dtype": args.dtype,
+        "dtypes": {},
+    }
     greedy_tokens: dict[str, list[list[int]]] = {}
     prompts = CHAT[: args.prompts]
     batch = [CHAT[i % len(CHAT)] + f" (#{i})" for i in range(args.batch)]
@@ -137,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     for dtype in ("auto", "int8"):
         llm = LLM(
             args.model,
+            dtype=args.dtype,
             kv_cache_dtype=dtype,
             kv_cache_memory_bytes=budget,
             max_model_len=args.length,

@@ -250,5 +250,19 @@ def test_the_same_budget_holds_about_twice_the_blocks_in_int8() -> None:
         assert plan.bytes_per_block == 16 * 30 * 3 * 2 * {"int8": 68}.get(
             plan.kv_dtype, 64 * dtype.size
         )
+        assert f"KV cache ({plan.kv_dtype}): up to {plan.num_blocks - 1} blocks" in (
+            plan.describe(256, 256)
+        )
     assert blocks["mlx.core.int8"] == 2**30 // (16 * 30 * 3 * 2 * 68)
     assert 1.85 < blocks["mlx.core.int8"] / blocks["mlx.core.float16"] < 1.9
+
+
+def test_the_cli_flag_sets_the_engine_field_and_rejects_fp8() -> None:
+    from mlxserve.cli.engine_args import engine_config
+    from mlxserve.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+    assert engine_config(args, None).kv_cache_dtype == "int8"
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e5m2"])
+    with pytest.raises(ParameterError, match="'fp8_e5m2' is not supported: FP8"):
+        engine_config(args, None)

@@ -132,16 +132,18 @@ def run_all(
     gqa: int,
     window: int | None = None,
     use_sinks: bool = False,
+    quant: bool = False,
 ) -> list[SelfTestResult]:
     """Self-test (or recall) every variant a model of these shapes uses: the write and each
     attention path, and the SIMT prefill where the tiled one failed (``mlxserve doctor``).
-    Failures are logged as on first use."""
-    write = write_variant(dtype)
-    _verified(kernels, write, lambda: _test_write(kernels, dtype), "fallback")
+    `quant`: over 8-bit pools (kv_cache_dtype int8). Failures are logged as on first use."""
+    quant_head_dim = head_dim if quant else None
+    write = write_variant(dtype, quant_head_dim)
+    _verified(kernels, write, lambda: _test_write(kernels, dtype, quant_head_dim), "fallback")
     results = [kernels.self_tests[write]]
     for path in PATH_KERNELS:
         results += _verify_path(
-            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, "fallback"
+            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, "fallback", quant
         )
     return results
 
