@@ -13,9 +13,11 @@ model and a fixed KV budget (``kv_cache_memory_bytes``) reports, in one run:
   float cache's token for token (positions equal before the first difference, and
   sequences identical).
 int4 is not an engine setting (it is refused; see README): its accuracy is measured here by
-simulation, K/V rounded to 4 bits in a float pool before the write, in two formats: ours
+simulation, K/V rounded in a float pool before the write, in two formats: ours
 (symmetric, a scale per token and head, max|x| / 7) and mlx-lm's kv_bits=4 (affine, a scale
-and bias per 64 values, MLX's own quantizer). Its capacity is computed from its row size.
+and bias per 64 values, MLX's own quantizer); capacity is computed from the row size. For
+reference the same simulation runs a float16 cache and mlx-lm's kv_bits=8 (greedy
+agreement of a float32 engine with those: how much any rounding of K/V moves the tokens).
 """
 
 from __future__ import annotations
@@ -49,14 +51,26 @@ def fake_int4_symmetric(x):
     return (mx.clip(mx.round(xf / safe), -7, 7) * step).astype(x.dtype)
 
 
-def fake_int4_affine(x):
-    """4-bit as mlx-lm's kv_bits=4 stores it: MLX's affine quantizer, groups of 64."""
+def fake_affine(bits: int) -> Callable:
+    """K/V as mlx-lm's kv_bits stores them: MLX's affine quantizer, groups of 64."""
+
+    def rounded(x):
+        import mlx.core as mx
+
+        flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        group = 64 if flat.shape[-1] % 64 == 0 else 32
+        w, s, b = mx.quantize(flat, group_size=group, bits=bits)
+        out = mx.dequantize(w, s, b, group_size=group, bits=bits)
+        return out.reshape(x.shape).astype(x.dtype)
+
+    return rounded
+
+
+def fake_float16(x):
+    """A float16 cache (K/V rounded to float16), for reference next to a float32 one."""
     import mlx.core as mx
 
-    flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-    group = 64 if flat.shape[-1] % 64 == 0 else 32
-    w, s, b = mx.quantize(flat, group_size=group, bits=4)
-    return mx.dequantize(w, s, b, group_size=group, bits=4).reshape(x.shape).astype(x.dtype)
+    return x.astype(mx.float16).astype(x.dtype)
 
 
 def compare(reference: list[list[int]], other: list[list[int]]) -> dict:
@@ -119,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--batch", type=int, default=8, help="requests in the decode-rate batch")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode request")
-    p.add_argument("--no-int4", action="store_true", help="skip the int4 simulation")
+    p.add_argument("--no-int4", action="store_true", help="skip the simulated formats")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     if not 1 <= args.prompts <= len(CHAT):
@@ -178,9 +192,14 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_int4:
         layout, block_size = engine.runner.layout, engine.plan.block_size
         formats = {  # name -> (rounding, bytes of a row of d values)
-            "int4-sym-row": (fake_int4_symmetric, lambda d: d // 2 + KV_SCALE_BYTES),
+            "float16 (reference)": (fake_float16, lambda d: 2 * d),
             # float16 scale and bias per 64 values, as mlx-lm keeps them on a Mac
-            "int4-affine-g64": (fake_int4_affine, lambda d: d // 2 + 4 * cdiv(d, 64)),
+            "int8-affine-g64 (mlx-lm kv_bits=8)": (fake_affine(8), lambda d: d + 4 * cdiv(d, 64)),
+            "int4-sym-row": (fake_int4_symmetric, lambda d: d // 2 + KV_SCALE_BYTES),
+            "int4-affine-g64 (mlx-lm kv_bits=4)": (
+                fake_affine(4),
+                lambda d: d // 2 + 4 * cdiv(d, 64),
+            ),
         }
         for name, (transform, row) in formats.items():
             tokens = with_fake_kv(transform, lambda: greedy(float_llm, float_chat, args.tokens))

@@ -208,7 +208,7 @@ def test_prefix_cache_hit_reads_8bit_blocks_as_a_miss_does(tmp_path: Path) -> No
         ("fp8", "FP8 KV caches are not implemented"),
         ("fp8_e4m3", "FP8"),
         ("fp8_e5m2", "FP8"),
-        ("int4", "int4"),
+        ("int4", "4-bit K/V was measured too inaccurate"),
         ("bfloat16", "set --dtype"),
         ("q8_0", "unknown value"),
     ],
