@@ -117,8 +117,9 @@ def test_tiny_gqa_model_logits_near_the_float_cache_as_mlx_lm_8bit(tmp_path: Pat
     No closed-form bound survives the layers after an attention, so the tolerance comes
     from an independent implementation of the same 8-bit budget: mlx-lm's QuantizedKVCache
     (8 bits, a scale and bias per 32 values: one group per row here). Our deviation from
-    the float cache must be within 2.5x of mlx-lm's (the derivation in the next test: the
-    symmetric step is at most 255/127 of the affine one), and the greedy tokens must agree.
+    the float cache must be within 3x of mlx-lm's (the derivation in the next test: the
+    symmetric step is at most 255/127 of the affine one, and rounding patterns differ), and
+    the greedy tokens must agree.
     """
     from mlx_lm.models.cache import QuantizedKVCache
 
@@ -136,7 +137,7 @@ def test_tiny_gqa_model_logits_near_the_float_cache_as_mlx_lm_8bit(tmp_path: Pat
             feed = [t]
         ours = np.abs(q_logits[rid] - float_logits[rid]).max()
         theirs = np.abs(np.stack(rows) - float_logits[rid]).max()
-        assert 0 < ours <= 2.5 * theirs, (rid, ours, theirs)
+        assert 0 < ours <= 3 * theirs, (rid, ours, theirs)
 
 
 def _affine_8bit(x: mx.array) -> mx.array:
@@ -157,9 +158,10 @@ def test_default_model_logits_near_the_float_cache(
     mlx-lm's kv_bits=8 stores): per element, ours errs by at most max|x| / 254, the affine
     one by at most (max - min) / 510 >= max|x| / 510, a worst-case ratio of 255 / 127 ~ 2.
     To first order the logit deviation scales with the per-element bound, so ours may be
-    2x the affine cache's, and 2.5x leaves room for the two rounding patterns differing.
-    (Measured on two 20-token sequences: 1.17 and 0.50 for ours, 0.52 and 0.56 for the
-    affine cache; greedy argmax identical at every position.)
+    2x the affine cache's; a further 1.5x covers the two rounding patterns differing (the
+    largest of many small rounding errors varies that much between patterns: measured
+    ratios 2.0 here, 2.25 and 0.9 on two 20-token sequences). A wrong scale or a lost
+    write moves the logits by far more; no deviation at all means nothing was quantized.
     """
     config, weights, _ = load_gguf(smollm2_gguf)
     model = build_model(config, cast_weights(weights, mx.float32))
@@ -181,7 +183,7 @@ def test_default_model_logits_near_the_float_cache(
         f = logits["float"][rid]
         ours = np.abs(logits["int8"][rid] - f).max()
         theirs = np.abs(logits["affine"][rid] - f).max()
-        assert 0 < ours <= 2.5 * theirs, (rid, ours, theirs)
+        assert 0 < ours <= 3 * theirs, (rid, ours, theirs)
         agree.append(np.mean(logits["int8"][rid].argmax(-1) == f.argmax(-1)))
     assert np.mean(agree) >= 0.9  # a loose floor; bench/kv_cache_dtype.py reports it
 
@@ -250,8 +252,9 @@ def test_the_same_budget_holds_about_twice_the_blocks_in_int8() -> None:
         assert plan.bytes_per_block == 16 * 30 * 3 * 2 * {"int8": 68}.get(
             plan.kv_dtype, 64 * dtype.size
         )
-        assert f"KV cache ({plan.kv_dtype}): up to {plan.num_blocks - 1} blocks" in (
-            plan.describe(256, 256)
+        line = plan.describe(256, 256)
+        assert (
+            f"KV cache: up to {plan.num_blocks - 1} blocks x 16 tokens ({plan.kv_dtype}, " in line
         )
     assert blocks["mlx.core.int8"] == 2**30 // (16 * 30 * 3 * 2 * 68)
     assert 1.85 < blocks["mlx.core.int8"] / blocks["mlx.core.float16"] < 1.9

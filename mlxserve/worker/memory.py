@@ -74,9 +74,9 @@ class KVPlan:
         text = f"{layout.describe()}; "
         if layout.num_groups:
             text = (
-                f"KV cache ({self.kv_dtype}): up to {self.num_blocks - 1} blocks x "
-                f"{self.block_size} tokens "
-                f"({self.kv_bytes / GiB:.2f} GiB, {self.bytes_per_block // 1024} KiB/block, "
+                f"KV cache: up to {self.num_blocks - 1} blocks x {self.block_size} tokens "
+                f"({self.kv_dtype}, {self.kv_bytes / GiB:.2f} GiB, "
+                f"{self.bytes_per_block // 1024} KiB/block, "
                 f"allocated as used); " + text
             )
         if self.num_state_slots:
