@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--batch", type=int, default=8, help="requests in the decode-rate batch")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode request")
-    p.add_argument("--no-int4", action="store_true", help="skip the simulated formats")
+    p.add_argument("--no-simulated", action="store_true", help="skip the simulated formats")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     if not 1 <= args.prompts <= len(CHAT):
@@ -186,10 +186,10 @@ def main(argv: list[str] | None = None) -> dict:
             "greedy_seconds": round(greedy_s, 1),
         }
         print(f"[{dtype}] {json.dumps(results['dtypes'][dtype])}", flush=True)
-        if dtype == "auto":  # kept for the int4 simulation
+        if dtype == "auto":  # kept for the simulated formats
             float_llm, float_chat = llm, chat
     results["dtypes"]["int8"].update(compare(greedy_tokens["auto"], greedy_tokens["int8"]))
-    if not args.no_int4:
+    if not args.no_simulated:
         layout, block_size = engine.runner.layout, engine.plan.block_size
         formats = {  # name -> (rounding, bytes of a row of d values)
             "float16 (reference)": (fake_float16, lambda d: 2 * d),

@@ -199,7 +199,7 @@ def test_kv_cache_dtype_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
 
     _, model_dir = make_tiny_model_dir(tmp_path / "m")
     args = [str(model_dir), "--kv-budget-mb", "1", "--length", "64", "--prompts", "2"]
-    args += ["--tokens", "4", "--batch", "2", "--decode-tokens", "3", "--no-int4"]
+    args += ["--tokens", "4", "--batch", "2", "--decode-tokens", "3", "--no-simulated"]
     data = kv_cache_dtype.main(args)["dtypes"]
     # The tiny model: 2 layers x 2 KV heads of 16 per token; int8 rows are 16 + 4 bytes.
     assert data["auto"]["bytes_per_block"] == 16 * 2 * 2 * 2 * 16 * 4
