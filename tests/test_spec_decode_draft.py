@@ -240,3 +240,17 @@ def test_memory_planning_counts_the_draft_models_kv(models) -> None:
     both = draft_llm(target, target, **budget).engine.plan
     assert both.bytes_per_block == 2 * alone.bytes_per_block
     assert both.num_blocks - 1 == (alone.num_blocks - 1) // 2
+
+
+def test_an_int8_kv_cache_quantizes_the_draft_models_pool_too(models) -> None:
+    """--kv-cache-dtype int8: the draft's pool holds 8-bit rows as the target's does (the
+    plan counts them so); greedy output equals int8 without speculation."""
+    _, target, _ = models
+    base = LLM(str(target), num_blocks=512, kv_cache_dtype="int8")
+    llm = draft_llm(target, target, k=4, num_blocks=512, kv_cache_dtype="int8")
+    ps = prompts(4)
+    assert greedy(llm, ps) == greedy(base, ps)
+    runner = llm.engine.runner
+    assert runner.drafter.kv_cache.keys[0].dtype == runner.kv_cache.keys[0].dtype == mx.int8
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 20

@@ -148,6 +148,7 @@ class LLMEngine:
                 kernels=config.kernels,
                 seed=config.seed,
                 channel=channel,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
             sc = config.speculative_config
             if sc is not None and sc.model is not None and not self.runner.layout.has_state:
@@ -189,7 +190,9 @@ class LLMEngine:
                 min(self.plan.num_blocks, INITIAL_KV_BLOCKS),
                 groups=layout.groups,
                 num_state_slots=self.plan.num_state_slots,
-                snapshot_interval=snapshot_interval(layout, config.block_size, loaded.dtype),
+                snapshot_interval=snapshot_interval(
+                    layout, config.block_size, self.runner.kv_dtype
+                ),
             ),
             self.speculative_config,
         )

@@ -87,7 +87,7 @@ class Drafter:
 
     def __init__(self, model, *, dtype: mx.Dtype, block_size: int, vocab_size: int) -> None:
         self.model = model
-        self.dtype = dtype
+        self.dtype = dtype  # the pool's (the target's KV dtype)
         self.block_size = block_size
         self.vocab_size = vocab_size  # the target's: drafts' probabilities are this wide
         self.layout: KVCacheLayout = getattr(model, "kv_cache_layout", None) or uniform_layout(
@@ -322,8 +322,12 @@ def load_drafter(config, target_tokenizer, runner) -> Drafter:
     loaded = load_model(name, dtype=config.dtype, revision=None)
     if target_tokenizer is not None and loaded.tokenizer is not None:
         check_same_tokenizer(target_tokenizer, loaded.tokenizer, name)
+    # Its pool has the target's K/V dtype (--kv-cache-dtype int8: 8-bit rows too).
     drafter = Drafter(
-        loaded.model, dtype=runner.dtype, block_size=runner.block_size, vocab_size=runner.vocab_size
+        loaded.model,
+        dtype=runner.kv_dtype,
+        block_size=runner.block_size,
+        vocab_size=runner.vocab_size,
     )
     check_draft_layout(drafter, runner.layout, name)
     logger.info(
@@ -331,6 +335,6 @@ def load_drafter(config, target_tokenizer, runner) -> Drafter:
         loaded.source.name,
         drafter.model.num_layers,
         drafter.weights_bytes / 2**20,
-        drafter.layout.bytes_per_block(runner.block_size, runner.dtype) // 1024,
+        drafter.layout.bytes_per_block(runner.block_size, runner.kv_dtype) // 1024,
     )
     return drafter
