@@ -135,14 +135,24 @@ class Attention(nn.Module):
         cache: KVCache,
     ) -> mx.array:  # (num_tokens, hidden)
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if "qkv_proj" in self:  # fused at load (models/fused.py)
+            q, k, v = mx.split(self.qkv_proj(x), self._qkv_split, axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
         out = cached_attention(cache, self.layer_idx, q, k, v, md, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))  # (num_tokens, hidden)
+
+    def fuse_qkv(self, qkv_proj: nn.Module, sizes: list[int]) -> None:
+        """Replace q/k/v_proj by one layer whose output rows are q | k | v (``sizes``)."""
+        del self["q_proj"], self["k_proj"], self["v_proj"]
+        self.qkv_proj = qkv_proj
+        self._qkv_split = [sizes[0], sizes[0] + sizes[1]]
 
 
 class MLP(nn.Module):
@@ -156,7 +166,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:  # fused at load (models/fused.py)
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
+
+    def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
+        """Replace gate/up_proj by one layer whose output rows are gate | up."""
+        del self["gate_proj"], self["up_proj"]
+        self.gate_up_proj = gate_up_proj
 
 
 class DecoderLayer(nn.Module):

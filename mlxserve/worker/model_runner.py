@@ -45,6 +45,7 @@ from mlxserve.core.request import Logprobs, Request
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
+from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata
 from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
 from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
@@ -150,6 +151,7 @@ class ModelRunner:
         channel: StepChannel | None = None,
     ) -> None:
         self.model = model
+        fuse_projections(model)  # one matmul for q/k/v, one for gate/up (after sharding)
         # Tensor parallel (rank 0): every forward's inputs go to the other ranks first.
         self.channel = channel
         self.dtype = dtype
