@@ -18,6 +18,10 @@ Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
    all its layers (so the per-``eval`` cost is paid once), best of ``--repeats``. And
    MLX's dispatch cost per op: a chain of 1,000 adds on a (B, hidden) array.
 
+On a busy machine wall times mean little; the step's CPU time (every thread of the
+process, ``time.process_time``) does, with ``MLXSERVE_CPU_THREADS=1`` (no spinning
+helper threads): then it is the work one step costs, whoever else runs.
+
 The parts are measured alone, so their sum differs from eval (no overlap, other cache
 state); they say where the compute goes, the engine step says how much is host time.
 Numbers on a shared machine move; run it when the load average is low (it is printed).
@@ -121,10 +125,10 @@ def profile_engine(engine, batch: int, steps: int) -> dict[str, float]:
     mx.async_eval = eval_now
     t.wrap(mx, "async_eval", "eval")
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             engine.step()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         t.restore()
         mx.async_eval = _ASYNC_EVAL
@@ -133,6 +137,7 @@ def profile_engine(engine, batch: int, steps: int) -> dict[str, float]:
         engine.step()
     ms = {k: v / steps * 1000 for k, v in t.seconds.items()}
     ms["step"] = wall / steps * 1000
+    ms["cpu"] = cpu / steps * 1000  # CPU time of all threads: robust to other load
     ms["host"] = ms["step"] - ms.get("eval", 0.0)
     ms["ops"] = float(ops_per_step[0]) if ops_per_step else 0.0
     return ms
@@ -265,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nbatch {b}: step {ms['step']:.1f} ms = host {ms['host']:.1f} ms "
             f"({ms['host'] / ms['step']:.0%}) + eval {ms.get('eval', 0):.1f} ms; "
-            f"{ms['ops']:.0f} ops evaluated"
+            f"{ms['ops']:.0f} ops evaluated; CPU time {ms['cpu']:.1f} ms"
         )
         for k in sorted(ms):
-            if k not in ("step", "host", "eval", "ops"):
+            if k not in ("step", "host", "eval", "ops", "cpu"):
                 print(f"  {k:28s} {ms[k]:7.2f} ms")
         parts = profile_parts(engine.runner.model, b, args.repeats)
         results["parts"][b] = parts
