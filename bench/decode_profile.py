@@ -17,6 +17,8 @@ Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
    elementwise rest (SwiGLU, residual adds), the sampler; each evaluated as one graph of
    all its layers (so the per-``eval`` cost is paid once), best of ``--repeats``. And
    MLX's dispatch cost per op: a chain of 1,000 adds on a (B, hidden) array.
+3. **Verification rows.** A forward pass over 1, 2, 5, 8 decode rows of one request (as a
+   speculative verification is laid out), best of ``--repeats``, relative to one row.
 
 On a busy machine wall times mean little; the step's CPU time (every thread of the
 process, ``time.process_time``) does, with ``MLXSERVE_CPU_THREADS=1`` (no spinning
@@ -253,6 +255,44 @@ def profile_parts(model, batch: int, repeats: int, context: int = 48) -> dict[st
     return out
 
 
+def profile_verification(model, rows: list[int], repeats: int, context: int = 60) -> dict:
+    """Best-of-``repeats`` ms of a forward pass over n decode rows of one request (how the
+    runner lays out a speculative verification: each row attends up to its own position),
+    for each n in ``rows``, interleaved; and the cost relative to one row."""
+    from mlxserve.models.base import KVCache
+    from mlxserve.ops import AttentionMetadata
+
+    bs = 16
+    nblk = -(-(context + max(rows)) // bs)
+    cache = KVCache.allocate_for(model, 1 + nblk, bs, mx.float32)
+    mx.eval(cache.arrays())
+    table = list(range(1, 1 + nblk))
+
+    def forward(n: int) -> None:
+        md = AttentionMetadata.build(
+            [1] * n, list(range(context + 1, context + 1 + n)), [table] * n, bs
+        )
+        logits = model(
+            mx.array([5] * n, dtype=mx.int32),
+            mx.arange(context, context + n, dtype=mx.int32),
+            md,
+            cache,
+            logits_indices=mx.arange(n, dtype=mx.int32),
+        )
+        mx.eval(logits, cache.arrays())
+
+    best = dict.fromkeys(rows, float("inf"))
+    for _ in range(2):
+        for n in rows:
+            forward(n)
+    for _ in range(repeats):
+        for n in rows:
+            t = time.perf_counter()
+            forward(n)
+            best[n] = min(best[n], time.perf_counter() - t)
+    return {n: {"ms": v * 1000, "vs_1_row": v / best[rows[0]]} for n, v in best.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", default=None)
@@ -260,6 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--verify-rows",
+        type=int,
+        nargs="*",
+        default=[1, 2, 5, 8],
+        help="forward passes over this many decode rows of one request (speculative "
+        "verification); none: skip",
+    )
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
     engine = make_engine(args.model, max_num_seqs=max(64, *args.batch))
@@ -280,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  parts alone (best of {args.repeats}):")
         for k, v in parts.items():
             print(f"  {k:36s} {v:7.2f}")
+    if args.verify_rows:
+        verify = profile_verification(engine.runner.model, args.verify_rows, args.repeats)
+        results["verification"] = verify
+        print("\nforward over n decode rows of one request (speculative verification):")
+        for n, v in verify.items():
+            print(f"  {n} rows: {v['ms']:.1f} ms = {v['vs_1_row']:.2f}x one row")
     results["load_end"] = os.getloadavg()[0]
     print(f"\nload average: {load:.2f} at start, {results['load_end']:.2f} at end")
     if args.json:
