@@ -156,9 +156,11 @@ def test_tp2_greedy_tokens_equal_one_process(tiny_dir: Path) -> None:
 
 def test_tp2_with_speculative_decoding_equals_one_process_without(tiny_dir: Path) -> None:
     """Drafts verified as decode rows (one block table per verified position) reach every
-    rank: greedy tokens equal one process that does not speculate."""
+    rank: greedy tokens equal one process that does not speculate. Both sides keep an
+    8-bit KV cache (kv_cache_dtype int8): each rank quantizes the rows of its own KV heads,
+    one scale per row, so the shards hold what one process holds."""
     proc = _script("spec", str(tiny_dir), "2")
-    one = run_spec(LLM(str(tiny_dir), **SCENARIO_ARGS))
+    one = run_spec(LLM(str(tiny_dir), kv_cache_dtype="int8", **SCENARIO_ARGS))
     out, err = _finish(proc, TIMEOUT)
     assert proc.returncode == 0, err[-3000:]
     two = json.loads(_line(out, "RESULT"))

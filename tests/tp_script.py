@@ -111,7 +111,13 @@ def main(argv: list[str]) -> None:
         print("RESULT", json.dumps(run_scenario(llm)), flush=True)
         llm.shutdown()
     elif mode == "spec":
-        llm = LLM(model, tensor_parallel_size=tp, speculative_config=SPEC, **SCENARIO_ARGS)
+        llm = LLM(
+            model,
+            tensor_parallel_size=tp,
+            speculative_config=SPEC,
+            kv_cache_dtype="int8",
+            **SCENARIO_ARGS,
+        )
         print("RESULT", json.dumps(run_spec(llm)), flush=True)
         llm.shutdown()
     elif mode == "chat":  # MODEL "" is the embedded default model
