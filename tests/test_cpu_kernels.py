@@ -103,6 +103,18 @@ def test_16_bit_scales_and_biases_are_read_as_stored(isa: str, scale_dtype) -> N
         assert_close(cpu.quantized_matmul(x, wq, s, b, 32, 4), want, mag)
 
 
+def test_a_row_gets_the_same_bits_alone_and_beside_other_rows(isa: str) -> None:
+    """Decode rows (the GEMV: up to MV_ROWS rows, csrc/qmm_<isa>.c) sum in the same order
+    whatever the row count, so a request's logits do not depend on its batch or drafts."""
+    mv_rows = {"scalar": 4, "avx2": 4, "avx512": 8, "neon": 8}[isa]
+    x, (wq, scales, biases), _, _ = problem(8, 160, 37, 4, 32, mx.float16, seed=4)
+    alone = [cpu.quantized_matmul(x[i : i + 1], wq, scales, biases, 32, 4) for i in range(8)]
+    for m in range(2, mv_rows + 1):
+        together = cpu.quantized_matmul(x[:m], wq, scales, biases, 32, 4)
+        for i in range(m):
+            assert mx.array_equal(together[i : i + 1], alone[i]).item(), (isa, m, i)
+
+
 def test_agrees_with_mlx_quantized_matmul_and_group_128() -> None:
     cases = [(1, 4, 128), (40, 8, 128), (3, 4, 64), (1, 5, 32), (17, 3, 64), (2, 6, 32)]
     for m, bits, group in cases + [(9, 2, 128)]:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from mlxserve.models import build_model
+from mlxserve.models.fused import fuse_projections
 from tests.model_helpers import (
     LLAMA3_SCALING,
     BlockPoolRunner,
@@ -103,10 +104,16 @@ def check_varlen_batch(oracle: nn.Module, model: nn.Module, seed: int = 1) -> No
     assert_close(last["C"], want_c[1][-1], "C last row")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_varlen_batch_logits_match_mlx_lm(name: str, checkpoints) -> None:
+def test_varlen_batch_logits_match_mlx_lm(name: str, fused: bool, checkpoints) -> None:
+    """Also with q/k/v and gate/up fused into one matmul each, as the engine runs them."""
     oracle, path = checkpoints(name)
-    check_varlen_batch(oracle, load_checkpoint(path))
+    model = load_checkpoint(path)
+    if fused:
+        assert fuse_projections(model) == 2 * model.args.num_hidden_layers
+        assert "q_proj" not in model.model.layers[0].self_attn
+    check_varlen_batch(oracle, model)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -165,6 +172,7 @@ def test_quantized_checkpoint_matches_mlx_lm(name: str, bits: int, tmp_path: Pat
     for path, module in layers.items():
         assert isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)), (path, module)
         assert (module.bits, module.group_size) == (bits, 64), path
+    assert fuse_projections(model) == 2 * config["num_hidden_layers"]  # as the engine runs it
     check_varlen_batch(oracle, model)
 
 

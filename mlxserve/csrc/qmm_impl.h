@@ -94,13 +94,16 @@ static __thread size_t tls_a_cap, tls_b_cap, tls_c_cap;
 typedef struct {
     const qmm_problem *p;
     const float *xp; /* (M, K) permuted */
-    const float *xe; /* (M, groups, VW): lane 0 the sum of x over the group, others 0 */
     int64_t g, rows_per_item;
 } mv_ctx;
 
-/* y[m, n] = sum over groups of scale * (q . x) + bias * sum(x), for weight rows
- * n .. n + nr - 1 together (independent chains keep the FMA pipes busy when m_rows is
- * small). The bias term rides in lane 0 of its own accumulator (see mv_ctx.xe). */
+/* y[m, n] for weight rows n .. n + nr - 1 together: each block of 32 weights is
+ * dequantized once (q * scale + bias, as mx.dequantize computes it) and multiplied with
+ * every row of x, so a row of x costs VPB FMAs per block on top of the shared
+ * dequantization (speculative verification and small batches cost little more than one
+ * row). Each (m, n) is accumulated in the same order whatever m_rows is: a request's
+ * row gets the same bits alone or beside others. Two accumulators per (r, m), for the
+ * even and the odd vectors of a block, halve the FMA dependency chains. */
 static inline __attribute__((always_inline)) void mv_block(const mv_ctx *c, int64_t n,
                                                            const float *srow, const float *brow,
                                                            const int m_rows, const int nr) {
@@ -108,51 +111,47 @@ static inline __attribute__((always_inline)) void mv_block(const mv_ctx *c, int6
     const int64_t K = p->K, N = p->N, g_count = c->g;
     const int bits = p->bits, subs = p->group_size / BLOCK;
     const int64_t row_bytes = K * bits / 8, block_bytes = BLOCK * bits / 8;
-    vf acc[2][MV_ROWS], accb[2][MV_ROWS];
+    vf acc[2][MV_ROWS][2];
 #pragma GCC unroll 2
     for (int r = 0; r < nr; r++)
 #pragma GCC unroll 8
-        for (int m = 0; m < m_rows; m++) acc[r][m] = accb[r][m] = vzero();
+        for (int m = 0; m < m_rows; m++) acc[r][m][0] = acc[r][m][1] = vzero();
     for (int64_t gi = 0; gi < g_count; gi++) {
-        const float *xe = c->xe + gi * VW;
 #pragma GCC unroll 2
         for (int r = 0; r < nr; r++) {
             const uint8_t *wr = (const uint8_t *)p->w + (n + r) * row_bytes;
-            vf t[MV_ROWS];
-#pragma GCC unroll 8
-            for (int m = 0; m < m_rows; m++) t[m] = vzero();
+            const vf sv = vset1(srow[r * g_count + gi]), bv = vset1(brow[r * g_count + gi]);
             for (int s = 0; s < subs; s++) {
                 const int64_t k0 = (gi * subs + s) * BLOCK;
                 vf q[VPB];
                 deq(bits, wr + (k0 / BLOCK) * block_bytes, q);
+#pragma GCC unroll 32
+                for (int v = 0; v < VPB; v++) q[v] = vfma(q[v], sv, bv);
                 const float *xb = c->xp + k0;
 #pragma GCC unroll 8
                 for (int m = 0; m < m_rows; m++)
 #pragma GCC unroll 32
                     for (int v = 0; v < VPB; v++)
-                        t[m] = vfma(q[v], vload(xb + m * K + v * VW), t[m]);
-            }
-            const vf sv = vset1(srow[r * g_count + gi]), bv = vset1(brow[r * g_count + gi]);
-#pragma GCC unroll 8
-            for (int m = 0; m < m_rows; m++) {
-                acc[r][m] = vfma(t[m], sv, acc[r][m]);
-                accb[r][m] = vfma(bv, vload(xe + m * g_count * VW), accb[r][m]);
+                        acc[r][m][v & 1] = vfma(q[v], vload(xb + m * K + v * VW), acc[r][m][v & 1]);
             }
         }
     }
 #pragma GCC unroll 2
     for (int r = 0; r < nr; r++)
 #pragma GCC unroll 8
-        for (int m = 0; m < m_rows; m++) p->y[m * N + n + r] = vsum(acc[r][m] + accb[r][m]);
+        for (int m = 0; m < m_rows; m++)
+            p->y[m * N + n + r] = vsum(acc[r][m][0] + acc[r][m][1]);
 }
 
 static inline __attribute__((always_inline)) void mv_rows(const mv_ctx *c, int64_t n0,
                                                           int64_t n1, const float *sc,
                                                           const float *bi, const int m_rows) {
     const int64_t g = c->g;
+    /* Two weight rows at a time for one or two rows of x (more: register spills). */
     int64_t n = n0;
     if (m_rows <= 2)
-        for (; n + 2 <= n1; n += 2) mv_block(c, n, sc + (n - n0) * g, bi + (n - n0) * g, m_rows, 2);
+        for (; n + 2 <= n1; n += 2)
+            mv_block(c, n, sc + (n - n0) * g, bi + (n - n0) * g, m_rows, 2);
     for (; n < n1; n++) mv_block(c, n, sc + (n - n0) * g, bi + (n - n0) * g, m_rows, 1);
 }
 
@@ -196,25 +195,18 @@ static void mv_item(void *vctx, int64_t item) {
 
 static void qmv(const qmm_problem *p) {
     const int64_t M = p->M, K = p->K, g = K / p->group_size;
-    float *xp = scratch(&tls_a, &tls_a_cap, (size_t)(M * K + M * g * VW));
-    float *xe = xp + M * K;
+    float *xp = scratch(&tls_a, &tls_a_cap, (size_t)(M * K));
     int idx[BLOCK];
     block_order(p->bits, idx);
-    memset(xe, 0, sizeof(float) * (size_t)(M * g * VW));
     for (int64_t m = 0; m < M; m++) {
         const float *x = p->x + m * K;
         for (int64_t k0 = 0; k0 < K; k0 += BLOCK)
             for (int i = 0; i < BLOCK; i++) xp[m * K + k0 + i] = x[k0 + idx[i]];
-        for (int64_t gi = 0; gi < g; gi++) {
-            float s = 0.0f;
-            for (int64_t k = gi * p->group_size; k < (gi + 1) * p->group_size; k++) s += x[k];
-            xe[(m * g + gi) * VW] = s;
-        }
     }
     /* ~16 KB of weights per item: enough work to pay for the hand-off, many items. */
     int64_t rows = (16384 * 8) / (K * p->bits);
     if (rows < 1) rows = 1;
-    mv_ctx c = {p, xp, xe, g, rows};
+    mv_ctx c = {p, xp, g, rows};
     mlxserve_qmm_parallel_for((p->N + rows - 1) / rows, mv_item, &c);
 }
 

@@ -13,7 +13,9 @@ import mlx.nn as nn
 
 from mlxserve import ops
 from mlxserve.kv_cache_spec import KVCacheLayout
+from mlxserve.models import compiled
 from mlxserve.ops import AttentionMetadata, kv_quant
+from mlxserve.utils import uses_gpu
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
 
@@ -92,6 +94,25 @@ def llama3_inv_freq(
     return out
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm; on the CPU compiled into 3 ops instead of MLX's 11 (models/compiled.py)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if uses_gpu():
+            return mx.fast.rms_norm(x, self["weight"], self.eps)
+        return compiled.rms_norm(x, self["weight"], self.eps)
+
+
+@dataclass
+class _RopeTables:
+    """A RotaryEmbedding's cos and sin for one positions array (a plain object: never
+    part of the module's parameters)."""
+
+    positions: mx.array | None = None
+    cos: mx.array | None = None  # (num_tokens, 1, dims // 2)
+    sin: mx.array | None = None
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE applied at an explicit position per token (flat token axis, any mix of requests).
 
@@ -137,11 +158,60 @@ class RotaryEmbedding(nn.Module):
             self._freqs = mx.array(periods, dtype=mx.float32)
             self._base = None
 
+        self._memo = _RopeTables()  # CPU: the last positions' cos and sin (see _tables)
+
+    def _tables(
+        self, positions: mx.array, dtype: mx.Dtype
+    ) -> tuple[mx.array, mx.array]:  # 2 x (num_tokens, 1, dims // 2)
+        """cos and sin of every token's angles, made once per ``positions`` array.
+
+        The same values mx.fast.rope's portable version computes (MLX's CPU backend runs
+        that one: ~30 ops per call); the layers share this module, so a step computes
+        them once instead of twice per layer.
+        """
+        memo = self._memo
+        if memo.positions is positions and memo.cos is not None and memo.cos.dtype == dtype:
+            return memo.cos, memo.sin
+        half = self.dims // 2
+        if self._freqs is None:
+            exponent = mx.arange(0, -half, -1, dtype=mx.float32)
+            inv_freqs = mx.exp(exponent * mx.array(math.log(self._base) / half, mx.float32))
+        else:
+            inv_freqs = mx.reciprocal(self._freqs)
+        at = positions.astype(mx.float32) * mx.array(self._scale, mx.float32)  # (num_tokens,)
+        theta = at[:, None, None] * inv_freqs  # (num_tokens, 1, half)
+        cos, sin = mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
+        memo.positions, memo.cos, memo.sin = positions, cos, sin
+        return cos, sin
+
+    def _rotate(
+        self,
+        x: mx.array,  # (num_tokens, num_heads, head_dim)
+        cos: mx.array,  # (num_tokens, 1, dims // 2)
+        sin: mx.array,
+    ) -> mx.array:  # (num_tokens, num_heads, head_dim)
+        dims = self.dims
+        if self.traditional:  # pairs (0, 1), (2, 3), ...
+            x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+        else:  # halves: (i, i + dims / 2)
+            x1, x2 = x[..., : dims // 2], x[..., dims // 2 : dims]
+        out1, out2 = compiled.rotate(x1, x2, cos, sin)
+        if self.traditional:
+            rotated = mx.stack([out1, out2], axis=-1).reshape(*x.shape[:-1], dims)
+            parts = [rotated]
+        else:
+            parts = [out1, out2]
+        if dims < x.shape[-1]:
+            parts.append(x[..., dims:])
+        return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
     def __call__(
         self,
         x: mx.array,  # (num_tokens, num_heads, dims)
         positions: mx.array,  # (num_tokens,) int32
     ) -> mx.array:  # (num_tokens, num_heads, dims)
+        if not uses_gpu():
+            return self._rotate(x, *self._tables(positions, x.dtype))
         # Each token is its own "batch" row of length 1, so offset=positions rotates it
         # by its own position.
         y = mx.fast.rope(

@@ -18,9 +18,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxserve.models import compiled
 from mlxserve.models.base import (
     BaseModelArgs,
     KVCache,
+    RMSNorm,
     RotaryEmbedding,
     cached_attention,
     context_limit,
@@ -121,8 +123,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q_dim, dim, bias=args.o_bias)
         if args.use_qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope = RotaryEmbedding(
             self.head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling
         )
@@ -135,14 +137,24 @@ class Attention(nn.Module):
         cache: KVCache,
     ) -> mx.array:  # (num_tokens, hidden)
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if "qkv_proj" in self:  # fused at load (models/fused.py)
+            q, k, v = mx.split(self.qkv_proj(x), self._qkv_split, axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
         out = cached_attention(cache, self.layer_idx, q, k, v, md, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))  # (num_tokens, hidden)
+
+    def fuse_qkv(self, qkv_proj: nn.Module, sizes: list[int]) -> None:
+        """Replace q/k/v_proj by one layer whose output rows are q | k | v (``sizes``)."""
+        del self["q_proj"], self["k_proj"], self["v_proj"]
+        self.qkv_proj = qkv_proj
+        self._qkv_split = [sizes[0], sizes[0] + sizes[1]]
 
 
 class MLP(nn.Module):
@@ -156,7 +168,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:  # fused at load (models/fused.py)
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(compiled.swiglu(gate, up))
+
+    def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
+        """Replace gate/up_proj by one layer whose output rows are gate | up."""
+        del self["gate_proj"], self["up_proj"]
+        self.gate_up_proj = gate_up_proj
 
 
 class DecoderLayer(nn.Module):
@@ -164,9 +185,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = MLP(args)
 
     def __call__(
@@ -183,7 +204,11 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # One RoPE for all layers (they are configured alike): on the CPU it computes a
+        # step's cos/sin tables once, not once per layer.
+        for layer in self.layers[1:]:
+            layer.self_attn.rope = self.layers[0].self_attn.rope
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
         self,

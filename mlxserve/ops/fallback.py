@@ -112,6 +112,28 @@ def _decode_attention(
     num_decodes, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    key = ("decode", block_size, window)
+    if key not in md.derived:  # the same for every layer of the step: made once
+        md.derived[key] = _decode_context(md, block_size, window)
+    tables, valid = md.derived[key]
+    k = _gather_context(k_cache, tables, q.dtype).transpose(0, 2, 3, 1)  # (B, kvh, head_dim, L)
+    v = _gather_context(v_cache, tables, q.dtype).transpose(0, 2, 1, 3)  # (B, kvh, L, v_dim)
+    qg = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # (B, kvh, group, head_dim)
+    scores = (qg @ k).astype(mx.float32) * scale  # (B, kvh, group, L)
+    scores = mx.where(valid, scores, -mx.inf)
+    sink = None
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, num_kv_heads, group, 1)
+    probs = _softmax(scores, sink).astype(v.dtype)  # (B, kvh, group, L)
+    out = probs @ v  # (B, kvh, group, v_head_dim)
+    return out.reshape(num_decodes, num_heads, v.shape[-1])
+
+
+def _decode_context(
+    md: AttentionMetadata, block_size: int, window: int | None
+) -> tuple[mx.array, mx.array]:  # (B, num_ctx_blocks) int32, (B, 1, 1, L) bool
+    """The decode rows' gathered block tables, and which gathered key slots each sees."""
+    num_decodes = md.num_decodes
     num_ctx_blocks = -(-md.max_decode_context_len // block_size)
     ctx = md.context_lens[:num_decodes]  # (B,)
     tables = md.block_tables[:num_decodes]  # (B, max_blocks)
@@ -126,21 +148,12 @@ def _decode_attention(
         first = mx.minimum(first, tables.shape[1] - num_ctx_blocks)
         idx = first[:, None] + mx.arange(num_ctx_blocks)[None]  # (B, num_ctx_blocks)
         tables = mx.take_along_axis(tables, idx, axis=1)
-    k = _gather_context(k_cache, tables, q.dtype).transpose(0, 2, 3, 1)  # (B, kvh, head_dim, L)
-    v = _gather_context(v_cache, tables, q.dtype).transpose(0, 2, 1, 3)  # (B, kvh, L, v_dim)
-    qg = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # (B, kvh, group, head_dim)
-    scores = (qg @ k).astype(mx.float32) * scale  # (B, kvh, group, L)
-    pos = first[:, None] * block_size + mx.arange(k.shape[-1])[None]  # (B, L) key positions
+    num_keys = tables.shape[1] * block_size
+    pos = first[:, None] * block_size + mx.arange(num_keys)[None]  # (B, L) key positions
     valid = pos < ctx[:, None]
     if window is not None:
         valid = valid & (pos >= ctx[:, None] - window)
-    scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
-    sink = None
-    if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, num_kv_heads, group, 1)
-    probs = _softmax(scores, sink).astype(v.dtype)  # (B, kvh, group, L)
-    out = probs @ v  # (B, kvh, group, v_head_dim)
-    return out.reshape(num_decodes, num_heads, v.shape[-1])
+    return tables, valid[:, None, None, :]
 
 
 def _prefill_attention(

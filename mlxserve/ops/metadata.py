@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -29,6 +29,11 @@ class AttentionMetadata:
     num_decodes: int  # requests [0, num_decodes) each have exactly one query token
     query_lens: tuple[int, ...]
     context_lens_host: tuple[int, ...]
+    # Arrays derived from these once per step and shared by every layer (the decode
+    # attention's block tables and mask, see ops/fallback.py), by what they depend on.
+    derived: dict[tuple, tuple[mx.array, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def num_reqs(self) -> int:

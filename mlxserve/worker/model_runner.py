@@ -45,6 +45,7 @@ from mlxserve.core.request import Logprobs, Request
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
+from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata
 from mlxserve.ops.kv_quant import kv_pool_dtype
 from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
@@ -156,6 +157,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
+        fuse_projections(model)  # one matmul for q/k/v, one for gate/up (after sharding)
         # Tensor parallel (rank 0): every forward's inputs go to the other ranks first.
         self.channel = channel
         self.dtype = dtype
