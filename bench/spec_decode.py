@@ -1,7 +1,17 @@
-"""N-gram speculative decoding vs plain decoding, same model, same prompts, one run.
+"""Speculative decoding (n-gram, draft model) vs plain decoding, same model, same prompts,
+one run; llama-server's speculative modes on the same GGUF with --llama-cpp.
 
     PYTHONPATH=. python bench/spec_decode.py                       # SmolLM2, code edit + chat
     PYTHONPATH=. python bench/spec_decode.py MODEL --max-tokens 128 --batch 32
+    PYTHONPATH=. python bench/spec_decode.py --draft self,layers:20 --llama-cpp
+
+Draft models (--draft, comma-separated; "none" to skip): ``self`` is the target drafting
+for itself (every greedy draft accepted: what the machinery costs when drafts are
+perfect, never faster, since each draft costs a full forward); ``layers:N`` is the target
+cut to its first N layers (an early-exit draft: the same embeddings, final norm and head,
+not trained to draft), ``layers:0-7+22-29`` keeps those layers (a layer-skipping draft,
+as self-speculative decoding does); both made with ``mlxserve convert`` and kept in the
+bench cache. Anything else is a model path or hub id.
 
 Workloads (greedy, one stream each unless --batch):
 - edit: a ~1,500-token Python file (mlxserve's own block pool, cut at a line boundary)
@@ -29,6 +39,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import cache_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EDIT_SOURCE = ROOT / "mlxserve" / "core" / "block_pool.py"
@@ -63,6 +75,67 @@ def repeat_prompt(tokenizer) -> str:
             break
         text += para + "\n\n"
     return chat(tokenizer, "Repeat the following text exactly, word for word:\n\n" + text)
+
+
+def parse_layers(text: str) -> list[int]:
+    """ "10" -> layers 0..9; "0-7+24-29" -> those layers (inclusive ranges)."""
+    if "-" not in text and "+" not in text:
+        return list(range(int(text)))
+    out: list[int] = []
+    for part in text.split("+"):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def derived_draft(model: str | None, layers: str) -> str:
+    """The target keeping only ``layers`` (parse_layers), as a model directory (cached)."""
+    import shutil
+
+    import mlx.core as mx
+
+    from mlxserve.cli.convert import convert
+    from mlxserve.loader import resolve_model
+
+    keep = parse_layers(layers)
+    source = resolve_model(model)
+    out = cache_dir() / "drafts" / f"{source.path.stem}-layers{layers}"
+    if (out / "model.safetensors").exists():
+        return str(out)
+    full = cache_dir() / "drafts" / f"{source.path.stem}-full"
+    if not (full / "config.json").exists():
+        shutil.rmtree(full, ignore_errors=True)
+        convert(model, full)
+    config = json.loads((full / "config.json").read_text())
+    num_layers = config["num_hidden_layers"]
+    if not keep or max(keep) >= num_layers:
+        raise SystemExit(f"layers:{layers}: the model has {num_layers} layers")
+    renumber = {old: new for new, old in enumerate(keep)}
+    kept = {}
+    for name, w in mx.load(str(full / "model.safetensors")).items():
+        if name.startswith("model.layers."):
+            _, _, index, rest = name.split(".", 3)
+            if int(index) not in renumber:
+                continue
+            name = f"model.layers.{renumber[int(index)]}.{rest}"
+        kept[name] = w
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(full / name, out / name)
+    (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": len(keep)}))
+    mx.save_safetensors(str(out / "model.safetensors"), kept, metadata={"format": "mlx"})
+    return str(out)
+
+
+def draft_path(model: str | None, name: str) -> str:
+    """A --draft entry as a model path."""
+    from mlxserve.loader import resolve_model
+
+    if name == "self":
+        return str(resolve_model(model).path)
+    if name.startswith("layers:"):
+        return derived_draft(model, name.partition(":")[2])
+    return name
 
 
 def chat(tokenizer, text: str) -> str:
@@ -117,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--batch", type=int, default=0, help="also a batch of N chat prompts")
     ap.add_argument("--workloads", default="edit,chat")
+    ap.add_argument("--draft", default="self", help="draft models: self, layers:N, a path")
+    ap.add_argument("--llama-cpp", action="store_true", help="also llama-server's modes")
     ap.add_argument("--repeat", type=int, default=1, help="runs per engine (best reported)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = ap.parse_args(argv)
@@ -125,13 +200,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     from mlxserve import LLM, SamplingParams
 
+    k = args.num_speculative_tokens
     spec = {
         "method": "ngram",
-        "num_speculative_tokens": args.num_speculative_tokens,
+        "num_speculative_tokens": k,
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
     }
     engines = {"plain": LLM(args.model), "ngram": LLM(args.model, speculative_config=spec)}
+    for name in args.draft.split(","):
+        if name and name != "none":
+            draft = {"model": draft_path(args.model, name), "num_speculative_tokens": k}
+            engines[f"draft:{name}"] = LLM(args.model, speculative_config=draft)
     tok = engines["plain"].get_tokenizer()
     workloads = {}
     for name in args.workloads.split(","):
@@ -160,25 +240,109 @@ def main(argv: list[str] | None = None) -> dict:
                 r = run(llm, prompts, params)
                 if name not in row or r["decode_tok_s"] > row[name]["decode_tok_s"]:
                     row[name] = r
-        same = row["ngram"]["token_ids"] == row["plain"]["token_ids"]
+        if args.llama_cpp and args.model is None and len(prompts) == 1:
+            row.update(llama_cpp_rows(prompts[0], args.max_tokens, k, args.draft))
+        plain = row["plain"]
+        same = all(r["token_ids"] == plain["token_ids"] for n, r in row.items() if "token_ids" in r)
         for name, r in row.items():
+            r["speedup"] = r["decode_tok_s"] / plain["decode_tok_s"]
+            if name.startswith("llama.cpp"):
+                r["speedup"] = r["decode_tok_s"] / row["llama.cpp"]["decode_tok_s"]
             acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
             print(
-                f"  {name:6s} {r['output_tokens']:5d} tokens  decode {r['decode_tok_s']:6.1f} tok/s"
-                f"  {r['seconds']:6.1f} s  {r['steps']:4d} steps  drafted {r['drafted']:5d}"
-                f"  accepted {r['accepted']:5d} ({acc})"
+                f"  {name:22s} {r['output_tokens']:5d} tokens  decode {r['decode_tok_s']:6.1f}"
+                f" tok/s ({r['speedup']:.2f}x)  {r['seconds']:6.1f} s  {r['steps']:4d} steps"
+                f"  drafted {r['drafted']:5d}  accepted {r['accepted']:5d} ({acc})"
             )
-        speedup = row["ngram"]["decode_tok_s"] / row["plain"]["decode_tok_s"]
-        print(f"  speedup {speedup:.2f}x, same tokens: {same}")
-        print(f"  output starts: {row['plain']['text'][:160]!r}")
+        print(f"  same tokens (mlxserve engines): {same}")
+        print(f"  output starts: {plain['text'][:160]!r}")
         results[wname] = {
-            "speedup": speedup,
+            "speedup": row["ngram"]["speedup"],
             "same_tokens": same,
             **{n: {k: v for k, v in r.items() if k != "token_ids"} for n, r in row.items()},
         }
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return results
+
+
+def llama_cpp_rows(prompt: str, max_tokens: int, k: int, drafts: str) -> dict[str, dict]:
+    """llama-server on the embedded GGUF, greedy, one stream: plain, ngram-simple, and a
+    draft model (the same GGUF, as ``--draft self``). Skipped (with the reason) when the
+    bench's llama.cpp build is missing: building it takes ~10 minutes."""
+    import os
+    import subprocess
+    import tempfile
+
+    from bench.peers.llamacpp import TARGETS, bin_dir
+    from mlxserve.loader import default_model_path
+
+    if not all((bin_dir() / t).exists() for t in TARGETS):
+        print("  llama.cpp: skipped (not built: python -m bench.peers.llamacpp builds it)")
+        return {}
+    gguf = str(default_model_path())
+    modes = {"llama.cpp": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"]}
+    if "self" in drafts.split(","):
+        modes["llama.cpp draft:self"] = ["-md", gguf, "--spec-type", "draft-simple"]
+    rows = {}
+    threads = str(os.cpu_count() or 2)
+    for name, extra in modes.items():
+        port = 18700 + len(rows)
+        cmd = [str(bin_dir() / "llama-server"), "-m", gguf, "-t", threads, "-c", "4096"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-webui", "-np", "1"]
+        if extra:
+            cmd += extra + ["--spec-draft-n-max", str(k)]
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                rows[name] = _llama_cpp_run(port, prompt, max_tokens, proc)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    return rows
+
+
+def _llama_cpp_run(port: int, prompt: str, max_tokens: int, proc) -> dict:
+    import urllib.error
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited ({proc.returncode})")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.2)
+    body = {
+        "prompt": prompt,
+        "n_predict": max_tokens,
+        "temperature": 0.0,
+        "top_k": 1,
+        "cache_prompt": False,
+    }
+    req = urllib.request.Request(
+        url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=900) as r:
+        out = json.loads(r.read())
+    wall = time.perf_counter() - t0
+    t = out.get("timings", {})
+    drafted, accepted = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+    return {
+        "output_tokens": t.get("predicted_n", 0),
+        "decode_tok_s": t.get("predicted_per_second", 0.0),
+        "seconds": wall,
+        "steps": 0,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+        "text": out.get("content", ""),
+    }
 
 
 if __name__ == "__main__":

@@ -114,8 +114,8 @@ class SchedulerConfig:
         assert self.max_num_batched_tokens >= 1, self
 
 
-# Speculative decoding methods (vLLM's names); the draft-model and MTP proposers are to come.
-SPECULATIVE_METHODS = ("ngram",)
+# Speculative decoding methods (vLLM's names); the MTP proposer is to come.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -124,11 +124,14 @@ class SpeculativeConfig:
 
     ``ngram`` (prompt lookup): the drafts are the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens, n from ``prompt_lookup_max`` down to
-    ``prompt_lookup_min``. No speculation when more than ``disable_by_batch_size``
-    requests run (verifying drafts of a big batch costs more than it saves).
+    ``prompt_lookup_min``. ``draft_model``: a smaller model with the same tokenizer,
+    ``model`` (a path, hub id or .gguf, as the engine's model), drafts autoregressively.
+    No speculation when more than ``disable_by_batch_size`` requests run (verifying drafts
+    of a big batch costs more than it saves).
     """
 
     method: str = "ngram"
+    model: str | None = None  # the draft model (method draft_model)
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     # 2: a single-token match (a common word, a comma) predicts little and costs a step.
@@ -145,6 +148,20 @@ class SpeculativeConfig:
             self.method,
             f"one of {', '.join(SPECULATIVE_METHODS)}",
         )
+        if self.method == "draft_model":
+            _require(
+                isinstance(self.model, str) and bool(self.model),
+                field_ + "model",
+                self.model,
+                "a model path or hub id (method draft_model)",
+            )
+        else:
+            _require(
+                self.model is None,
+                field_ + "model",
+                self.model,
+                f"unset with method {self.method!r} (a draft model needs method draft_model)",
+            )
         for name, low, high in (
             ("num_speculative_tokens", 1, 32),
             ("prompt_lookup_max", 1, 64),
@@ -198,6 +215,8 @@ class SpeculativeConfig:
                 f"known: {', '.join(sorted(known))}",
                 parameter=f"speculative_config.{unknown[0]}",
             )
+        if "method" not in value and value.get("model") is not None:
+            value = {**value, "method": "draft_model"}  # vLLM infers it from the model
         if "method" not in value:
             raise ParameterError(
                 f"speculative_config.method is required (one of {', '.join(SPECULATIVE_METHODS)})",
@@ -297,6 +316,16 @@ class EngineConfig:
             self.tensor_parallel_size,
             ">= 1",
         )
+        if self.speculative_config is not None and self.speculative_config.model is not None:
+            # The draft model runs on rank 0 only; the SPMD step protocol carries host
+            # token ids, and a draft's tokens exist only on the device.
+            _require(
+                self.tensor_parallel_size == 1,
+                "tensor_parallel_size",
+                self.tensor_parallel_size,
+                "1 with a draft model (speculative_config.model): use method ngram, or no "
+                "tensor parallelism",
+            )
         _require(
             self.kernels in KERNEL_CHOICES,
             "kernels (MLXSERVE_KERNELS)",

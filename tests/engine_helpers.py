@@ -62,3 +62,24 @@ def make_tiny_model_dir(path: Path, seed: int = 0, **overrides: Any):
     oracle, model_dir = make_mlx_lm_checkpoint(path, tiny_config(**overrides), seed=seed)
     write_tokenizer(model_dir)
     return oracle, model_dir
+
+
+def perturb_weights(model_dir: Path, out_dir: Path, scale: float, seed: int = 0) -> Path:
+    """A copy of a tiny model directory whose float weights each get Gaussian noise of
+    ``scale`` times their own standard deviation: a draft model with the target's
+    tokenizer whose predictions agree with the target's often, not always."""
+    import shutil
+
+    import mlx.core as mx
+
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    keys = mx.random.split(mx.random.key(seed), len(weights))
+    noisy = {}
+    for (name, w), key in zip(sorted(weights.items()), keys, strict=True):
+        noise = mx.random.normal(w.shape, key=key) * (scale * mx.std(w.astype(mx.float32)))
+        noisy[name] = (w + noise).astype(w.dtype)
+    out_dir.mkdir(parents=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), noisy, metadata={"format": "mlx"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, out_dir / name)
+    return out_dir

@@ -192,6 +192,8 @@ def test_spec_decode_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
     for row in results.values():
         assert row["same_tokens"]  # greedy: speculation never changes the tokens
         assert row["plain"]["drafted"] == 0 and row["ngram"]["output_tokens"] > 0
+        # The model drafting for itself: its greedy drafts are the target's own tokens.
+        assert row["draft:self"]["accepted"] == row["draft:self"]["drafted"]
 
 
 def test_kv_cache_dtype_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:

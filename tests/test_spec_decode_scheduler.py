@@ -183,15 +183,55 @@ def test_a_stop_token_among_accepted_drafts_ends_the_output_there() -> None:
     assert sched.kv_cache_manager.get_num_free_blocks() == 31
 
 
-def test_penalties_logprobs_and_grammars_do_not_speculate() -> None:
+def test_penalties_do_not_speculate() -> None:
     proposer = Proposer(lambda tokens, k: continuation(tokens, k))
     sched, model = make(proposer)
     rs = [
         req("p", [1, 2, 3], repetition_penalty=1.2),
         req("f", [1, 2, 4], frequency_penalty=0.5),
-        req("l", [1, 2, 5], logprobs=1),
     ]
     for r in rs:
         sched.add_request(r)
     run_to_completion(sched, model)
     assert proposer.asked == [] and sched.make_stats().spec_decode_num_drafts == 0
+
+
+def test_the_draft_models_feeds_follow_the_target_and_catch_up() -> None:
+    """Draft model (core/spec_decode.py): which known tokens it computes each step, and
+    how far its KV is valid after verification, preemption and a prefix hit."""
+    from mlxserve.core.scheduler_output import DRAFTER_TOKEN, ModelRunnerOutput
+
+    sched = Scheduler(
+        SchedulerConfig(64, 8, 8),
+        CacheConfig(32, 4, True),
+        SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=4),
+    )
+    r = req("a", list(range(1, 11)), max_tokens=30)
+    sched.add_request(r)
+
+    def run(feed, drafts, new_tokens):
+        so = sched.schedule()
+        assert so.drafter_feeds.get("a") == feed
+        assert so.draft_token_ids.get("a", []) == [DRAFTER_TOKEN] * drafts
+        sched.update_from_output(so, ModelRunnerOutput({"a": new_tokens}))
+
+    run((0, 8), 0, [])  # the prompt's first chunk, alongside the target
+    run((8, 10), 0, [20])
+    assert r.num_drafter_tokens == 10
+    run((10, 11), 4, [21, 22, 23])  # it feeds t and drafts d0..d2; d0 d1 accepted
+    assert (r.num_computed_tokens, r.num_drafter_tokens) == (13, 13)
+    run((13, 14), 4, [24, 25, 26, 27, 28])  # all accepted: d3 was never fed to it
+    assert (r.num_computed_tokens, r.num_drafter_tokens) == (18, 17)
+    run((17, 19), 4, [29])  # d3 and the bonus token first; d0 rejected
+    assert (r.num_computed_tokens, r.num_drafter_tokens) == (19, 19)
+
+    sched._preempt(sched.running.pop())  # the pool is short: it recomputes later
+    assert r.num_drafter_tokens == 0
+    # Back with a prefix hit of 16 tokens (4 cached blocks): the target's KV is there,
+    # the draft model's for this request is not; it catches up, 8 tokens per step (the
+    # budget), without drafts until it is at most that far behind.
+    run((0, 8), 0, [30])  # the target: prompt tokens 16..19, and a sample
+    assert r.num_computed_tokens == 20
+    run((8, 16), 0, [31])  # 12 behind: still no drafts
+    run((16, 22), 4, [32])  # 5 behind: caught up, then drafts
+    assert (r.num_computed_tokens, r.num_drafter_tokens) == (22, 22)

@@ -64,3 +64,23 @@ def test_a_stop_string_among_accepted_drafts_ends_the_output_there(engines) -> N
         want.text,
         want.finish_reason,
     )
+
+
+def test_smollm2_as_its_own_draft_model_matches_plain_decoding(engines) -> None:
+    """The embedded model drafting for itself (speculative_config.model = its GGUF): the
+    output equals plain decoding, and the drafts, being the model's own greedy choices
+    computed on its own KV, are accepted (all but a near-tie's rounding)."""
+    from mlxserve.loader import default_model_path
+
+    base, _ = engines
+    spec = {"model": str(default_model_path()), "num_speculative_tokens": 3}
+    llm = LLM(None, num_blocks=64, speculative_config=spec)
+    prompts = [chat(base, "Write a short story about a cat.")]
+    # ignore_eos: an EOS among accepted drafts would end the count of accepted ones there.
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = base.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens >= 9
+    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens

@@ -69,6 +69,7 @@ class Request:
         "spec_token_ids",
         "spec_acceptance",
         "spec_paused_until",
+        "num_drafter_tokens",
     )
 
     def __init__(
@@ -109,6 +110,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_acceptance = 1.0
         self.spec_paused_until = 0
+        # A draft model's own KV (same slots as the target's): positions it has computed
+        # for this request; it never reads blocks it did not write for this request.
+        self.num_drafter_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,6 +37,10 @@ the blocks only they used are freed; prefix-cache hashes only ever cover verifie
 
     before: computed T-1, tokens T     scheduled: t(T-1) d0 d1 d2   computed T+3
     after:  d0 d1 accepted + x         tokens T+3, computed T+2 (x is fed next step)
+
+With a draft model the drafts are placeholders the runner fills in the same step, and
+``SchedulerOutput.drafter_feeds`` says which known tokens the draft model computes first
+(its catch-up, bounded per step: core/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -150,6 +154,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_drafter_tokens = 0  # the draft model's KV is dropped with the blocks
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -166,7 +171,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}
         preempted: list[str] = []
-        speculate = self.spec is not None and self.spec.is_on(len(self.running))
+        speculate = self.spec is not None and self.spec.begin_step(len(self.running), budget)
 
         # 1. Running requests, oldest first: a decode token or the next prompt chunk.
         index = 0
@@ -268,6 +273,15 @@ class Scheduler:
         state_slots = {}
         if kv.state_pool is not None:
             state_slots = {r.request_id: kv.get_state_slots(r) for r in scheduled}
+        feeds: dict[str, tuple[int, int]] = {}
+        if self.spec is not None and self.spec.uses_drafter:
+            for request in scheduled:
+                rid = request.request_id
+                num_drafts = len(drafts.get(rid, ()))
+                start = start_positions[rid]
+                feed = self.spec.drafter_feed(request, start, num_scheduled[rid], num_drafts)
+                if feed is not None:
+                    feeds[rid] = feed
         return SchedulerOutput(
             scheduled_requests=decodes + verifies + chunks,
             num_scheduled_tokens=num_scheduled,
@@ -280,6 +294,7 @@ class Scheduler:
             num_decodes=len(decodes),
             state_slots=state_slots,
             draft_token_ids=drafts,
+            drafter_feeds=feeds,
         )
 
     def update_from_output(
@@ -321,6 +336,10 @@ class Scheduler:
                         sampled[rid] = new_token_ids = new_token_ids[: i + 1]
                         request.num_computed_tokens = request.num_tokens - 1
                     break
+            # The draft model's KV past the target's (rejected drafts) is not kept either.
+            request.num_drafter_tokens = min(
+                request.num_drafter_tokens, request.num_computed_tokens
+            )
             if drafts:
                 assert self.spec is not None
                 self.spec.record(request, len(drafts), len(new_token_ids) - 1)

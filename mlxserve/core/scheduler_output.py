@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from mlxserve.core.kv_cache_manager import StateSlots
 from mlxserve.core.request import Request
 
+# A draft token the runner's draft model proposes in this step (speculative_config.model):
+# the scheduler knows how many drafts a request verifies, not what they are.
+DRAFTER_TOKEN = -1
+
 
 @dataclass
 class SchedulerOutput:
@@ -28,6 +32,11 @@ class SchedulerOutput:
 
         fed:      t  d0 d1 d2        logits at each: verify d0, d1, d2, then a bonus token
         accepted: d0 d1 | x          d2 rejected: x sampled in its place, K/V of d2 dropped
+
+    With a draft model the drafts are ``DRAFTER_TOKEN`` here: the runner's drafter proposes
+    them in the same step, after feeding the draft model the request's known tokens
+    ``drafter_feeds[rid] = (start, end)`` (its catch-up: the prompt chunk the target
+    computes, the tokens accepted last step, or what it missed while not speculating).
     """
 
     # Batch order: the first num_decodes requests are decodes (one token, prompt done),
@@ -44,6 +53,7 @@ class SchedulerOutput:
     num_decodes: int = 0
     state_slots: dict[str, StateSlots] = field(default_factory=dict)  # recurrent layers
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
+    drafter_feeds: dict[str, tuple[int, int]] = field(default_factory=dict)  # draft model
 
     def token_ids(self, request: Request) -> list[int]:
         """The tokens the runner feeds for request this step (its drafts last)."""
@@ -80,6 +90,7 @@ class SchedulerOutput:
             num_decodes=sum(r.request_id in ids for r in self.scheduled_requests[:num_decodes]),
             state_slots={rid: s for rid, s in self.state_slots.items() if rid in ids},
             draft_token_ids={rid: d for rid, d in self.draft_token_ids.items() if rid in ids},
+            drafter_feeds={rid: f for rid, f in self.drafter_feeds.items() if rid in ids},
         )
 
 
@@ -90,7 +101,8 @@ class ModelRunnerOutput:
     # request_id -> [new token] ([accepted drafts..., new token] with drafts); [] (or
     # absent) for a partial prefill chunk.
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, object] | None = None  # opaque here; passed through to the engine
+    # request_id -> one logprobs entry per sampled token; opaque here, for the engine.
+    logprobs: dict[str, list[object]] | None = None
     prompt_logprobs: dict[str, object] | None = None
     # request_id -> what went wrong, for requests whose step failed (they got no token).
     failed: dict[str, str] = field(default_factory=dict)

@@ -3,13 +3,31 @@
 Each step, a decoding request may carry k drafts (``Request.spec_token_ids``); the
 scheduler feeds them with its last token, the runner verifies them in the same forward
 pass (worker/sampler.py, rejection sampling) and update_from_output keeps the accepted
-prefix plus one token of the target model. Today's proposer is the n-gram one
-(core/ngram_proposer.py, host-only); a draft model or MTP heads would fill
-``spec_token_ids`` from the runner's output instead, and the rest stays as it is.
+prefix plus one token of the target model. Proposers:
+
+- ``ngram`` (core/ngram_proposer.py, host-only): the drafts are known when scheduling.
+- ``draft_model``: the scheduler decides how many drafts a request verifies (k slots,
+  ``DRAFTER_TOKEN`` each) and what the draft model must catch up on first; the runner's
+  drafter (worker/drafter.py) proposes the k tokens in the same step, on the device.
+
+The draft model keeps its own KV in a second pool indexed by the target's block tables,
+so blocks, preemption and freeing apply to it as they are. ``Request.num_drafter_tokens``
+counts the positions of that KV that are valid for the request; it only ever reads those:
+
+    target computed: 0 ............................. T-1 | t d0 d1 d2     (verify)
+    drafter valid:   0 .................. D              | feeds [D, T) = ...t, then d0 d1
+    after: a drafts accepted -> drafter valid min(T + 2, T + a) (its d2 was never fed)
+
+It catches up on what it has not computed yet (a prompt chunk the target computes, the
+tokens accepted last step, what it missed while paused or preempted, a prefix-cache hit:
+cached blocks hold the target's KV, and the draft's only if this request wrote it), at
+most ``max_num_batched_tokens`` tokens of catch-up per step over all requests; a request
+that is behind by more than its share does not speculate this step.
 
 Requests that cannot be verified exactly yet do not speculate (and produce what they
 would without speculation): penalties (their token counts would change inside a step),
-structured outputs (drafts are not checked against the grammar), logprobs.
+structured outputs (drafts are not checked against the grammar). Logprobs are those of
+each accepted token's row, as without speculation.
 
 Back-off, so speculation does not cost more than it saves:
 - by batch: with more than ``disable_by_batch_size`` running requests nothing is
@@ -24,6 +42,7 @@ from __future__ import annotations
 from mlxserve.config import SpeculativeConfig
 from mlxserve.core.ngram_proposer import NgramProposer
 from mlxserve.core.request import Request
+from mlxserve.core.scheduler_output import DRAFTER_TOKEN
 
 PAUSE_TOKENS = 16  # output tokens a request with poor acceptance goes without drafts
 
@@ -34,7 +53,6 @@ def can_speculate(request: Request) -> bool:
     return (
         request.pooling is None  # an embedding request: prefill only
         and request.structured_output is None
-        and p.logprobs is None
         and p.repetition_penalty == 1.0
         and not p.presence_penalty
         and not p.frequency_penalty
@@ -46,14 +64,19 @@ class SpecDecoder:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.uses_drafter = config.method == "draft_model"
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_drafts = 0  # verifications (a request's drafts in one step)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.is_on = False  # this step speculates (begin_step)
+        self.catchup_left = 0  # draft model: catch-up tokens left in this step
 
-    def is_on(self, num_running: int) -> bool:
-        """Whether this step speculates at all (the batch-size back-off)."""
-        return num_running <= self.config.disable_by_batch_size
+    def begin_step(self, num_running: int, budget: int) -> bool:
+        """Start a step; whether it speculates at all (the batch-size back-off)."""
+        self.is_on = num_running <= self.config.disable_by_batch_size
+        self.catchup_left = budget
+        return self.is_on
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         """Drafts for a request about to decode (at most ``max_drafts``, which the caller
@@ -65,8 +88,41 @@ class SpecDecoder:
             return []
         if not can_speculate(request):
             return []
-        request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+        if self.uses_drafter:
+            # The draft model must first compute every known token but t (fed with t).
+            lag = request.num_computed_tokens - request.num_drafter_tokens
+            if lag > self.catchup_left:
+                return []
+            self.catchup_left -= lag
+            request.spec_token_ids = [DRAFTER_TOKEN] * k
+        else:
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
         return request.spec_token_ids
+
+    def drafter_feed(
+        self, request: Request, start: int, num_new: int, num_drafts: int
+    ) -> tuple[int, int] | None:
+        """The known tokens [start, end) the draft model computes for a scheduled request
+        this step (None: nothing); moves ``num_drafter_tokens`` past them and the drafts
+        it feeds itself. The target computes ``num_new`` tokens from ``start``, the last
+        ``num_drafts`` of them drafts."""
+        assert self.uses_drafter
+        if not self.is_on or not can_speculate(request):
+            return None
+        if request.num_output_tokens < request.spec_paused_until:
+            return None  # paused: catch up when it proposes again
+        begin = request.num_drafter_tokens
+        end = start + num_new - num_drafts  # the known tokens the target has after it
+        if not num_drafts:  # a request with drafts reserved its catch-up in propose()
+            lag = start - begin
+            if lag > self.catchup_left:
+                end = begin + self.catchup_left  # part of it; drafts once caught up
+            self.catchup_left -= min(lag, self.catchup_left)
+            if end <= begin:
+                return None
+        # It feeds its drafts but the last (that one's K/V is computed next step if kept).
+        request.num_drafter_tokens = end + max(num_drafts - 1, 0)
+        return begin, end
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Count one verification (after its tokens are appended); per-request back-off."""

@@ -32,6 +32,7 @@ from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
 from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
+from mlxserve.worker.drafter import load_drafter
 from mlxserve.worker.isolation import describe
 from mlxserve.worker.launch import LaunchedRanks, LocalRanks, launched_rank, serve_rank
 from mlxserve.worker.memory import tree_bytes
@@ -149,6 +150,9 @@ class LLMEngine:
                 channel=channel,
                 kv_cache_dtype=config.kv_cache_dtype,
             )
+            sc = config.speculative_config
+            if sc is not None and sc.model is not None and not self.runner.layout.has_state:
+                self.runner.drafter = load_drafter(config, loaded.tokenizer, self.runner)
             self.plan = self.runner.plan_kv_cache(**plan_args)
         except BaseException:
             if self.ranks is not None:
@@ -169,12 +173,12 @@ class LLMEngine:
         elif self.speculative_config is not None:
             sc = self.speculative_config
             logger.info(
-                "speculative decoding: %s, %d draft tokens, n-gram %d..%d, off above %d "
-                "running requests",
+                "speculative decoding: %s, %d draft tokens, %s, off above %d running requests",
                 sc.method,
                 sc.num_speculative_tokens,
-                sc.prompt_lookup_min,
-                sc.prompt_lookup_max,
+                f"draft model {sc.model}"
+                if sc.model
+                else f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}",
                 sc.disable_by_batch_size,
             )
         self.scheduler = Scheduler(

@@ -107,7 +107,7 @@ class OutputProcessor:
         self,
         request: Request,
         new_token_ids: list[int],
-        logprobs: Logprobs | None,
+        logprobs: list[Logprobs] | None,
         prompt_logprobs: list[Logprobs | None] | None,
     ) -> tuple[RequestState, bool]:
         """Fold one engine request's step into its user request.
@@ -128,15 +128,17 @@ class OutputProcessor:
         if new_token_ids:
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
-            if logprobs is not None and sample.logprobs is not None:  # one token then
-                sample.logprobs.append(logprobs)
-                sample.cumulative_logprob += logprobs[new_token_ids[-1]]
+            if sample.logprobs is None:
+                logprobs = None
             # The scheduler stops on eos / stop token ids: that token is not part of the text.
             stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED
             # Token by token: a stop string among several (speculative) tokens ends the
             # output at the token that completes it, as if they had come one at a time.
             for i, token in enumerate(new_token_ids):
                 sample.token_ids.append(token)
+                if logprobs is not None:  # one entry per token (drafts accepted: several)
+                    sample.logprobs.append(logprobs[i])
+                    sample.cumulative_logprob += logprobs[i][token]
                 is_last = i == len(new_token_ids) - 1
                 if not (is_last and stopped_on_token):
                     sample.stream.step((token,))

@@ -49,6 +49,7 @@ from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata
 from mlxserve.ops.kv_quant import kv_pool_dtype
 from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
+from mlxserve.worker.drafter import Drafter, Proposal
 from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
 from mlxserve.worker.kv_inputs import probe_arguments, step_metadata
 from mlxserve.worker.memory import (
@@ -103,9 +104,12 @@ class _Part:
     poolers: list[tuple[Request, bool, bool]] = field(default_factory=list)
     pooled: mx.array | None = None  # (len(poolers), hidden) float32
     inputs: ForwardInputs | None = None  # tensor parallel: what the other ranks run
+    proposal: Proposal | None = None  # a draft model's drafts (worker/drafter.py)
 
     def arrays(self) -> list[mx.array]:
         out = list(self.prompt_logprobs or ())
+        if self.proposal is not None:
+            out.append(self.proposal.token_ids)
         if self.pooled is not None:
             out.append(self.pooled)
         if self.result is None and self.logits is not None:
@@ -123,7 +127,7 @@ class _Part:
 class _Read:
     """A part's results on the host, not yet applied to the request states."""
 
-    samples: list[tuple[Request, list[int], Logprobs | None]] = field(default_factory=list)
+    samples: list[tuple[Request, list[int], list[Logprobs] | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)
     pooled: list[tuple[Request, bool, bool, np.ndarray]] = field(default_factory=list)
 
@@ -168,6 +172,8 @@ class ModelRunner:
         dims = [d for _, k, v in self.layout.tensor_shapes for d in (k, v)]
         self.kv_dtype = kv_pool_dtype(kv_cache_dtype, dtype, dims)  # int8: 8-bit (kv_quant)
         self.kv_cache: KVCache | None = None  # made by the first ensure_blocks()
+        # Speculative decoding with a draft model: set by the engine before planning.
+        self.drafter: Drafter | None = None
         mx.random.seed(seed)
         self._rng = random.Random(seed)
         self._states: dict[str, _RequestState] = {}
@@ -203,9 +209,15 @@ class ModelRunner:
                 per_token = probe_activation_bytes(
                     m, self._allocate, self._probe_args, self.block_size, n
                 )
+                if self.drafter is not None:
+                    per_token += self.drafter.probe_activation_bytes(max_num_batched_tokens)
             activation = int(per_token * max_num_batched_tokens)
+        layout, weights = self.layout, tree_bytes(m.parameters())
+        if self.drafter is not None:  # its pool has the same blocks: each costs both
+            layout = self.drafter.planning_layout(layout)
+            weights += self.drafter.weights_bytes
         plan = plan_kv_cache(
-            layout=self.layout,
+            layout=layout,
             dtype=self.kv_dtype,
             block_size=self.block_size,
             model_max_len=m.max_position_embeddings or max_model_len or 4096,
@@ -213,7 +225,7 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             memory_fraction=memory_fraction,
-            weights_bytes=tree_bytes(m.parameters()),
+            weights_bytes=weights,
             activation_bytes=activation,
             num_blocks=num_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -247,6 +259,8 @@ class ModelRunner:
         else:
             self.kv_cache.ensure_num_blocks(num_blocks)
             self.kv_cache.ensure_num_state_slots(num_state_slots)
+        if self.drafter is not None:
+            self.drafter.ensure_blocks(num_blocks)
 
     def _allocate(self, num_blocks: int, num_state_slots: int = 2) -> KVCache:
         slots = num_state_slots if self.layout.has_state else 0
@@ -254,27 +268,38 @@ class ModelRunner:
             self.layout, num_blocks, self.block_size, self.kv_dtype, slots
         )
 
-    def _pool(self) -> tuple[list[mx.array], list[mx.array], list[list[mx.array]]]:
+    def _pool(self) -> tuple:
         assert self.kv_cache is not None, "ensure_blocks() comes before the first launch()"
         kv = self.kv_cache
-        return list(kv.keys), list(kv.values), [list(arrays) for arrays in kv.states]
+        drafter = None if self.drafter is None else self.drafter.save()
+        return list(kv.keys), list(kv.values), [list(arrays) for arrays in kv.states], drafter
 
-    def _restore(self, pool: tuple[list[mx.array], list[mx.array], list[list[mx.array]]]) -> None:
+    def _restore(self, pool: tuple) -> None:
         """Put back the pool arrays of before a failed build (drops its lazy writes)."""
         assert self.kv_cache is not None
-        keys, values, states = pool
+        keys, values, states, drafter = pool
         self.kv_cache.keys[:], self.kv_cache.values[:] = keys, values
         for arrays, saved in zip(self.kv_cache.states, states, strict=True):
             arrays[:] = saved
+        if drafter is not None:
+            self.drafter.restore(drafter)
+
+    def _pool_arrays(self) -> list[mx.array]:
+        """Every pool array the step writes: the target's, and the draft model's."""
+        assert self.kv_cache is not None
+        drafter = [] if self.drafter is None else self.drafter.arrays()
+        return self.kv_cache.arrays() + drafter
 
     def _settle_pool(self) -> None:
         """Evaluate the pool after a failed step; if even that fails, its contents are lost."""
         assert self.kv_cache is not None
         try:
-            mx.eval(self.kv_cache.arrays())
+            mx.eval(self._pool_arrays())
         except Exception as e:  # noqa: BLE001 -- the engine must drop every request
             self._check_lost(e)
             self.kv_cache = None  # the next ensure_blocks() makes a fresh, zeroed pool
+            if self.drafter is not None:
+                self.drafter.drop()
             self._states.clear()
             raise KVCacheLostError(
                 f"the KV cache could not be evaluated after a failed step: {describe(e)}"
@@ -331,7 +356,7 @@ class ModelRunner:
         if not so.scheduled_requests:
             return handle
         handle.parts = self._build_isolating(so, handle.failed)
-        outs = self.kv_cache.arrays()
+        outs = self._pool_arrays()
         for part in handle.parts:
             outs += part.arrays()
         try:
@@ -392,7 +417,7 @@ class ModelRunner:
         try:
             parts = self._build_isolating(so, output.failed)
             self._sample_masked([p for p in parts if p.result is None and p.samplers])
-            mx.eval(self.kv_cache.arrays(), [p.arrays() for p in parts])
+            mx.eval(self._pool_arrays(), [p.arrays() for p in parts])
             reads = [self._read(part) for part in parts]
         except Exception as e:  # noqa: BLE001 -- the caller splits this part further
             self._check_lost(e)
@@ -458,6 +483,11 @@ class ModelRunner:
         plp_rows: list[int] = []  # rows whose logits score the next prompt token
         plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
         pooling = PoolingRows()  # embedding requests: hidden states, no logits
+        proposal = None
+        if self.drafter is not None and so.drafter_feeds:
+            # The draft model's passes first: the drafts are this forward's inputs.
+            proposal = self.drafter.propose(so, lambda r, j: self._state(r).sampling.ahead(j))
+        proposed_rows: list[int] = []  # rows of input_ids that take the proposal's drafts
         for req in so.scheduled_requests:
             rid = req.request_id
             n = so.num_scheduled_tokens[rid]
@@ -473,6 +503,8 @@ class ModelRunner:
                 pooling.add(req, row0, start, n, so.samples(rid))
                 continue
             if rid in so.draft_token_ids:
+                if proposal is not None:
+                    proposed_rows += range(row0 + 1, row0 + n)
                 # Each verified position attends as a decode of its own (context up to
                 # it): the decode path, which is much cheaper than a short causal chunk.
                 query_lens += [1] * n
@@ -505,8 +537,11 @@ class ModelRunner:
             inputs = ForwardInputs(
                 self.num_blocks, input_ids, query_lens, context_lens, [t[0] for t in tables], rows
             )
+        ids = mx.array(input_ids, dtype=mx.int32)
+        if proposal is not None:
+            ids[mx.array(proposed_rows, dtype=mx.int32)] = proposal.token_ids
         out = self.model(
-            mx.array(input_ids, dtype=mx.int32),
+            ids,
             mx.array(positions, dtype=mx.int32),
             md,
             self.kv_cache,
@@ -520,10 +555,11 @@ class ModelRunner:
         num_rows = len(sample_rows)
         sample_logits = logits[:num_rows] if samplers else None
         part = _Part(samplers, None, plp_targets, None, sample_logits, drafts)
-        part.poolers, part.pooled = pooling.requests, pooled
+        part.poolers, part.pooled, part.proposal = pooling.requests, pooled, proposal
         if samplers and not any(self._states[r.request_id].grammar for r in samplers):
-            states, draft_ids = self._sample_rows(part)
-            result = sample(sample_logits, make_sampling_batch(states, logits.shape[-1]), draft_ids)
+            states, draft_ids, draft_probs = self._sample_rows(part)
+            batch = make_sampling_batch(states, logits.shape[-1])
+            result = sample(sample_logits, batch, draft_ids, draft_probs)
         plp = None
         if plp_rows:
             plp = prompt_logprobs(
@@ -534,18 +570,25 @@ class ModelRunner:
         part.result, part.prompt_logprobs, part.inputs = result, plp, inputs
         return part
 
-    def _sample_rows(self, part: _Part) -> tuple[list[SamplingState], mx.array | None]:
-        """The sampling state of each sample row (a draft's row: as many outputs later)
-        and each row's draft (-1: none), or None when the part has no drafts."""
+    def _sample_rows(
+        self, part: _Part
+    ) -> tuple[list[SamplingState], mx.array | None, mx.array | None]:
+        """The sampling state of each sample row (a draft's row: as many outputs later),
+        each row's draft (-1: none), or None when the part has no drafts, and the draft
+        model's q of each row's draft (None: deterministic drafts, or all greedy)."""
         states: list[SamplingState] = []
         draft_ids: list[int] = []
+        rows: list[int] = []  # the rows with a draft
         for req, spec in zip(part.samplers, part.drafts, strict=True):
             state = self._states[req.request_id].sampling
+            rows += range(len(states), len(states) + len(spec))
             states += [state.ahead(i) for i in range(len(spec) + 1)]
             draft_ids += [*spec, -1]
         if len(states) == len(part.samplers):
-            return states, None
-        return states, mx.array(draft_ids, dtype=mx.int32)
+            return states, None, None
+        if part.proposal is not None:  # a draft model's: on the device
+            return states, *part.proposal.sample_rows(draft_ids, rows)
+        return states, mx.array(draft_ids, dtype=mx.int32), None
 
     def _sample_masked(self, parts: list[_Part]) -> None:
         """Sample the parts that have grammar rows, with their token bitmasks (host work
@@ -561,10 +604,10 @@ class ModelRunner:
             t0 = time.perf_counter()
             bitmask = fill_bitmasks(grammars, part.logits.shape[-1])
             self.mask_seconds += time.perf_counter() - t0
-            states, draft_ids = self._sample_rows(part)
+            states, draft_ids, draft_probs = self._sample_rows(part)
             batch = make_sampling_batch(states, part.logits.shape[-1])
             batch.bitmask = mx.array(bitmask)
-            part.result = sample(part.logits, batch, draft_ids)
+            part.result = sample(part.logits, batch, draft_ids, draft_probs)
         self.num_mask_steps += 1
 
     def _read(self, part: _Part) -> _Read:
@@ -577,8 +620,9 @@ class ModelRunner:
             top_ids = np.array(r.top_ids).tolist() if r.top_ids is not None else None
             top_lp = np.array(r.top_logprobs).tolist() if r.top_logprobs is not None else None
             accepted = np.array(r.accepted).tolist() if r.accepted is not None else None
+            specs = part.drafts if part.proposal is None else part.proposal.read(part.drafts)
             i = 0  # the request's first sample row
-            for req, spec in zip(part.samplers, part.drafts, strict=True):
+            for req, spec in zip(part.samplers, specs, strict=True):
                 tokens = []
                 for j, draft in enumerate(spec):
                     if not accepted[i + j]:
@@ -587,15 +631,18 @@ class ModelRunner:
                     tokens.append(draft)
                 else:
                     tokens.append(token_ids[i + len(spec)])
-                entry: Logprobs | None = None
+                entries: list[Logprobs] | None = None
                 k = req.sampling_params.logprobs
-                if k is not None and chosen is not None:  # never with drafts
-                    tok = tokens[0]
-                    entry = {tok: chosen[i]}
-                    if k and top_ids is not None:
-                        for j in range(k):
-                            entry.setdefault(top_ids[i][j], top_lp[i][j])
-                read.samples.append((req, tokens, entry))
+                if k is not None and chosen is not None:
+                    # Row i + j scored the j-th token (an accepted draft, then the last).
+                    entries = []
+                    for j, tok in enumerate(tokens):
+                        entry = {tok: chosen[i + j]}
+                        if k and top_ids is not None:
+                            for t in range(k):
+                                entry.setdefault(top_ids[i + j][t], top_lp[i + j][t])
+                        entries.append(entry)
+                read.samples.append((req, tokens, entries))
                 i += len(spec) + 1
         if part.prompt_logprobs is not None:
             chosen = np.array(part.prompt_logprobs[0]).tolist()
@@ -613,7 +660,7 @@ class ModelRunner:
 
     def _commit(self, read: _Read, output: ModelRunnerOutput) -> None:
         """Apply a part's results to the request states and the step's output."""
-        for req, tokens, entry in read.samples:
+        for req, tokens, entries in read.samples:
             state = self._states[req.request_id]
             if state.grammar is not None:  # never with drafts: one token
                 try:
@@ -624,8 +671,8 @@ class ModelRunner:
             for tok in tokens:
                 state.sampling.append(tok)
             output.sampled_token_ids[req.request_id] = tokens
-            if entry is not None:
-                output.logprobs[req.request_id] = entry
+            if entries is not None:
+                output.logprobs[req.request_id] = entries
         for req, entry in read.prompt_logprobs:
             state = self._states[req.request_id]
             state.prompt_logprobs.append(entry)

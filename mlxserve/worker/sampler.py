@@ -20,6 +20,14 @@ replaces x when it is not (rejection sampling for a deterministic draft):
 so the token at that position is distributed as p exactly: p(x) + (1 - p(x)) * 0 for x,
 (1 - p(x)) * p(y) / (1 - p(x)) = p(y) for any other y. The uniform u comes from a key of its
 own (the row's key with a tag), independent of the Gumbel noise.
+
+A draft drawn from a distribution q (a draft model's) comes with q; then (Leviathan et al.)
+
+    sampled:  accept x when u < p(x) / q(x); else a sample of max(p - q, 0), renormalised
+
+P(y) = q(y) min(1, p(y)/q(y)) + (1 - sum min(p, q)) (p(y) - q(y))+ / sum (p - q)+ = p(y),
+since sum (p - q)+ = 1 - sum min(p, q). A deterministic draft is the case q = one-hot(x).
+Greedy rows accept x iff it is the argmax, whatever q.
 """
 
 from __future__ import annotations
@@ -216,10 +224,15 @@ def filter_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
 
 
 def sample(
-    logits: mx.array, batch: SamplingBatch, draft_ids: mx.array | None = None
+    logits: mx.array,
+    batch: SamplingBatch,
+    draft_ids: mx.array | None = None,
+    draft_probs: mx.array | None = None,
 ) -> SamplerOutput:
     """Pick one token per row of ``logits`` (N, V); with ``draft_ids`` (N,) int32 (-1: no
-    draft), also verify each row's draft (``SamplerOutput.accepted``)."""
+    draft), also verify each row's draft (``SamplerOutput.accepted``), drawn from
+    ``draft_probs`` (N, V) when given, else deterministic. Logprobs are those of each
+    row's resulting token: its draft when accepted."""
     raw = logits.astype(mx.float32)
     processed = apply_logits_processors(raw, batch)
     if batch.bitmask is not None:
@@ -254,17 +267,27 @@ def sample(
                     for k in batch.keys
                 ]
             )  # (N,)
-            sampled_accept = has_draft & (uniform < p_draft)
+            if draft_probs is None:
+                sampled_accept = has_draft & (uniform < p_draft)
+                # A rejected draft is replaced by a sample of p without it.
+                filtered = mx.where(is_draft & has_draft[:, None], -mx.inf, filtered)
+            else:
+                q_draft = mx.sum(mx.where(is_draft, draft_probs, 0.0), axis=-1)  # (N,) q(x)
+                sampled_accept = has_draft & (uniform * q_draft < p_draft)
+                residual = mx.maximum(probs - draft_probs, 0.0)  # (N, V)
+                # p == q to rounding leaves no residual: then p itself (a rejection is
+                # as rare as the rounding).
+                usable = has_draft & (mx.sum(residual, axis=-1) > 0)
+                filtered = mx.where(usable[:, None], mx.log(residual), filtered)
             accepted = mx.where(batch.temperature > 0, sampled_accept, accepted)
-            # A rejected draft is replaced by a sample of p without it.
-            filtered = mx.where(is_draft & has_draft[:, None], -mx.inf, filtered)
         sampled = mx.argmax(filtered + noise, axis=-1)
         token_ids = mx.where(batch.temperature > 0, sampled, greedy)
     token_ids = token_ids.astype(mx.int32)
     if not batch.want_logprobs:
         return SamplerOutput(token_ids, None, None, None, accepted)
     logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # (N, V)
-    chosen = mx.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    result = token_ids if accepted is None else mx.where(accepted, draft_ids, token_ids)
+    chosen = mx.take_along_axis(logprobs, result[:, None], axis=-1)[:, 0]
     top_ids = top_lp = None
     if batch.num_logprobs:
         top_ids, top_lp = top_logprobs(logprobs, batch.num_logprobs)
