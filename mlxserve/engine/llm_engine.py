@@ -26,6 +26,7 @@ from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.loader import LoadedModel, load_model
+from mlxserve.models.pipeline_parallel import PipelineStage, check_pipeline_parallel
 from mlxserve.models.tensor_parallel import check_tensor_parallel, shard_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
@@ -33,9 +34,16 @@ from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutput
 from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
-from mlxserve.worker.launch import LaunchedRanks, LocalRanks, launched_rank, serve_rank
+from mlxserve.worker.launch import (
+    LaunchedRanks,
+    LocalRanks,
+    launched_rank,
+    parallel_name,
+    serve_rank,
+)
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
+from mlxserve.worker.pipeline import num_micro_batches
 from mlxserve.worker.spmd import RankLostError, StepChannel
 
 logger = logging.getLogger("mlxserve")
@@ -124,24 +132,35 @@ class LLMEngine:
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        # Tensor parallel: the other ranks, started here; None in one process.
+        # Tensor / pipeline parallel: the other ranks, started here; None in one process.
         self.ranks: LocalRanks | LaunchedRanks | None = None
         channel = None
-        if config.tensor_parallel_size > 1:
-            check_tensor_parallel(loaded.model, config.tensor_parallel_size)
+        model = loaded.model
+        if config.world_size > 1:
+            if config.pipeline_parallel_size > 1:
+                check_pipeline_parallel(model, config.pipeline_parallel_size)
+            else:
+                check_tensor_parallel(model, config.tensor_parallel_size)
             if launched_rank() is None:
                 self.ranks = LocalRanks(config, plan_args)
             else:  # every rank runs the caller's script: only rank 0 goes on from here
-                self.ranks = LaunchedRanks(config.tensor_parallel_size)
+                self.ranks = LaunchedRanks(config)
                 group = self.ranks.group
                 if group.rank() != 0:
-                    sys.exit(serve_rank(loaded.model, loaded.dtype, config, plan_args, group))
+                    sys.exit(serve_rank(model, loaded.dtype, config, plan_args, group))
         try:
             if self.ranks is not None:
-                shard_model(loaded.model, self.ranks.group)
-                channel = StepChannel(self.ranks.group, self.ranks.lost)
+                group = self.ranks.group
+                if config.pipeline_parallel_size > 1:
+                    # Rank 0 keeps its layers only: the others are freed with the model.
+                    model = PipelineStage(model, group, num_micro_batches(config))
+                    loaded.model = model
+                else:
+                    shard_model(model, group)
+                channel = StepChannel(group, self.ranks.lost, parallel_name(config))
+                self.ranks.progress.begin("start-up (planning the KV pool)")
             self.runner = ModelRunner(
-                loaded.model,
+                model,
                 dtype=loaded.dtype,
                 block_size=config.block_size,
                 kernels=config.kernels,
@@ -149,6 +168,8 @@ class LLMEngine:
                 channel=channel,
             )
             self.plan = self.runner.plan_kv_cache(**plan_args)
+            if self.ranks is not None:
+                self.ranks.progress.end()
         except BaseException:
             if self.ranks is not None:
                 self.ranks.kill()
@@ -156,7 +177,7 @@ class LLMEngine:
         logger.info(self.plan.describe(config.max_num_seqs, self.max_num_batched_tokens))
         # On Metal: keep weights + pool resident, cap the buffer cache to the plan's slack.
         metal_memory.configure(
-            tree_bytes(loaded.model.parameters()), self.plan.kv_bytes, config.memory_fraction
+            tree_bytes(model.parameters()), self.plan.kv_bytes, config.memory_fraction
         )
         self.max_model_len = self.plan.max_model_len
         layout = self.runner.layout
@@ -374,13 +395,17 @@ class LLMEngine:
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """Advance by one forward pass (see :meth:`_step`); RankLostError if a
         tensor-parallel rank is gone: the other ranks are stopped, the engine is dead."""
+        if self.ranks is None:
+            return self._step(delta)
+        self.ranks.progress.begin("a step")
         try:
             return self._step(delta)
         except RankLostError:
-            logger.error("a tensor-parallel rank is gone; stopping the others")
-            if self.ranks is not None:
-                self.ranks.kill()
+            logger.error("a %s rank is gone; stopping the others", self.ranks.name)
+            self.ranks.kill()
             raise
+        finally:
+            self.ranks.progress.end()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing in one process). Call it on the
@@ -389,10 +414,13 @@ class LLMEngine:
             return
         ranks, self.ranks = self.ranks, None
         if ranks.lost() is None and self.runner.channel is not None:
+            ranks.progress.begin("shutdown")
             try:
                 self.runner.channel.stop()
             except RankLostError:
                 pass
+            finally:
+                ranks.progress.end()
         ranks.wait()
 
     def _step(self, delta: bool = False) -> list[RequestOutput]:
