@@ -210,6 +210,10 @@ class EngineConfig:
     # Processes the model's layers are split over, in contiguous ranges (pipeline parallel:
     # mlxserve/models/pipeline_parallel.py); not together with tensor parallel (yet).
     pipeline_parallel_size: int = 1
+    # Pipeline parallel: a step's requests are split into micro-batches (at most one per
+    # stage) only when each gets about this many tokens: below that a step reads the
+    # weights once per micro-batch for little compute (decode is bandwidth-bound).
+    pipeline_micro_batch_tokens: int = 64
     # Not implemented yet: must be 1.
     data_parallel_size: int = 1
     # Tensor / pipeline parallel: a step (or start-up planning) that makes no progress for
@@ -269,6 +273,12 @@ class EngineConfig:
             self.pipeline_parallel_size,
             f"1 with tensor_parallel_size {self.tensor_parallel_size}: tensor and pipeline "
             "parallelism do not combine yet; use one of them",
+        )
+        _require(
+            self.pipeline_micro_batch_tokens >= 1,
+            "pipeline_micro_batch_tokens",
+            self.pipeline_micro_batch_tokens,
+            ">= 1",
         )
         _require(
             self.distributed_timeout_seconds > 0,

@@ -100,6 +100,19 @@ def test_micro_batches_split_requests_contiguously_by_tokens(query_lens, m, want
     assert micro_batches(query_lens, m) == want
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "min_tokens", "want"),
+    [
+        ((1,) * 8, 64, [(0, 8)]),  # a decode step stays whole
+        ((1,) * 8, 4, [(0, 4), (4, 8)]),
+        ((1, 1, 64, 64), 64, [(0, 3), (3, 4)]),  # a prefill step splits
+        ((1, 1, 64), 64, [(0, 3)]),  # 66 tokens: not two micro-batches' worth
+    ],
+)
+def test_micro_batches_need_enough_tokens_each(query_lens, min_tokens, want) -> None:
+    assert micro_batches(query_lens, 2, min_tokens) == want
+
+
 def test_micro_batch_metadata_equals_metadata_built_for_those_requests() -> None:
     query_lens, context_lens = [1, 1, 5, 3], [9, 4, 5, 11]
     tables = [[5, 6, 9], [2], [11, 12], [3, 4, 7]]
@@ -164,7 +177,9 @@ def test_pp2_equals_one_process_then_a_stuck_rank_is_stopped(
     token; rank 1 received micro-batches and sent logits back. Then rank 1 stops
     responding (SIGSTOP: alive, not answering) mid-generation: after
     distributed_timeout_seconds the engine stops it and fails with that reason."""
-    args = ["scenario", str(tiny_dir), "--pp", "2", "--timeout", str(STUCK_TIMEOUT)]
+    # Micro-batches of >= 2 tokens: decode steps of 2+ requests split too.
+    args = ["scenario", str(tiny_dir), "--pp", "2", "--micro-batch-tokens", "2"]
+    args += ["--timeout", str(STUCK_TIMEOUT)]
     run = Spawn([*args, "--then-fail"], tmp_path / "ranks.log")
     one = run_scenario(LLM(str(tiny_dir), **SCENARIO_ARGS))  # while the ranks start
     two = json.loads(run.read_until("RESULT"))
@@ -175,9 +190,10 @@ def test_pp2_equals_one_process_then_a_stuck_rank_is_stopped(
     assert two["prefix_cache_hits"] == one["prefix_cache_hits"]
     # Hidden states cross ranks unchanged (no sum): the embeddings are the same floats.
     np.testing.assert_allclose(two["embeddings"], one["embeddings"], rtol=1e-6, atol=1e-7)
-    stats = dict(zip(STAT_NAMES, two["stage_stats"][1], strict=True))
+    stats = dict(zip(STAT_NAMES, two["stage_stats"][1], strict=False))
     hidden_bytes = 64 * 4  # a token's hidden state, float32
     assert stats["forwards"] > 0
+    assert stats["micro_batches"] > stats["forwards"]  # steps were split
     assert stats["bytes_received"] > 0 and stats["bytes_received"] % hidden_bytes == 0
     assert stats["bytes_sent"] > 0  # logits (and hidden rows) back to rank 0
 

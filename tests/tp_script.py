@@ -109,12 +109,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--spec", action="store_true", help="n-gram speculative decoding")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--micro-batch-tokens", type=int, default=64)
     parser.add_argument("--then-fail", action="store_true", help="then fail_on_demand")
     args = parser.parse_args(argv)
     parallel = dict(
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         distributed_timeout_seconds=args.timeout,
+        pipeline_micro_batch_tokens=args.micro_batch_tokens,
     )
     if args.mode == "scenario":
         spec = dict(speculative_config=SPEC) if args.spec else {}

@@ -43,7 +43,6 @@ from mlxserve.worker.launch import (
 )
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
-from mlxserve.worker.pipeline import num_micro_batches
 from mlxserve.worker.spmd import RankLostError, StepChannel
 
 logger = logging.getLogger("mlxserve")
@@ -153,7 +152,7 @@ class LLMEngine:
                 group = self.ranks.group
                 if config.pipeline_parallel_size > 1:
                     # Rank 0 keeps its layers only: the others are freed with the model.
-                    model = PipelineStage(model, group, num_micro_batches(config))
+                    model = PipelineStage(model, group, config.pipeline_micro_batch_tokens)
                     loaded.model = model
                 else:
                     shard_model(model, group)

@@ -10,11 +10,15 @@ Rank 0 samples, so the logits of the rows it needs come back to it; they travel 
 inputs and so no place in the evaluation order of rank 0's lazy step: its zeros depend
 on rank 0's last send, so it can only run after it.
 
-A step's requests are split into micro-batches (contiguous, balanced by tokens) that
-flow through the stages in order, so rank 0 computes micro-batch k+1 while rank 1
-computes micro-batch k (P stages, M micro-batches: a forward idles (P-1)/(M+P-1))::
+A step's requests are split into micro-batches (contiguous, balanced by tokens, one per
+stage) that flow through the stages in order, so rank 0 computes micro-batch k+1 while
+rank 1 computes micro-batch k (P stages, M micro-batches: a forward idles (P-1)/(M+P-1))::
 
     rank 0 | mb0 | mb1 |  wait  |         rank 1 |     | mb0 | mb1 | head |
+
+Only when each micro-batch gets ``micro_batch_tokens`` tokens or more: each micro-batch
+reads the stage's weights again, which a decode step (bandwidth-bound) pays in full and
+a prefill chunk (compute-bound) hardly notices.
 
 Layers are split to balance the bytes each rank reads per token (layers, plus the LM
 head on the last rank; an embedding lookup reads one row), which is what a decode step
@@ -89,12 +93,15 @@ def stage_ranges(layer_costs: list[int], head_cost: int, size: int) -> list[tupl
     return ranges[::-1]
 
 
-def micro_batches(query_lens: tuple[int, ...], num_micro_batches: int) -> list[tuple[int, int]]:
-    """Split a step's requests (in batch order) into at most ``num_micro_batches``
-    contiguous ranges ``[a, b)`` of about equal token counts, none empty."""
+def micro_batches(
+    query_lens: tuple[int, ...], max_micro_batches: int, min_tokens: int = 1
+) -> list[tuple[int, int]]:
+    """Split a step's requests (in batch order) into contiguous ranges ``[a, b)`` of about
+    equal token counts, none empty: at most ``max_micro_batches``, and no more than give
+    each about ``min_tokens`` tokens."""
     num_reqs = len(query_lens)
-    m = max(1, min(num_micro_batches, num_reqs))
     total = sum(query_lens)
+    m = max(1, min(max_micro_batches, num_reqs, total // min_tokens))
     out, a, seen = [], 0, 0
     for i, q in enumerate(query_lens):
         seen += q
@@ -141,7 +148,7 @@ class PipelineStage(nn.Module):
     """This rank's share of a llama-family model; called like the model on rank 0."""
 
     def __init__(
-        self, model: llama.Model, group: mx.distributed.Group, num_micro_batches: int
+        self, model: llama.Model, group: mx.distributed.Group, micro_batch_tokens: int = 64
     ) -> None:
         super().__init__()
         size = group.size()
@@ -177,7 +184,7 @@ class PipelineStage(nn.Module):
         self.head_dim = model.head_dim
         self.vocab_size = model.vocab_size
         self.max_position_embeddings = model.max_position_embeddings
-        self.num_micro_batches = num_micro_batches
+        self.micro_batch_tokens = micro_batch_tokens  # at least, per micro-batch
         self._group = group
         # Rank 0: bytes of hidden states sent and of logits received, as built.
         self.num_bytes_sent = 0
@@ -226,7 +233,7 @@ class PipelineStage(nn.Module):
         time. Rank 0 and the start-up memory probe (one request) come here.
         """
         md = attn_metadata
-        parts = micro_batches(md.query_lens, self.num_micro_batches)
+        parts = micro_batches(md.query_lens, self.size, self.micro_batch_tokens)
         assert self.is_first or len(parts) == 1, "ranks r > 0: worker/pipeline.py"
         send = None
         outs = []

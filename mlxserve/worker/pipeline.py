@@ -38,6 +38,8 @@ STAT_NAMES = (
     "bytes_received",
     "bytes_sent",
     "wall_s",
+    "tail_s",  # from the last micro-batch's arrival to the forward's end: rank 0 waits it
+    "micro_batches",
 )
 
 
@@ -52,6 +54,8 @@ class StageCounters:
     returning: float = 0.0
     bytes_received: int = 0
     bytes_sent: int = 0
+    tail: float = 0.0
+    micro_batches: int = 0
     started: float = 0.0
     last_end: float | None = None
 
@@ -66,6 +70,8 @@ class StageCounters:
             self.bytes_received,
             self.bytes_sent,
             wall,
+            self.tail,
+            self.micro_batches,
         ]
 
 
@@ -90,7 +96,7 @@ class StageRunner:
         positions = mx.array(inputs.positions(), dtype=mx.int32)
         outs = []
         with ops.use_kernels(self.runner.kernels):
-            for a, b in micro_batches(md.query_lens, stage.num_micro_batches):
+            for a, b in micro_batches(md.query_lens, stage.size, stage.micro_batch_tokens):
                 sub, t0, t1 = micro_batch_metadata(md, a, b)
                 h = mx.distributed.recv(
                     (t1 - t0, stage.hidden_size), stage.hidden_dtype, stage.rank - 1, group=group
@@ -99,7 +105,8 @@ class StageRunner:
                 now = time.perf_counter()
                 c.micro_batch_wait += now - t
                 c.bytes_received += h.nbytes
-                t = now
+                c.micro_batches += 1
+                t = last_arrival = now
                 h = stage.run_layers(h, positions[t0:t1], sub, cache)
                 if stage.is_last:
                     mx.eval(h, cache.arrays())
@@ -114,6 +121,7 @@ class StageRunner:
                 self._return(inputs, outs)
         now = time.perf_counter()
         c.returning += now - t
+        c.tail += now - last_arrival
         c.forwards += 1
         c.last_end = now
 
@@ -142,7 +150,7 @@ def serve_pipeline_rank(
     """Keep this rank's layers of ``model``, plan its KV pool with the other ranks, run
     its stage of every forward until STOP; the exit status (1 if another rank was lost)."""
     try:
-        stage = PipelineStage(model, group, num_micro_batches(config))
+        stage = PipelineStage(model, group, config.pipeline_micro_batch_tokens)
         del model
         runner = ModelRunner(
             stage, dtype=dtype, block_size=config.block_size, kernels=config.kernels
@@ -155,8 +163,3 @@ def serve_pipeline_rank(
         logger.error("rank %d: %s", group.rank(), e)
         return 1
     return 0
-
-
-def num_micro_batches(config: EngineConfig) -> int:
-    """Micro-batches per step: one per stage keeps every rank busy in a step's middle."""
-    return config.pipeline_parallel_size

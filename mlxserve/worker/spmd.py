@@ -36,7 +36,7 @@ from mlxserve.ops import AttentionMetadata
 
 FORWARD, STOP, STATS = 1, 2, 3
 HEADER_LEN = 4  # kind, payload length, and room to grow
-NUM_STATS = 8  # counters per rank in a STATS reply
+NUM_STATS = 12  # counters per rank in a STATS reply (room to grow)
 
 
 class RankLostError(RuntimeError):
