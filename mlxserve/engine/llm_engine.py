@@ -134,32 +134,32 @@ class LLMEngine:
         # Tensor / pipeline parallel: the other ranks, started here; None in one process.
         self.ranks: LocalRanks | LaunchedRanks | None = None
         channel = None
-        model = loaded.model
         if config.world_size > 1:
             if config.pipeline_parallel_size > 1:
-                check_pipeline_parallel(model, config.pipeline_parallel_size)
+                check_pipeline_parallel(loaded.model, config.pipeline_parallel_size)
             else:
-                check_tensor_parallel(model, config.tensor_parallel_size)
+                check_tensor_parallel(loaded.model, config.tensor_parallel_size)
             if launched_rank() is None:
                 self.ranks = LocalRanks(config, plan_args)
             else:  # every rank runs the caller's script: only rank 0 goes on from here
                 self.ranks = LaunchedRanks(config)
                 group = self.ranks.group
                 if group.rank() != 0:
-                    sys.exit(serve_rank(model, loaded.dtype, config, plan_args, group))
+                    sys.exit(serve_rank(loaded, config, plan_args, group))
         try:
             if self.ranks is not None:
                 group = self.ranks.group
                 if config.pipeline_parallel_size > 1:
                     # Rank 0 keeps its layers only: the others are freed with the model.
-                    model = PipelineStage(model, group, config.pipeline_micro_batch_tokens)
-                    loaded.model = model
+                    loaded.model = PipelineStage(
+                        loaded.model, group, config.pipeline_micro_batch_tokens
+                    )
                 else:
-                    shard_model(model, group)
+                    shard_model(loaded.model, group)
                 channel = StepChannel(group, self.ranks.lost, parallel_name(config))
                 self.ranks.progress.begin("start-up (planning the KV pool)")
             self.runner = ModelRunner(
-                model,
+                loaded.model,
                 dtype=loaded.dtype,
                 block_size=config.block_size,
                 kernels=config.kernels,
@@ -176,7 +176,7 @@ class LLMEngine:
         logger.info(self.plan.describe(config.max_num_seqs, self.max_num_batched_tokens))
         # On Metal: keep weights + pool resident, cap the buffer cache to the plan's slack.
         metal_memory.configure(
-            tree_bytes(model.parameters()), self.plan.kv_bytes, config.memory_fraction
+            tree_bytes(loaded.model.parameters()), self.plan.kv_bytes, config.memory_fraction
         )
         self.max_model_len = self.plan.max_model_len
         layout = self.runner.layout

@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from mlxserve.config import EngineConfig
 from mlxserve.exceptions import ParameterError
+from mlxserve.loader import LoadedModel
 from mlxserve.models.tensor_parallel import shard_model
 from mlxserve.worker.model_runner import ModelRunner
 from mlxserve.worker.pipeline import serve_pipeline_rank
@@ -300,16 +301,16 @@ class LocalRanks:
 
 
 def serve_rank(
-    model, dtype: mx.Dtype, config: EngineConfig, plan: dict, group: mx.distributed.Group
+    loaded: LoadedModel, config: EngineConfig, plan: dict, group: mx.distributed.Group
 ) -> int:
-    """Keep this rank's shard (or layers) of ``model``, plan the KV pool with rank 0, run
-    forwards until STOP; the exit status (1 if another rank was lost)."""
+    """Keep this rank's shard (or layers) of ``loaded.model``, plan the KV pool with rank 0,
+    run forwards until STOP; the exit status (1 if another rank was lost)."""
     if config.pipeline_parallel_size > 1:
-        return serve_pipeline_rank(model, dtype, config, plan, group)
+        return serve_pipeline_rank(loaded, config, plan, group)
     try:
-        shard_model(model, group)
+        shard_model(loaded.model, group)
         runner = ModelRunner(
-            model, dtype=dtype, block_size=config.block_size, kernels=config.kernels
+            loaded.model, dtype=loaded.dtype, block_size=config.block_size, kernels=config.kernels
         )
         runner.plan_kv_cache(**plan)
         serve_forwards(runner.run_forward, StepChannel(group, lambda: None))

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from mlxserve import ops
 from mlxserve.config import EngineConfig
+from mlxserve.loader import LoadedModel
 from mlxserve.models.pipeline_parallel import PipelineStage, micro_batch_metadata, micro_batches
 from mlxserve.worker.model_runner import ModelRunner
 from mlxserve.worker.spmd import ForwardInputs, RankLostError, StepChannel, serve_forwards
@@ -145,15 +146,16 @@ class StageRunner:
 
 
 def serve_pipeline_rank(
-    model, dtype: mx.Dtype, config: EngineConfig, plan: dict, group: mx.distributed.Group
+    loaded: LoadedModel, config: EngineConfig, plan: dict, group: mx.distributed.Group
 ) -> int:
-    """Keep this rank's layers of ``model``, plan its KV pool with the other ranks, run
-    its stage of every forward until STOP; the exit status (1 if another rank was lost)."""
+    """Keep this rank's layers of ``loaded.model`` (the others are freed), plan its KV pool
+    with the other ranks, run its stage of every forward until STOP; the exit status (1
+    if another rank was lost)."""
     try:
-        stage = PipelineStage(model, group, config.pipeline_micro_batch_tokens)
-        del model
+        stage = PipelineStage(loaded.model, group, config.pipeline_micro_batch_tokens)
+        loaded.model = stage  # the only reference to the whole model goes
         runner = ModelRunner(
-            stage, dtype=dtype, block_size=config.block_size, kernels=config.kernels
+            stage, dtype=loaded.dtype, block_size=config.block_size, kernels=config.kernels
         )
         runner.plan_kv_cache(**plan)
         worker = StageRunner(runner, stage)

@@ -1,7 +1,8 @@
 """The SPMD step protocol: rank 0 sends each forward pass's inputs, every rank runs it.
 
 Rank 0 runs the scheduler and samples; the other ranks hold a ModelRunner with their
-shard of the weights and of the KV pool and run a loop (:func:`serve_forwards`)::
+shard of the weights (tensor parallel) or their layers (pipeline parallel:
+worker/pipeline.py) and of the KV pool, and run a loop (:func:`serve_forwards`)::
 
     rank 0:  schedule -> ForwardInputs -> broadcast -> forward (all_sum per block) -> sample
     rank r:              receive ------------------> forward (all_sum per block) -> (drop)
@@ -14,7 +15,8 @@ token ids, the batch's query/context lengths and block tables (positions and slo
 follow from them), the rows whose logits are needed, and the pool size to grow to.
 Sampling parameters never travel: only rank 0 samples, and the next step's token ids come
 from rank 0. Aborts, finishes and preemption are scheduler state on rank 0, seen by the
-other ranks as the next forwards' block tables; shutdown is a STOP message.
+other ranks as the next forwards' block tables; shutdown is a STOP message. A STATS
+message asks every rank for its counters (one row each, in one all_sum).
 
 Every forward rank 0 runs goes through :meth:`StepChannel.send` first, including the
 start-up memory probe and the re-runs that isolate a failing request, so the ranks'
