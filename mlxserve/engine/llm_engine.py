@@ -12,7 +12,6 @@ KV arrays, every evaluation). A request whose step fails ends alone with finish_
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import numpy as np
@@ -26,21 +25,13 @@ from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.loader import LoadedModel, load_model
-from mlxserve.models.pipeline_parallel import PipelineStage, check_pipeline_parallel
-from mlxserve.models.tensor_parallel import check_tensor_parallel, shard_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
 from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
-from mlxserve.worker.launch import (
-    LaunchedRanks,
-    LocalRanks,
-    launched_rank,
-    parallel_name,
-    serve_rank,
-)
+from mlxserve.worker.launch import LaunchedRanks, LocalRanks, keep_this_ranks_part, start_ranks
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
 from mlxserve.worker.spmd import RankLostError, StepChannel
@@ -135,28 +126,11 @@ class LLMEngine:
         self.ranks: LocalRanks | LaunchedRanks | None = None
         channel = None
         if config.world_size > 1:
-            if config.pipeline_parallel_size > 1:
-                check_pipeline_parallel(loaded.model, config.pipeline_parallel_size)
-            else:
-                check_tensor_parallel(loaded.model, config.tensor_parallel_size)
-            if launched_rank() is None:
-                self.ranks = LocalRanks(config, plan_args)
-            else:  # every rank runs the caller's script: only rank 0 goes on from here
-                self.ranks = LaunchedRanks(config)
-                group = self.ranks.group
-                if group.rank() != 0:
-                    sys.exit(serve_rank(loaded, config, plan_args, group))
+            self.ranks = start_ranks(loaded, config, plan_args)
         try:
             if self.ranks is not None:
-                group = self.ranks.group
-                if config.pipeline_parallel_size > 1:
-                    # Rank 0 keeps its layers only: the others are freed with the model.
-                    loaded.model = PipelineStage(
-                        loaded.model, group, config.pipeline_micro_batch_tokens
-                    )
-                else:
-                    shard_model(loaded.model, group)
-                channel = StepChannel(group, self.ranks.lost, parallel_name(config))
+                keep_this_ranks_part(loaded, config, self.ranks.group)
+                channel = StepChannel(self.ranks.group, self.ranks.lost, self.ranks.name)
                 self.ranks.progress.begin("start-up (planning the KV pool)")
             self.runner = ModelRunner(
                 loaded.model,

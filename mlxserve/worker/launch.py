@@ -37,7 +37,8 @@ import mlx.core as mx
 from mlxserve.config import EngineConfig
 from mlxserve.exceptions import ParameterError
 from mlxserve.loader import LoadedModel
-from mlxserve.models.tensor_parallel import shard_model
+from mlxserve.models.pipeline_parallel import PipelineStage, check_pipeline_parallel
+from mlxserve.models.tensor_parallel import check_tensor_parallel, shard_model
 from mlxserve.worker.model_runner import ModelRunner
 from mlxserve.worker.pipeline import serve_pipeline_rank
 from mlxserve.worker.spmd import RankLostError, StepChannel, serve_forwards
@@ -298,6 +299,42 @@ class LocalRanks:
     def stop(self) -> None:
         """At exit: no rank outlives this process."""
         self.kill()
+
+
+def start_ranks(
+    loaded: LoadedModel, config: EngineConfig, plan_args: dict[str, object]
+) -> LocalRanks | LaunchedRanks:
+    """Rank 0's view of the group: the ranks started here on 127.0.0.1, or the group
+    ``mlx.launch`` made. Under mlx.launch every rank runs the caller's script: a rank
+    r > 0 serves rank 0's forwards here and exits. ParameterError first if the model
+    cannot be split that way."""
+    if config.pipeline_parallel_size > 1:
+        check_pipeline_parallel(loaded.model, config.pipeline_parallel_size)
+    else:
+        check_tensor_parallel(loaded.model, config.tensor_parallel_size)
+    if launched_rank() is None:
+        return LocalRanks(config, plan_args)
+    ranks = LaunchedRanks(config)
+    if ranks.group.rank() != 0:
+        sys.exit(serve_rank(loaded, config, plan_args, ranks.group))
+    return ranks
+
+
+def keep_this_ranks_part(
+    loaded: LoadedModel, config: EngineConfig, group: mx.distributed.Group
+) -> None:
+    """Tensor parallel: shard ``loaded.model`` in place; pipeline parallel: replace it
+    with this rank's stage (the other layers are freed with the model)."""
+    if config.pipeline_parallel_size == 1:
+        shard_model(loaded.model, group)
+        return
+    stage = PipelineStage(loaded.model, group, config.pipeline_micro_batch_tokens)
+    loaded.model = stage
+    if group.rank() == 0:
+        ranges = ", ".join(
+            f"rank {r}: layers {a}-{b - 1}" for r, (a, b) in enumerate(stage.layer_ranges)
+        )
+        logger.info("pipeline parallel: %s", ranges)
 
 
 def serve_rank(
