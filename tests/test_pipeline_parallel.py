@@ -30,7 +30,7 @@ from mlxserve.ops import AttentionMetadata
 from mlxserve.worker.pipeline import STAT_NAMES
 from tests.engine_helpers import make_tiny_model_dir
 from tests.rank_helpers import Spawn, fail_a_rank
-from tests.tp_script import SCENARIO_ARGS, run_chats, run_scenario
+from tests.tp_script import SCENARIO_ARGS, SPEC, run_chats, run_scenario
 
 STUCK_TIMEOUT = 5.0  # distributed_timeout_seconds in the stuck-rank run
 
@@ -173,21 +173,24 @@ def test_more_stages_than_layers_or_another_architecture_is_a_clear_error(
 def test_pp2_equals_one_process_then_a_stuck_rank_is_stopped(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """Batching, chunked prefill, prefix caching, preemption and embeddings, token for
-    token; rank 1 received micro-batches and sent logits back. Then rank 1 stops
-    responding (SIGSTOP: alive, not answering) mid-generation: after
-    distributed_timeout_seconds the engine stops it and fails with that reason."""
+    """Batching, chunked prefill, prefix caching, preemption, embeddings and n-gram drafts
+    (verified as decode rows), token for token with one process that does not speculate;
+    rank 1 received micro-batches and sent logits back. Then rank 1 stops responding
+    (SIGSTOP: alive, not answering) mid-generation: after distributed_timeout_seconds the
+    engine stops it and fails with that reason."""
     # Micro-batches of >= 2 tokens: decode steps of 2+ requests split too.
-    args = ["scenario", str(tiny_dir), "--pp", "2", "--micro-batch-tokens", "2"]
+    args = ["scenario", str(tiny_dir), "--pp", "2", "--micro-batch-tokens", "2", "--spec"]
     args += ["--timeout", str(STUCK_TIMEOUT)]
     run = Spawn([*args, "--then-fail"], tmp_path / "ranks.log")
     one = run_scenario(LLM(str(tiny_dir), **SCENARIO_ARGS))  # while the ranks start
+    one_spec = run_scenario(LLM(str(tiny_dir), speculative_config=SPEC, **SCENARIO_ARGS))
     two = json.loads(run.read_until("RESULT"))
-    assert one["num_preemptions"] > 0 and one["prefix_cache_hits"] > 0
+    assert one_spec["num_preemptions"] > 0 and one_spec["prefix_cache_hits"] > 0
     assert len(one["tokens"]) == 6 and all(len(t) == 24 for t in one["tokens"])
+    assert two["accepted"] > 0  # drafts were verified
     assert two["tokens"] == one["tokens"]
-    assert two["num_preemptions"] == one["num_preemptions"]
-    assert two["prefix_cache_hits"] == one["prefix_cache_hits"]
+    for counter in ("num_preemptions", "prefix_cache_hits", "accepted"):
+        assert two[counter] == one_spec[counter], counter
     # Hidden states cross ranks unchanged (no sum): the embeddings are the same floats.
     np.testing.assert_allclose(two["embeddings"], one["embeddings"], rtol=1e-6, atol=1e-7)
     stats = dict(zip(STAT_NAMES, two["stage_stats"][1], strict=False))
