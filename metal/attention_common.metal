@@ -19,13 +19,47 @@
 #define MLXS_HEAD_GROUPS(GQA) (((GQA) + MLXS_MAX_ROWS - 1) / MLXS_MAX_ROWS)
 #define MLXS_GROUP_HEADS(GQA) (((GQA) + MLXS_HEAD_GROUPS(GQA) - 1) / MLXS_HEAD_GROUPS(GQA))
 
+// K/V pool rows (mlxserve/ops/kv_quant.py): with KV_QUANT, HEAD_DIM int8 values followed by
+// their float32 scale (4 bytes; value = q * scale); otherwise HEAD_DIM elements of the
+// pool's float type. A row's scale multiplies its whole dot product (K) or its softmax
+// weight (V), so dequantizing costs one multiply per key, not per element.
+#define MLXS_KV_ROW(HEAD_DIM, KV_QUANT) ((KV_QUANT) ? (HEAD_DIM) + 4 : (HEAD_DIM))
+
+// The scale of the pool row starting at `row`: its stored float32 (KV_QUANT), else 1.
+template <bool KV_QUANT, int HEAD_DIM, typename KV>
+inline float kv_row_scale(KV row) {
+  static_assert(!KV_QUANT || HEAD_DIM % 4 == 0, "the scale after the values stays aligned");
+  return KV_QUANT ? *reinterpret_cast<const device float*>(row + HEAD_DIM) : 1.0f;
+}
+
+// Quantizes one row of HEAD_DIM values x into the 8-bit pool row `row` (values, then the
+// float32 scale max|x| / 127); called by the 32 lanes of one simdgroup (write_kv_q8.metal).
+template <int HEAD_DIM, typename X>
+inline void quantize_row(X x, device int8_t* row, uint lane) {
+  float amax = 0.0f;
+  for (int d = int(lane); d < HEAD_DIM; d += 32) {
+    amax = metal::max(amax, metal::abs(static_cast<float>(x[d])));
+  }
+  amax = metal::simd_max(amax);
+  const float scale = amax / 127.0f;
+  const float safe = scale > 0.0f ? scale : 1.0f;  // an all-zero row: zeros, scale 0
+  for (int d = int(lane); d < HEAD_DIM; d += 32) {
+    const float q = metal::rint(static_cast<float>(x[d]) / safe);
+    row[d] = static_cast<int8_t>(metal::clamp(q, -127.0f, 127.0f));
+  }
+  if (lane == 0) {
+    *reinterpret_cast<device float*>(row + HEAD_DIM) = scale;
+  }
+}
+
 // Online-softmax attention of ROWS query rows over tokens [t_begin, t_end) of one request.
 // Simdgroup `simd` of NUM_SIMD takes the blocks holding those tokens in turn (the first,
 // the NUM_SIMD + 1st, ...), reading each block's table entry once. Row r sees tokens
 // [start[r], limit[r]) (start > 0 only under a sliding window); a row with limit 0 is unused.
 // q holds this lane's dims of each row, already multiplied by the softmax scale.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, int NUM_SIMD, typename KV,
-          typename Table>
+// KV_QUANT: the pools hold 8-bit rows with scales (MLXS_KV_ROW).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, int NUM_SIMD, bool KV_QUANT,
+          typename KV, typename Table>
 inline void paged_attend(
     thread const float (&q)[ROWS][MLXS_DIMS_PER_LANE(HEAD_DIM)],
     thread const int (&start)[ROWS],
@@ -57,8 +91,10 @@ inline void paged_attend(
     const int hi = metal::min(b_first + BLOCK_SIZE, t_end);
     for (int t = lo; t < hi; ++t) {
       const int64_t row = (block * BLOCK_SIZE + (t - b_first)) * num_kv_heads + kv_head;
-      KV k_row = k_cache + row * HEAD_DIM;
-      KV v_row = v_cache + row * HEAD_DIM;
+      KV k_row = k_cache + row * MLXS_KV_ROW(HEAD_DIM, KV_QUANT);
+      KV v_row = v_cache + row * MLXS_KV_ROW(HEAD_DIM, KV_QUANT);
+      const float k_scale = kv_row_scale<KV_QUANT, HEAD_DIM>(k_row);
+      const float v_scale = kv_row_scale<KV_QUANT, HEAD_DIM>(v_row);
       float k[DPL];
       float v[DPL];
       for (int i = 0; i < DPL; ++i) {
@@ -74,13 +110,14 @@ inline void paged_attend(
         for (int i = 0; i < DPL; ++i) {
           partial += q[r][i] * k[i];
         }
-        const float score = metal::simd_sum(partial);
+        const float score = metal::simd_sum(partial) * k_scale;
         const float m_new = metal::max(m[r], score);
         const float correction = metal::fast::exp(m[r] - m_new);
         const float p = metal::fast::exp(score - m_new);
         l[r] = l[r] * correction + p;
+        const float pv = p * v_scale;
         for (int i = 0; i < DPL; ++i) {
-          acc[r][i] = acc[r][i] * correction + p * v[i];
+          acc[r][i] = acc[r][i] * correction + pv * v[i];
         }
         m[r] = m_new;
       }

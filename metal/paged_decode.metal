@@ -3,9 +3,11 @@
 // them per threadgroup, so K and V are read once per head group. Simdgroups take the
 // context's blocks in turn through the block table.
 //
-// Template: T (q, cache and out dtype), HEAD_DIM, BLOCK_SIZE, GQA (query heads per KV head),
-//   NUM_SIMD (simdgroups per threadgroup, NUM_SIMD * 32 >= HEAD_DIM), WINDOW (sliding window
-//   in tokens, 0 = none), USE_SINKS (add sinks[head] to each softmax denominator).
+// Template: T (q and out dtype; the cache's too unless KV_QUANT), HEAD_DIM, BLOCK_SIZE, GQA
+//   (query heads per KV head), NUM_SIMD (simdgroups per threadgroup, NUM_SIMD * 32 >=
+//   HEAD_DIM), WINDOW (sliding window in tokens, 0 = none), USE_SINKS (add sinks[head] to
+//   each softmax denominator), KV_QUANT (the pools are int8 rows of HEAD_DIM + 4 bytes:
+//   values then a float32 scale, attention_common.metal's MLXS_KV_ROW).
 // Inputs: q (num_tokens, num_heads, HEAD_DIM); k_cache, v_cache (num_blocks, BLOCK_SIZE,
 //   num_kv_heads, HEAD_DIM); block_tables (num_reqs, max_blocks) int32; context_lens
 //   (num_reqs,) int32; scale () float32; sinks (num_heads,) float32, read only with
@@ -59,7 +61,7 @@ for (int r = 0; r < ROWS; ++r) {
 float m[ROWS];
 float l[ROWS];
 float acc[ROWS][DPL];
-paged_attend<T, HEAD_DIM, BLOCK_SIZE, ROWS, NUM_SIMD>(
+paged_attend<T, HEAD_DIM, BLOCK_SIZE, ROWS, NUM_SIMD, KV_QUANT>(
     qr, start, limit, k_cache, v_cache, block_tables + int64_t(req) * max_blocks, kv_head,
     num_kv_heads, t_first, ctx, simd, lane, m, l, acc);
 

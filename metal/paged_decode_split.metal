@@ -4,7 +4,7 @@
 // unnormalized partial output with its softmax max and sum; paged_decode_reduce.metal
 // combines them.
 //
-// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD, WINDOW (as paged_decode.metal),
+// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD, WINDOW, KV_QUANT (as paged_decode.metal),
 //   PARTITION_SIZE. Under a window, partitions wholly before it are skipped (not written).
 // Inputs: q, k_cache, v_cache, block_tables, context_lens, scale (as paged_decode.metal).
 // Outputs (float32): partial_out (>= rows, num_heads, num_partitions, HEAD_DIM),
@@ -63,7 +63,7 @@ for (int r = 0; r < ROWS; ++r) {
 float m[ROWS];
 float l[ROWS];
 float acc[ROWS][DPL];
-paged_attend<T, HEAD_DIM, BLOCK_SIZE, ROWS, NUM_SIMD>(
+paged_attend<T, HEAD_DIM, BLOCK_SIZE, ROWS, NUM_SIMD, KV_QUANT>(
     qr, start, limit, k_cache, v_cache, block_tables + int64_t(req) * max_blocks, kv_head,
     num_kv_heads, t_begin, t_end, simd, lane, m, l, acc);
 

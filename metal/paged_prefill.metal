@@ -10,8 +10,8 @@
 // get none and their rows are not written); tiles past the last request zero the padding
 // rows (bucketing) after the real tokens.
 //
-// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD, WINDOW, USE_SINKS (as paged_decode.metal),
-//   TQ.
+// Template: T, HEAD_DIM, BLOCK_SIZE, GQA, NUM_SIMD, WINDOW, USE_SINKS, KV_QUANT (as
+//   paged_decode.metal), TQ.
 // Inputs: q (num_tokens, num_heads, HEAD_DIM); k_cache, v_cache (num_blocks, BLOCK_SIZE,
 //   num_kv_heads, HEAD_DIM); block_tables (num_reqs, max_blocks) int32; context_lens
 //   (num_reqs,) int32, cached + new tokens; query_start_loc (num_reqs + 1,) int32;
@@ -95,7 +95,7 @@ for (int r = 0; r < ROWS; ++r) {
 float m[ROWS];
 float l[ROWS];
 float acc[ROWS][DPL];
-paged_attend<T, HEAD_DIM, BLOCK_SIZE, ROWS, NUM_SIMD>(
+paged_attend<T, HEAD_DIM, BLOCK_SIZE, ROWS, NUM_SIMD, KV_QUANT>(
     qr, start, limit, k_cache, v_cache, block_tables + int64_t(req) * max_blocks, kv_head,
     num_kv_heads, window_first<WINDOW>(first_pos), first_pos + count, simd, lane, m, l, acc);
 

@@ -13,7 +13,7 @@
 // correction is a product with a diagonal matrix.
 // Tiles are numbered as in paged_prefill.metal (requests from req_begin on, then padding).
 //
-// Template: T, HEAD_DIM (a multiple of 8), BLOCK_SIZE, GQA, WINDOW, USE_SINKS (as
+// Template: T, HEAD_DIM (a multiple of 8), BLOCK_SIZE, GQA, WINDOW, USE_SINKS, KV_QUANT (as
 //   paged_decode.metal), TQ (query tokens per tile: 32 / heads per group).
 // Inputs: as paged_prefill.metal.
 // Output: out (num_tokens, num_heads, HEAD_DIM).
@@ -128,14 +128,17 @@ for (int kb = window_first<WINDOW>(first_pos); kb < kv_end; kb += BK) {
     const int t = kb + int(tid);
     kv_row[tid] = t < kv_end
         ? ((int64_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE) * num_kv_heads +
-           kv_head) * HEAD_DIM
+           kv_head) * MLXS_KV_ROW(HEAD_DIM, KV_QUANT)
         : int64_t(-1);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (int i = int(tid); i < BK * HEAD_DIM; i += NUM_SIMD * 32) {
     const int key = i / HEAD_DIM;
     const int d = i % HEAD_DIM;
-    kv[d * BK + key] = kv_row[key] >= 0 ? static_cast<float>(k_cache[kv_row[key] + d]) : 0.0f;
+    const int64_t at = kv_row[key];
+    kv[d * BK + key] = at >= 0 ? static_cast<float>(k_cache[at + d]) *
+                                     kv_row_scale<KV_QUANT, HEAD_DIM>(k_cache + at)
+                               : 0.0f;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -185,7 +188,10 @@ for (int kb = window_first<WINDOW>(first_pos); kb < kv_end; kb += BK) {
   threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with K^T
   for (int i = int(tid); i < BK * HEAD_DIM; i += NUM_SIMD * 32) {
     const int key = i / HEAD_DIM;
-    kv[i] = kv_row[key] >= 0 ? static_cast<float>(v_cache[kv_row[key] + i % HEAD_DIM]) : 0.0f;
+    const int64_t at = kv_row[key];
+    kv[i] = at >= 0 ? static_cast<float>(v_cache[at + i % HEAD_DIM]) *
+                          kv_row_scale<KV_QUANT, HEAD_DIM>(v_cache + at)
+                    : 0.0f;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 

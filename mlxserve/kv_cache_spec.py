@@ -37,6 +37,17 @@ KINDS = (FULL_ATTENTION, SLIDING_WINDOW, RECURRENT)
 
 # Bytes per element of the dtypes a recurrent state may be kept in.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# An 8-bit K/V pool (dtype int8, --kv-cache-dtype int8) stores each (token, KV head) row as
+# head_dim int8 values followed by their float32 scale: mlxserve/ops/kv_quant.py.
+KV_SCALE_BYTES = 4
+
+
+def kv_row_bytes(head_dim: int, dtype) -> int:
+    """Bytes of one (token, KV head) row of a pool of ``dtype`` (anything with ``.size``;
+    an int8 pool is 8-bit quantized and carries its scale)."""
+    if str(dtype).rsplit(".", 1)[-1] == "int8":
+        return head_dim + KV_SCALE_BYTES
+    return head_dim * dtype.size
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,10 @@ class LayerCacheSpec:
         return (self.num_kv_heads, self.k_head_dim, self.v_head_dim)
 
     def bytes_per_token(self, dtype) -> int:
-        """K + V bytes one token takes in this layer's pool (``dtype.size`` bytes each)."""
-        return self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * dtype.size
+        """K + V bytes one token takes in this layer's pool (rows as kv_row_bytes)."""
+        return self.num_kv_heads * (
+            kv_row_bytes(self.k_head_dim, dtype) + kv_row_bytes(self.v_head_dim, dtype)
+        )
 
     def state_bytes(self) -> int:
         """Bytes of one request's state in this layer (0 for attention layers)."""
@@ -131,8 +144,10 @@ class KVCacheLayout:
 
     def bytes_per_block(self, block_size: int, dtype) -> int:
         """K + V bytes of one block id across the tensors."""
-        size = dtype.size
-        return sum(block_size * h * (k + v) * size for h, k, v in self.tensor_shapes)
+        return sum(
+            block_size * h * (kv_row_bytes(k, dtype) + kv_row_bytes(v, dtype))
+            for h, k, v in self.tensor_shapes
+        )
 
     def state_bytes_per_slot(self) -> int:
         """Bytes of one state slot across the recurrent layers."""

@@ -192,3 +192,18 @@ def test_spec_decode_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
     for row in results.values():
         assert row["same_tokens"]  # greedy: speculation never changes the tokens
         assert row["plain"]["drafted"] == 0 and row["ngram"]["output_tokens"] > 0
+
+
+def test_kv_cache_dtype_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
+    from bench import kv_cache_dtype
+
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    args = [str(model_dir), "--kv-budget-mb", "1", "--length", "64", "--prompts", "2"]
+    args += ["--tokens", "4", "--batch", "2", "--decode-tokens", "3", "--no-simulated"]
+    data = kv_cache_dtype.main(args)["dtypes"]
+    # The tiny model: 2 layers x 2 KV heads of 16 per token; int8 rows are 16 + 4 bytes.
+    assert data["auto"]["bytes_per_block"] == 16 * 2 * 2 * 2 * 16 * 4
+    assert data["int8"]["bytes_per_block"] == 16 * 2 * 2 * 2 * 20
+    assert data["int8"]["blocks"] == 2**20 // data["int8"]["bytes_per_block"]
+    assert data["int8"]["requests_that_fit"] == data["int8"]["blocks"] // 4
+    assert 0 <= data["int8"]["agreement"] <= 1 and data["int8"]["decode_tok_s"] > 0

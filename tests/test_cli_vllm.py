@@ -85,7 +85,8 @@ def test_a_copied_vllm_line_parses_and_warns_once_per_no_effect_flag(caplog) -> 
     assert (config.memory_fraction, config.max_num_seqs) == (0.9, 8)
     assert (config.max_model_len, config.kv_cache_memory_bytes) == (8000, 2 * 2**30)
     assert config.tensor_parallel_size == config.pipeline_parallel_size == 1
-    # --kv-cache-dtype auto is vLLM's default: nothing to say.
+    # --kv-cache-dtype is a real engine flag now (int8 quantizes the KV cache).
+    assert config.kv_cache_dtype == "auto"
     assert not warn_no_effect(build_parser().parse_args(["serve"]), ENGINE_FLAGS)
 
 

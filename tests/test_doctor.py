@@ -128,6 +128,27 @@ def test_kernel_self_tests_are_reported_per_variant() -> None:
     assert doctor.kernel_lines(None, mx.float16, 64, 16, 3)[0].startswith("self-tests: not run")
 
 
+def test_kernel_self_tests_of_8bit_pools_name_the_quantizing_variants() -> None:
+    """kv_cache_dtype int8: the quantizing write and KV_QUANT attention are self-tested; a
+    wrong scale in the write (emulated) is reported FAILED."""
+    if sys.platform != "linux":
+        pytest.skip("the Metal emulator runs on Linux")
+    from metal.checker.emulator import Emulator
+    from mlxserve.ops.metal import MetalKernels
+
+    emu = Emulator()
+
+    def factory(**kw):
+        if kw["name"] == "write_kv_q8":  # the quantizer's step is in the shared header
+            kw["header"] = kw["header"].replace("amax / 127.0f", "amax / 100.0f")
+        return emu.metal_kernel(**kw)
+
+    lines = doctor.kernel_lines(MetalKernels(factory), mx.float16, 64, 16, 3, kv_quant=True)
+    assert len(lines) == 4
+    assert lines[0].startswith("self-test:  write_kv_q8<T=float16, HEAD_DIM=64>: FAILED")
+    assert all("KV_QUANT=true" in line and line.endswith(": ok") for line in lines[1:]), lines
+
+
 def test_a_failed_self_test_makes_the_exit_status_1(monkeypatch, capsys) -> None:
     """The whole command in-process, its kernels a broken emulated prefill (CI on a Mac
     relies on the status)."""

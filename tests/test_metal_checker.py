@@ -155,6 +155,8 @@ def _recorded_variants() -> list:
                 cases = [Case(requests, 16, gqa, head_dim, dtype)]
                 if head_dim == 64:  # sliding window and sinks (constant / device bound)
                     cases.append(Case(requests, 16, gqa, head_dim, dtype, window=5, sinks=True))
+                if head_dim == 128:  # 8-bit pools (--kv-cache-dtype int8)
+                    cases.append(Case(requests, 16, gqa, head_dim, dtype, kv_quant=True))
                 for case in cases:
                     inp = make_inputs(case)
                     for config in (None, SPLIT, SIMT):
@@ -219,6 +221,7 @@ def test_every_kernel_compiles_with_gxx_and_clang_address_spaces() -> None:
     names = {g.kernel_name.split("__")[0] for g in variants}
     assert names == {
         "custom_kernel_write_kv",
+        "custom_kernel_write_kv_q8",
         "custom_kernel_paged_decode",
         "custom_kernel_paged_decode_split",
         "custom_kernel_paged_decode_reduce",

@@ -208,6 +208,32 @@ def test_window_and_sinks_match_fallback(
         check(case, metal_backend(factory, config))
 
 
+# 8-bit pools (--kv-cache-dtype int8): (dtype of q and the new rows, head_dim, block_size,
+# gqa, window, sinks). Both sides read the same quantized pool, so the dtype's tolerance
+# holds; the written pools must be byte-equal (the same rounding as ops/kv_quant.quantize).
+KV_QUANT = [
+    ("float32", 64, 8, 4, None, False),
+    ("float16", 128, 16, 1, None, False),
+    ("bfloat16", 96, 16, 3, 5, True),
+    ("float32", 36, 8, 9, None, True),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size,gqa,window,sinks", KV_QUANT)
+def test_8bit_pools_match_fallback(kernels, dtype, head_dim, block_size, gqa, window, sinks):
+    factory, emu = kernels
+    seed = head_dim * 100 + block_size * 10 + gqa + 11
+    for name, case, config, expected in paths(dtype, head_dim, block_size, gqa, seed, window):
+        case = dataclasses.replace(case, kv_quant=True, sinks=sinks)
+        if name == "prefill" and head_dim % 8:
+            expected = {"write_kv", "paged_prefill"}  # the tiled kernel needs head_dim % 8 == 0
+        before = len(emu.launches) if emu else 0
+        check(case, metal_backend(factory, config))
+        if emu:
+            ran = {launch["name"] for launch in emu.launches[before:]}
+            assert ran == (expected - {"write_kv"}) | {"write_kv_q8"}, (name, ran)
+
+
 @pytest.mark.parametrize("name,case,config,expected", EXTENDED, ids=[c[0] for c in EXTENDED])
 def test_extended_shapes_match_fallback(kernels, name, case, config, expected) -> None:
     factory, emu = kernels

@@ -43,6 +43,7 @@ class Mutation:
     caught_by: str  # mismatch | nan | race | divergence | fault
     windowed: bool = False  # run the case with a sliding window and attention sinks
     gqa: int = 2  # query heads per KV head (> 8: several head groups per KV head)
+    kv_quant: bool = False  # 8-bit pools (--kv-cache-dtype int8)
 
 
 HEADER = "attention_common.metal"
@@ -335,6 +336,52 @@ MUTATIONS = [
         ("prefill",),
         "fault",
     ),
+    # 8-bit pools (--kv-cache-dtype int8): the quantizing write and the dequantizing reads
+    Mutation(
+        "write_kv_q8: values written into the K pool",
+        "write_kv_q8.metal",
+        "const_cast<device int8_t*>(v_cache) + dst",
+        "const_cast<device int8_t*>(k_cache) + dst",
+        ("decode",),
+        "mismatch",
+        kv_quant=True,
+    ),
+    Mutation(
+        "quantize_row: the row's max not reduced across lanes",
+        HEADER,
+        "amax = metal::simd_max(amax);",
+        "",
+        ("decode",),
+        "mismatch",
+        kv_quant=True,
+    ),
+    Mutation(
+        "quantize_row: a wrong scale (max / 128)",
+        HEADER,
+        "const float scale = amax / 127.0f;",
+        "const float scale = amax / 128.0f;",
+        ("decode",),
+        "mismatch",
+        kv_quant=True,
+    ),
+    Mutation(
+        "attention: the K scale not applied to the score",
+        HEADER,
+        "metal::simd_sum(partial) * k_scale;",
+        "metal::simd_sum(partial);",
+        ("decode", "split", "prefill"),
+        "mismatch",
+        kv_quant=True,
+    ),
+    Mutation(
+        "attention: V weighted by the K row's scale",
+        HEADER,
+        "const float pv = p * v_scale;",
+        "const float pv = p * k_scale;",
+        ("decode", "split", "prefill"),
+        "mismatch",
+        kv_quant=True,
+    ),
     Mutation(
         "prefill: padding rows left unwritten",
         "paged_prefill.metal",
@@ -346,12 +393,15 @@ MUTATIONS = [
 ]
 
 
-def _case(path: str, windowed: bool = False, gqa: int = 2) -> tuple[Case, object]:
+def _case(
+    path: str, windowed: bool = False, gqa: int = 2, kv_quant: bool = False
+) -> tuple[Case, object]:
     """The batch for `path`: "prefill" runs the SIMT prefill kernel, "tiled" the
     simdgroup-matrix one, "mixed-split" a mixed batch whose decodes take split-K."""
     mixed = path in ("prefill", "tiled", "mixed-split")
     requests = mixed_requests(BS) if mixed else decode_requests(BS)
-    variant = {"window": 5, "sinks": True} if windowed else {}
+    variant: dict = {"window": 5, "sinks": True} if windowed else {}
+    variant["kv_quant"] = kv_quant
     case = Case(requests, BS, gqa, head_dim=80, dtype="float32", pad_tokens=2, seed=3, **variant)
     config = {
         "split": split_config(BS),
@@ -377,11 +427,18 @@ def _factory(emu: Emulator, mutation: Mutation | None):
     return factory
 
 
-def _outcome(path: str, mutation: Mutation | None, windowed: bool = False, gqa: int = 2) -> str:
+def _outcome(
+    path: str,
+    mutation: Mutation | None,
+    windowed: bool = False,
+    gqa: int = 2,
+    kv_quant: bool = False,
+) -> str:
     """How the checker judges the kernels: 'ok' or the kind of failure."""
     emu = Emulator(schedules=("forward", "reverse", "serial"), timeout_s=20.0)
     windowed = windowed or (mutation is not None and mutation.windowed)
-    case, config = _case(path, windowed, mutation.gqa if mutation else gqa)
+    kv_quant = kv_quant or (mutation is not None and mutation.kv_quant)
+    case, config = _case(path, windowed, mutation.gqa if mutation else gqa, kv_quant)
     factory = _factory(emu, mutation)  # outside the try: a missing edit site is no "mismatch"
     try:
         check(case, metal_backend(factory, config))
@@ -406,6 +463,12 @@ def test_unmutated_kernels_pass(path, windowed, gqa) -> None:
     assert _outcome(path, None, windowed, gqa) == "ok"
 
 
+@pytest.mark.parametrize("path", ["decode", "split", "prefill", "tiled", "mixed-split"])
+def test_unmutated_kernels_pass_on_8bit_pools(path) -> None:
+    """The sites the kv_quant mutations edit run race-free and match on 8-bit pools."""
+    assert _outcome(path, None, windowed=True, kv_quant=True) == "ok"
+
+
 @pytest.mark.parametrize(
     "mutation,path",
     [(m, p) for m in MUTATIONS for p in m.paths],
@@ -419,6 +482,7 @@ def test_every_kernel_has_mutations() -> None:
     files = {m.file for m in MUTATIONS}
     assert files == {
         "write_kv.metal",
+        "write_kv_q8.metal",
         HEADER,
         "paged_decode.metal",
         "paged_decode_split.metal",

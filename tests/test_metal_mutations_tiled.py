@@ -24,6 +24,15 @@ def _tiled(name: str, old: str, new: str, caught_by: str, gqa: int = 2) -> Mutat
 
 
 MUTATIONS = [
+    Mutation(
+        "tiled: V dequantized with the K row's scale",
+        TILED,
+        "kv_row_scale<KV_QUANT, HEAD_DIM>(v_cache + at)",
+        "kv_row_scale<KV_QUANT, HEAD_DIM>(k_cache + at)",
+        ("tiled",),
+        "mismatch",
+        kv_quant=True,
+    ),
     _tiled(
         "barrier removed between the block-table read and the staging",
         "        : int64_t(-1);\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);",

@@ -321,3 +321,23 @@ def test_all_windowed_sequence_longer_than_the_pool(case) -> None:
     (out,) = llm.generate([prompt], PARAMS, use_tqdm=False)
     assert out.outputs[0].token_ids == want
     assert llm.engine.get_stats().num_preemptions == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5"])
+def test_int8_kv_cache_quantizes_attention_layers_only(name: str, case) -> None:
+    """kv_cache_dtype int8 on a hybrid model: the attention pools are 8-bit, the recurrent
+    state pools keep the dtypes and shapes of the float engine's, and the greedy tokens
+    stay mlx-lm's (float cache) with log-probs within the 8-bit cache's error."""
+    c = case(name)
+    float_llm, int8_llm = make_llm(c), make_llm(c, kv_cache_dtype="int8")
+    outs = {k: generate(llm, c, ["r5"])["r5"] for k, llm in (("f", float_llm), ("q", int8_llm))}
+    pools = {k: llm.engine.runner.kv_cache for k, llm in (("f", float_llm), ("q", int8_llm))}
+    assert pools["q"].keys and all(p.dtype == mx.int8 for p in pools["q"].keys + pools["q"].values)
+    assert [[(a.dtype, a.shape) for a in s] for s in pools["q"].states] == [
+        [(a.dtype, a.shape) for a in s] for s in pools["f"].states
+    ]
+    assert_matches(c, "r5", outs["f"], "float cache")
+    sample = outs["q"].outputs[0]
+    assert sample.token_ids == c.want["r5"][0]
+    got = [entry[t] for t, entry in zip(sample.token_ids, sample.logprobs, strict=True)]
+    assert np.abs(np.array(got) - c.want["r5"][1]).max() < 0.05

@@ -107,15 +107,18 @@ def test_tp2_under_mlx_launch_with_speculation_equals_one_process(
     exits. Batching, chunked prefill, prefix caching and preemption, token for token, with
     n-gram drafts verified as decode rows: they reach every rank (one block table per
     verified position; fails with per-request tables). Greedy speculation changes no token,
-    so the tokens equal one process that does not speculate."""
+    so the tokens equal one process that does not speculate. Both sides keep an 8-bit KV
+    cache (kv_cache_dtype int8): each rank quantizes the rows of its own KV heads, one
+    scale per row, so the shards hold what one process holds."""
     launcher = Path(sys.executable).parent / "mlx.launch"
     cmd = [str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable]
     cmd += ["--starting-port", str(free_port())]  # ranks listen on it and the next one
     cmd += ["--env", f"PYTHONPATH={ROOT}", str(ROOT / "tests" / "tp_script.py")]
-    args = ["scenario", str(tiny_dir), "--tp", "2", "--spec"]
+    args = ["scenario", str(tiny_dir), "--tp", "2", "--spec", "--kv-cache-dtype", "int8"]
     run = Spawn(args, tmp_path / "ranks.log", cmd=cmd)
-    one = run_scenario(LLM(str(tiny_dir), **SCENARIO_ARGS))  # while the ranks start
-    one_spec = run_scenario(LLM(str(tiny_dir), speculative_config=SPEC, **SCENARIO_ARGS))
+    int8 = dict(kv_cache_dtype="int8", **SCENARIO_ARGS)
+    one = run_scenario(LLM(str(tiny_dir), **int8))  # while the ranks start
+    one_spec = run_scenario(LLM(str(tiny_dir), speculative_config=SPEC, **int8))
     out = run.finish()
     assert run.proc.returncode == 0, run.log()[-3000:]
     two = result_line(out, "RESULT")

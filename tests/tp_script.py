@@ -110,6 +110,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--spec", action="store_true", help="n-gram speculative decoding")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--micro-batch-tokens", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--then-fail", action="store_true", help="then fail_on_demand")
     args = parser.parse_args(argv)
     parallel = dict(
@@ -117,6 +118,7 @@ def main(argv: list[str]) -> None:
         pipeline_parallel_size=args.pp,
         distributed_timeout_seconds=args.timeout,
         pipeline_micro_batch_tokens=args.micro_batch_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.mode == "scenario":
         spec = dict(speculative_config=SPEC) if args.spec else {}

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxserve import ops
-from mlxserve.ops import AttentionMetadata
+from mlxserve.ops import AttentionMetadata, kv_quant
 from mlxserve.ops.metal import MetalConfig
 
 # The kernels' exponentials are metal::fast::exp, which the shim (metal_stdlib.h) gives its
@@ -43,6 +43,7 @@ class Case:
     seed: int = 0
     window: int | None = None  # sliding window (tokens)
     sinks: bool = False  # per-head attention sinks
+    kv_quant: bool = False  # 8-bit pools with a scale per row (ops/kv_quant.py)
 
 
 def decode_requests(block_size: int) -> tuple[tuple[int, int], ...]:
@@ -68,6 +69,7 @@ class Inputs:
     scale: float
     window: int | None = None
     sinks: np.ndarray | None = None  # (num_heads,) float32
+    kv_quant: bool = False
 
 
 def make_inputs(case: Case) -> Inputs:
@@ -111,6 +113,7 @@ def make_inputs(case: Case) -> Inputs:
         window=case.window,
         # Sinks around the scores' scale, so they matter without swamping them.
         sinks=(2 * rng.standard_normal(heads)).astype(np.float32) if case.sinks else None,
+        kv_quant=case.kv_quant,
     )
 
 
@@ -121,10 +124,13 @@ def to_numpy(a: mx.array) -> np.ndarray:
 def run(
     inp: Inputs, dtype: str, backend: Callable[[], AbstractContextManager]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ops.write_kv_and_attend under `backend`; returns (out, k_pool, v_pool) as float32."""
+    """ops.write_kv_and_attend under `backend`; returns (out, k_pool, v_pool) as float32
+    (8-bit pools: their bytes)."""
     dt = DTYPES[dtype]
     k_cache = mx.array(inp.k_pool).astype(dt)
     v_cache = mx.array(inp.v_pool).astype(dt)
+    if inp.kv_quant:
+        k_cache, v_cache = kv_quant.quantize(k_cache), kv_quant.quantize(v_cache)
     mx.eval(k_cache, v_cache)
     with backend():
         out, k_cache, v_cache = ops.write_kv_and_attend(

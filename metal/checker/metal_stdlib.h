@@ -158,6 +158,7 @@ inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
 inline bool isnan(float x) { return __builtin_isnan(x); }
 inline bool isinf(float x) { return __builtin_isinf(x); }
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline float rint(float x) { return __builtin_rintf(x); }  // to nearest, ties to even
 
 // fast:: variants (MSL's metal::fast namespace; float only on Apple GPUs). fast::exp is
 // libm's exp moved by the error bound we take for fast-math exp -- (3 + floor(|2x|)) ulp,

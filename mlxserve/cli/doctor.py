@@ -129,14 +129,19 @@ def blas_line(platform_name: str, fast: str | None, status: str) -> str:
 
 
 def kernel_lines(
-    kernels: MetalKernels | None, dtype: mx.Dtype, head_dim: int, block_size: int, gqa: int
+    kernels: MetalKernels | None,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    gqa: int,
+    kv_quant: bool = False,
 ) -> list[str]:
     """Each kernel variant this model uses with its self-test result (running the tests not
-    run yet), or why none ran."""
+    run yet), or why none ran. `kv_quant`: the pools are 8-bit (kv_cache_dtype int8)."""
     if kernels is None:
         return ["self-tests: not run (the fallback is in use; the kernels need a Metal GPU)"]
     lines = []
-    for r in selftest.run_all(kernels, dtype, head_dim, block_size, gqa):
+    for r in selftest.run_all(kernels, dtype, head_dim, block_size, gqa, quant=kv_quant):
         verdict = "ok" if r.ok else f"FAILED, using the fallback: {r.detail}"
         lines.append(f"self-test:  {r.variant}: {verdict}")
     return lines
@@ -164,6 +169,7 @@ def model_lines(config: EngineConfig) -> Iterator[str]:
             model.head_dim,
             config.block_size,
             max(1, heads // model.num_kv_heads),
+            kv_quant=config.kv_cache_dtype == "int8",
         )
     where = "Metal recommended working set" if mx.metal.is_available() else "system RAM"
     yield (

@@ -7,7 +7,7 @@ import os
 from dataclasses import fields
 
 from mlxserve.cli.vllm_compat import ENGINE_FLAGS, add_no_effect_flags, human_int, warn_no_effect
-from mlxserve.config import DTYPES, KV_CACHE_SPACE_ENV, EngineConfig
+from mlxserve.config import DTYPES, KV_CACHE_DTYPES, KV_CACHE_SPACE_ENV, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +60,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=EngineConfig.kv_cache_dtype,
+        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+        help="KV cache storage: auto (the activation dtype) or int8 (8-bit values with a "
+        "scale per token and KV head: about 2x the tokens of a float16 cache, 3.8x float32)",
+    )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(

@@ -62,11 +62,6 @@ ENGINE_FLAGS = (
         "packed weights or GGUF blocks); a value that does not match it is an error",
     ),
     NoEffectFlag(
-        ("--kv-cache-dtype",),
-        "the KV cache is stored in the activation dtype (--dtype)",
-        quiet_values=("auto",),
-    ),
-    NoEffectFlag(
         ("--load-format",),
         "the format is read from the files (safetensors directory or .gguf)",
         quiet_values=("auto",),

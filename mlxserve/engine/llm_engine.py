@@ -139,6 +139,7 @@ class LLMEngine:
                 kernels=config.kernels,
                 seed=config.seed,
                 channel=channel,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
             self.plan = self.runner.plan_kv_cache(**plan_args)
             if self.ranks is not None:
@@ -179,7 +180,9 @@ class LLMEngine:
                 min(self.plan.num_blocks, INITIAL_KV_BLOCKS),
                 groups=layout.groups,
                 num_state_slots=self.plan.num_state_slots,
-                snapshot_interval=snapshot_interval(layout, config.block_size, loaded.dtype),
+                snapshot_interval=snapshot_interval(
+                    layout, config.block_size, self.runner.kv_dtype
+                ),
             ),
             self.speculative_config,
         )

@@ -13,7 +13,7 @@ import mlx.nn as nn
 
 from mlxserve import ops
 from mlxserve.kv_cache_spec import KVCacheLayout
-from mlxserve.ops import AttentionMetadata
+from mlxserve.ops import AttentionMetadata, kv_quant
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
 
@@ -194,10 +194,15 @@ class KVCache:
         block_size: int,
         dtype: mx.Dtype = mx.float16,
     ) -> KVCache:
-        """Zeroed pools whose head count and K / V head sizes may differ per layer."""
+        """Zeroed pools whose head count and K / V head sizes may differ per layer; an int8
+        ``dtype`` makes 8-bit pools whose rows carry their scale (ops/kv_quant.py)."""
+
+        def pool(h: int, dim: int) -> mx.array:
+            width = kv_quant.pool_row_width(dim, dtype)
+            return mx.zeros((num_blocks, block_size, h, width), dtype=dtype)
+
         return cls(
-            keys=[mx.zeros((num_blocks, block_size, h, k), dtype=dtype) for h, k, _ in shapes],
-            values=[mx.zeros((num_blocks, block_size, h, v), dtype=dtype) for h, _, v in shapes],
+            keys=[pool(h, k) for h, k, _ in shapes], values=[pool(h, v) for h, _, v in shapes]
         )
 
     @classmethod

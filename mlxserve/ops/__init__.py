@@ -26,7 +26,7 @@ from functools import cache, lru_cache
 import mlx.core as mx
 
 from mlxserve.exceptions import ParameterError
-from mlxserve.ops import fallback, selftest
+from mlxserve.ops import fallback, kv_quant, selftest
 from mlxserve.ops.metadata import AttentionMetadata, StateMetadata
 from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels, unsupported_reason
 
@@ -218,7 +218,9 @@ def write_kv_and_attend(
         k_cache, v_cache = fallback.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
         out = fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
         return out, k_cache, v_cache
-    if not selftest.write_ok(kernels, k_cache.dtype, mode):
+    quant_head_dim = keys.shape[-1] if kv_quant.is_quantized(k_cache) else None
+    write_dtype = keys.dtype if quant_head_dim else k_cache.dtype
+    if not selftest.write_ok(kernels, write_dtype, mode, quant_head_dim):
         # The scatter outputs the new pools, so MLX orders the kernel reading them after it.
         k_cache, v_cache = fallback.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, md, scale, window=window, sinks=sinks)

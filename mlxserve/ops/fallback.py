@@ -10,12 +10,16 @@ Per-layer variants (as mlx-lm's layers compute them):
 * ``sinks``: one learned logit per query head (gpt-oss) that joins the softmax denominator
   and attends to nothing: ``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink))``.
 * K and V may have different head sizes (MLA-style layers); the output has V's.
+
+Pools of dtype int8 are 8-bit quantized with a scale per row (ops/kv_quant.py): the write
+quantizes, the attention dequantizes the gathered rows to the query's dtype.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxserve.ops import kv_quant
 from mlxserve.ops.metadata import AttentionMetadata
 
 
@@ -32,6 +36,8 @@ def write_kv(
     """
     k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # (num_slots, num_kv_heads, k_head_dim)
     v_flat = v_cache.reshape(-1, *v_cache.shape[2:])  # (num_slots, num_kv_heads, v_head_dim)
+    if kv_quant.is_quantized(k_cache):
+        keys, values = kv_quant.quantize(keys), kv_quant.quantize(values)
     k_flat[slot_mapping] = keys.astype(k_cache.dtype)
     v_flat[slot_mapping] = values.astype(v_cache.dtype)
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
@@ -52,7 +58,7 @@ def paged_attention(
     score matmul is one (group * q_len, head_dim) x (head_dim, ctx) product.
     """
     num_tokens, num_heads, _ = q.shape
-    v_head_dim = v_cache.shape[-1]
+    v_head_dim = kv_quant.pool_head_dim(v_cache)
     outs = []
     if md.num_decodes:
         outs.append(
@@ -74,10 +80,12 @@ def paged_attention(
 def _gather_context(
     cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
     tables: mx.array,  # (..., num_ctx_blocks) int32
-) -> mx.array:  # (..., num_ctx_blocks * block_size, num_kv_heads, head_dim)
+    dtype: mx.Dtype,
+) -> mx.array:  # (..., num_ctx_blocks * block_size, num_kv_heads, head_dim) dtype
     blocks = cache[tables]  # (..., num_ctx_blocks, block_size, num_kv_heads, head_dim)
     shape = blocks.shape
-    return blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    rows = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    return kv_quant.dequantize(rows, dtype) if kv_quant.is_quantized(cache) else rows
 
 
 def _softmax(
@@ -118,8 +126,8 @@ def _decode_attention(
         first = mx.minimum(first, tables.shape[1] - num_ctx_blocks)
         idx = first[:, None] + mx.arange(num_ctx_blocks)[None]  # (B, num_ctx_blocks)
         tables = mx.take_along_axis(tables, idx, axis=1)
-    k = _gather_context(k_cache, tables).transpose(0, 2, 3, 1)  # (B, kvh, head_dim, L)
-    v = _gather_context(v_cache, tables).transpose(0, 2, 1, 3)  # (B, kvh, L, v_head_dim)
+    k = _gather_context(k_cache, tables, q.dtype).transpose(0, 2, 3, 1)  # (B, kvh, head_dim, L)
+    v = _gather_context(v_cache, tables, q.dtype).transpose(0, 2, 1, 3)  # (B, kvh, L, v_dim)
     qg = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # (B, kvh, group, head_dim)
     scores = (qg @ k).astype(mx.float32) * scale  # (B, kvh, group, L)
     pos = first[:, None] * block_size + mx.arange(k.shape[-1])[None]  # (B, L) key positions
@@ -147,15 +155,15 @@ def _prefill_attention(
 ) -> mx.array:  # (q_len, num_heads, v_head_dim)
     q_len, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    v_head_dim = v_cache.shape[-1]
+    v_head_dim = kv_quant.pool_head_dim(v_cache)
     group = num_heads // num_kv_heads
     num_ctx_blocks = -(-ctx // block_size)
     # The first query (position ctx - q_len) sees keys from ctx - q_len - window + 1 on.
     first_block = 0 if window is None else max(ctx - q_len - window + 1, 0) // block_size
     start = first_block * block_size  # position of the first gathered key
     blocks = table[first_block:num_ctx_blocks]
-    k = _gather_context(k_cache, blocks)[: ctx - start]  # (L, kvh, head_dim)
-    v = _gather_context(v_cache, blocks)[: ctx - start]  # (L, kvh, v_head_dim)
+    k = _gather_context(k_cache, blocks, q.dtype)[: ctx - start]  # (L, kvh, head_dim)
+    v = _gather_context(v_cache, blocks, q.dtype)[: ctx - start]  # (L, kvh, v_head_dim)
     # Fold the GQA group into rows: (kvh, group * q_len, head_dim), row = g * q_len + t.
     qg = q.reshape(q_len, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     qg = qg.reshape(num_kv_heads, group * q_len, head_dim)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxserve.ops import kv_quant
 from mlxserve.ops.metadata import AttentionMetadata
 from mlxserve.ops.metal_config import (
     HEADER_FILE,
@@ -130,6 +131,17 @@ class MetalKernels:
         num_tokens, num_kv_heads, head_dim = keys.shape
         row = num_kv_heads * head_dim
         (slots,) = self._device_bound("slots", slot_mapping, lambda: (_at_least_8(slot_mapping),))
+        if kv_quant.is_quantized(k_cache):  # one simdgroup quantizes each (token, head) row
+            (token,) = self.kernel("write_kv_q8")(
+                inputs=[keys, values.astype(keys.dtype), slots, k_cache, v_cache],
+                output_shapes=[(1,)],
+                output_dtypes=[mx.int32],
+                grid=(32 * num_kv_heads, num_tokens, 1),
+                threadgroup=(32, 1, 1),
+                template=[("T", keys.dtype), ("HEAD_DIM", head_dim)],
+            )
+            k_cache, v_cache = mx.depends([k_cache, v_cache], [token])
+            return k_cache, v_cache, token
         (token,) = self.kernel("write_kv")(
             inputs=[keys, values, slots, k_cache, v_cache],
             output_shapes=[(1,)],
@@ -166,8 +178,10 @@ class MetalKernels:
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         out_dtype = q.dtype
-        if q.dtype != k_cache.dtype:
+        quant = kv_quant.is_quantized(k_cache)  # 8-bit pools: T is q's dtype
+        if not quant and q.dtype != k_cache.dtype:
             q = q.astype(k_cache.dtype)
+        dtype = q.dtype
         gqa = num_heads // num_kv_heads
         num_simd = max(self.config.num_simd, -(-head_dim // 32))
         token = token if token is not None else self._constant(0, mx.int32, vector=True)
@@ -182,12 +196,13 @@ class MetalKernels:
         )
         common = [q, k_cache, v_cache, block_tables, context_lens]
         base = [
-            ("T", k_cache.dtype),
+            ("T", dtype),
             ("HEAD_DIM", head_dim),
             ("BLOCK_SIZE", block_size),
             ("GQA", gqa),
             ("NUM_SIMD", num_simd),
             ("WINDOW", window or 0),
+            ("KV_QUANT", quant),
         ]
         threads = num_simd * 32
         width = threads * num_kv_heads * head_groups(gqa)[0]  # grid x: one per head group
@@ -201,7 +216,7 @@ class MetalKernels:
             (decoded,) = self.kernel("paged_decode")(
                 inputs=[*common, scale_arr, sinks, token],
                 output_shapes=[q.shape],
-                output_dtypes=[k_cache.dtype],
+                output_dtypes=[dtype],
                 grid=(width, num_tokens, 1),
                 threadgroup=(threads, 1, 1),
                 template=[*base, ("USE_SINKS", use_sinks)],
@@ -228,7 +243,7 @@ class MetalKernels:
                     token,
                 ],
                 output_shapes=[q.shape],
-                output_dtypes=[k_cache.dtype],
+                output_dtypes=[dtype],
                 grid=(width, num_tiles, 1),
                 threadgroup=(threads, 1, 1),
                 template=template,
@@ -277,9 +292,11 @@ class MetalKernels:
         gqa: int,
         window: int | None,
         use_sinks: bool,
+        kv_quant: bool = False,
     ) -> str:
         """The kernel(s) and template arguments `path` launches for these shapes, as text:
-        what the self-test verifies once (ops/selftest.py) and what its warning names."""
+        what the self-test verifies once (ops/selftest.py) and what its warning names.
+        `dtype` is q's; `kv_quant` says the pools are 8-bit (ops/kv_quant.py)."""
         num_simd = max(self.config.num_simd, -(-head_dim // 32))
         kernel = PATH_KERNELS[path]
         tiled = path == "prefill" and self.prefill_kernel(head_dim) == "paged_prefill_tiled"
@@ -291,6 +308,7 @@ class MetalKernels:
             f"NUM_SIMD={num_simd}",
             f"WINDOW={window or 0}",
             f"USE_SINKS={str(use_sinks).lower()}",
+            f"KV_QUANT={str(kv_quant).lower()}",
         ]
         if tiled:
             kernel = "paged_prefill_tiled"
@@ -360,8 +378,11 @@ def _metadata_inputs(md: AttentionMetadata) -> tuple[mx.array, mx.array, mx.arra
     return tables, _at_least_8(md.context_lens), _at_least_8(md.query_start_loc, fill=None)
 
 
-def write_variant(dtype: mx.Dtype) -> str:
-    """The write kernel's variant for pools of `dtype` (its only template argument)."""
+def write_variant(dtype: mx.Dtype, quant_head_dim: int | None = None) -> str:
+    """The write kernel's variant for pools of `dtype`, or with `quant_head_dim` the
+    quantizing write of rows of that size and dtype into 8-bit pools."""
+    if quant_head_dim is not None:
+        return f"write_kv_q8<T={_dtype_name(dtype)}, HEAD_DIM={quant_head_dim}>"
     return f"write_kv<T={_dtype_name(dtype)}>"
 
 
@@ -375,7 +396,8 @@ def unsupported_reason(q: mx.array, k_cache: mx.array, v_cache: mx.array) -> str
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape != v_cache.shape:
-        return f"K and V head sizes differ ({k_cache.shape[-1]} vs {v_cache.shape[-1]})"
+        k_dim, v_dim = kv_quant.pool_head_dim(k_cache), kv_quant.pool_head_dim(v_cache)
+        return f"K and V head sizes differ ({k_dim} vs {v_dim})"
     if head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} is above the kernels' {MAX_HEAD_DIM}"
     if num_heads % num_kv_heads:
@@ -389,9 +411,10 @@ def _check_pool(k_cache: mx.array, v_cache: mx.array) -> None:
             f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} "
             f"{v_cache.dtype} must match"
         )
-    if k_cache.dtype not in SUPPORTED_DTYPES:
+    if k_cache.dtype not in SUPPORTED_DTYPES and not kv_quant.is_quantized(k_cache):
         raise ValueError(
-            f"Metal kernels: pool dtype {k_cache.dtype} is not one of float16, bfloat16, float32"
+            f"Metal kernels: pool dtype {k_cache.dtype} is not one of float16, bfloat16, "
+            "float32, int8 (8-bit rows with scales)"
         )
     if k_cache.size < 8:
         raise ValueError(

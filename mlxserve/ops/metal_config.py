@@ -36,6 +36,11 @@ KERNELS = {
         ["keys", "values", "slot_mapping", "k_cache", "v_cache"],
         ["written"],
     ),
+    "write_kv_q8": (
+        "write_kv_q8.metal",
+        ["keys", "values", "slot_mapping", "k_cache", "v_cache"],
+        ["written"],
+    ),
     "paged_decode": (
         "paged_decode.metal",
         [

@@ -20,7 +20,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from mlxserve.ops import fallback
+from mlxserve.ops import fallback, kv_quant
 from mlxserve.ops.metadata import AttentionMetadata
 from mlxserve.ops.metal import PATH_KERNELS, MetalKernels, write_variant
 
@@ -67,13 +67,15 @@ def attention_ok(
     on first use). mode None skips the test (explicit factories: tests, exports)."""
     if mode is None:
         return True
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    head_dim = q.shape[2]
     gqa = q.shape[1] // num_kv_heads
     use_sinks = sinks is not None
-    dtype = k_cache.dtype
+    quant = kv_quant.is_quantized(k_cache)  # 8-bit pools: the variant is q's dtype + KV_QUANT
+    dtype = q.dtype if quant else k_cache.dtype
     for path in kernels.attention_paths(md, num_kv_heads, gqa, window):
         results = _verify_path(
-            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, mode
+            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, mode, quant
         )
         if not results[-1].ok:
             return False
@@ -90,17 +92,18 @@ def _verify_path(
     window: int | None,
     use_sinks: bool,
     mode: str,
+    quant: bool = False,
 ) -> list[SelfTestResult]:
     """Self-test (or recall) the variant `path` launches; a failed tiled prefill is
     disabled and the SIMT prefill tested in its place. The results, the one in use last."""
     test = partial(
-        _test_attention, kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks
+        _test_attention, kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, quant
     )
     results = []
     while True:
         tiled = path == "prefill" and kernels.prefill_kernel(head_dim) == TILED
         variant = kernels.attention_variant(
-            path, dtype, head_dim, block_size, gqa, window, use_sinks
+            path, dtype, head_dim, block_size, gqa, window, use_sinks, quant
         )
         instead = f"the SIMT prefill kernel ({SIMT})" if tiled else "the MLX fallback"
         ok = _verified(kernels, variant, test, mode, instead)
@@ -110,11 +113,15 @@ def _verify_path(
         kernels.disabled.add(TILED)  # prefill_kernel() now picks the SIMT kernel
 
 
-def write_ok(kernels: MetalKernels, dtype: mx.Dtype, mode: str | None) -> bool:
-    """Whether the in-place pool write for `dtype` passed its self-test (run on first use)."""
+def write_ok(
+    kernels: MetalKernels, dtype: mx.Dtype, mode: str | None, quant_head_dim: int | None = None
+) -> bool:
+    """Whether the in-place pool write for `dtype` passed its self-test (run on first use);
+    with `quant_head_dim`, the quantizing write of `dtype` rows of that size (8-bit pools)."""
     if mode is None:
         return True
-    return _verified(kernels, write_variant(dtype), lambda: _test_write(kernels, dtype), mode)
+    variant = write_variant(dtype, quant_head_dim)
+    return _verified(kernels, variant, lambda: _test_write(kernels, dtype, quant_head_dim), mode)
 
 
 def run_all(
@@ -125,16 +132,18 @@ def run_all(
     gqa: int,
     window: int | None = None,
     use_sinks: bool = False,
+    quant: bool = False,
 ) -> list[SelfTestResult]:
     """Self-test (or recall) every variant a model of these shapes uses: the write and each
     attention path, and the SIMT prefill where the tiled one failed (``mlxserve doctor``).
-    Failures are logged as on first use."""
-    write = write_variant(dtype)
-    _verified(kernels, write, lambda: _test_write(kernels, dtype), "fallback")
+    `quant`: over 8-bit pools (kv_cache_dtype int8). Failures are logged as on first use."""
+    quant_head_dim = head_dim if quant else None
+    write = write_variant(dtype, quant_head_dim)
+    _verified(kernels, write, lambda: _test_write(kernels, dtype, quant_head_dim), "fallback")
     results = [kernels.self_tests[write]]
     for path in PATH_KERNELS:
         results += _verify_path(
-            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, "fallback"
+            kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, "fallback", quant
         )
     return results
 
@@ -180,8 +189,10 @@ def _dtype_key(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
-def _test_write(kernels: MetalKernels, dtype: mx.Dtype) -> str:
+def _test_write(kernels: MetalKernels, dtype: mx.Dtype, quant_head_dim: int | None = None) -> str:
     """Write 4 rows into a 4-block pool; every slot must read back as written or untouched."""
+    if quant_head_dim is not None:
+        return _test_quantized_write(kernels, dtype, quant_head_dim)
     rng = np.random.default_rng(0)
     shape = (4, 4, 2, 32)  # blocks, block size, kv heads, head_dim
     slots = np.array([5, 6, 13, 2], dtype=np.int32)
@@ -208,6 +219,37 @@ def _test_write(kernels: MetalKernels, dtype: mx.Dtype) -> str:
     return ""
 
 
+def _test_quantized_write(kernels: MetalKernels, dtype: mx.Dtype, head_dim: int) -> str:
+    """The quantizing write: written rows dequantize to the fallback's within one step
+    (a division may round differently on the GPU), other slots keep their bytes."""
+    rng = np.random.default_rng(0)
+    shape = (4, 4, 2, head_dim + kv_quant.KV_SCALE_BYTES)  # an 8-bit pool
+    slots = np.array([5, 6, 13, 2], dtype=np.int32)
+    before = [rng.integers(-127, 128, shape, dtype=np.int8) for _ in range(2)]
+    k_cache, v_cache = (mx.array(p) for p in before)
+    rows = [mx.array(rng.standard_normal((4, 2, head_dim)).astype(np.float32)).astype(dtype)]
+    rows.append(rows[0] * 3)
+    mx.eval(k_cache, v_cache, *rows)
+    k_new, v_new, token = kernels.write_kv(k_cache, v_cache, *rows, mx.array(slots))
+    mx.eval(k_new, v_new, token)
+    for name, got, old, new in zip(
+        ("k_cache", "v_cache"), (k_new, v_new), before, rows, strict=True
+    ):
+        got = np.array(got).reshape(-1, *shape[2:])
+        old = old.reshape(-1, *shape[2:])
+        others = np.setdiff1d(np.arange(len(got)), slots)
+        if not np.array_equal(got[others], old[others]):
+            return f"mismatch: {name} wrote slots other than {slots.tolist()}"
+        if np.array_equal(got[slots], old[slots]):
+            return f"lost write: {name} slots {slots.tolist()} kept their old contents"
+        want = kv_quant.quantize(new)
+        _, step = kv_quant.split(want)
+        deq = [np.array(kv_quant.dequantize(mx.array(r), mx.float32)) for r in (got[slots], want)]
+        if not np.all(np.abs(deq[0] - deq[1]) <= 1.01 * np.array(step)[..., None]):
+            return f"mismatch: {name} rows differ from the fallback's quantization"
+    return ""
+
+
 def _test_attention(
     kernels: MetalKernels,
     path: str,
@@ -217,8 +259,10 @@ def _test_attention(
     gqa: int,
     window: int | None,
     use_sinks: bool,
+    quant: bool = False,
 ) -> str:
-    """Attend a small batch on `path` with the kernels and with the fallback; compare."""
+    """Attend a small batch on `path` with the kernels and with the fallback; compare
+    (`quant`: over 8-bit pools, which both dequantize)."""
     rng = np.random.default_rng(1)
     num_kv_heads = 2
     long = 2 * block_size + 3
@@ -240,6 +284,8 @@ def _test_attention(
     k_cache, v_cache = (
         mx.array(rng.standard_normal(pool_shape).astype(np.float32)).astype(dtype) for _ in range(2)
     )
+    if quant:
+        k_cache, v_cache = kv_quant.quantize(k_cache), kv_quant.quantize(v_cache)
     num_heads = gqa * num_kv_heads
     q = mx.array(rng.standard_normal((sum(query_lens), num_heads, head_dim)).astype(np.float32))
     q = q.astype(dtype)

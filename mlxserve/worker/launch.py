@@ -347,7 +347,11 @@ def serve_rank(
     try:
         shard_model(loaded.model, group)
         runner = ModelRunner(
-            loaded.model, dtype=loaded.dtype, block_size=config.block_size, kernels=config.kernels
+            loaded.model,
+            dtype=loaded.dtype,
+            block_size=config.block_size,
+            kernels=config.kernels,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         runner.plan_kv_cache(**plan)
         serve_forwards(runner.run_forward, StepChannel(group, lambda: None))

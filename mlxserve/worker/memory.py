@@ -51,6 +51,7 @@ class KVPlan:
     layout: KVCacheLayout
     num_state_slots: int = 0  # including the null slot; 0 without recurrent layers
     state_bytes_per_slot: int = 0
+    kv_dtype: str = ""  # the pool's element type: a float dtype, or "int8" (8-bit + scales)
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +75,8 @@ class KVPlan:
         if layout.num_groups:
             text = (
                 f"KV cache: up to {self.num_blocks - 1} blocks x {self.block_size} tokens "
-                f"({self.kv_bytes / GiB:.2f} GiB, {self.bytes_per_block // 1024} KiB/block, "
+                f"({self.kv_dtype}, {self.kv_bytes / GiB:.2f} GiB, "
+                f"{self.bytes_per_block // 1024} KiB/block, "
                 f"allocated as used); " + text
             )
         if self.num_state_slots:
@@ -121,7 +123,8 @@ def plan_kv_cache(
     kv_cache_memory_bytes: int | None = None,
 ) -> KVPlan:
     """Choose num_blocks, state slots and max_model_len, or raise ValueError naming the
-    knob to turn. ``dtype`` is the K/V dtype (anything with ``.size`` bytes)."""
+    knob to turn. ``dtype`` is the pool's dtype (anything with ``.size`` bytes; int8 means
+    8-bit rows with a scale each, kv_cache_spec.kv_row_bytes)."""
     if max_model_len is not None and max_model_len > model_max_len:
         raise ValueError(
             f"max_model_len {max_model_len} is larger than the model's context length "
@@ -129,6 +132,7 @@ def plan_kv_cache(
         )
     chunk = max_num_batched_tokens
     bytes_per_block = max(layout.bytes_per_block(block_size, dtype), 1)
+    name = str(dtype).rsplit(".", 1)[-1]
     per_slot = layout.state_bytes_per_slot()
     wanted_slots = 0
     if layout.has_state:
@@ -138,7 +142,7 @@ def plan_kv_cache(
     def plan(blocks: int, length: int, slots: int) -> KVPlan:
         kv_bytes = (blocks - 1) * bytes_per_block
         return KVPlan(
-            blocks, block_size, length, kv_bytes, bytes_per_block, layout, slots, per_slot
+            blocks, block_size, length, kv_bytes, bytes_per_block, layout, slots, per_slot, name
         )
 
     def blocks_for(tokens: int) -> int:

@@ -46,6 +46,7 @@ from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
+from mlxserve.ops.kv_quant import kv_pool_dtype
 from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
 from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
 from mlxserve.worker.kv_inputs import probe_arguments, step_metadata
@@ -148,6 +149,7 @@ class ModelRunner:
         kernels: str = "auto",
         seed: int = 0,
         channel: StepChannel | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         # Tensor parallel (rank 0): every forward's inputs go to the other ranks first.
@@ -161,6 +163,8 @@ class ModelRunner:
             model.num_layers, model.num_kv_heads, model.head_dim
         )
         self._takes_layout = hasattr(model, "kv_cache_layout")
+        dims = [d for _, k, v in self.layout.tensor_shapes for d in (k, v)]
+        self.kv_dtype = kv_pool_dtype(kv_cache_dtype, dtype, dims)  # int8: 8-bit (kv_quant)
         self.kv_cache: KVCache | None = None  # made by the first ensure_blocks()
         mx.random.seed(seed)
         self._rng = random.Random(seed)
@@ -200,7 +204,7 @@ class ModelRunner:
             activation = int(per_token * max_num_batched_tokens)
         plan = plan_kv_cache(
             layout=self.layout,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             block_size=self.block_size,
             model_max_len=m.max_position_embeddings or max_model_len or 4096,
             max_model_len=max_model_len,
@@ -244,7 +248,9 @@ class ModelRunner:
 
     def _allocate(self, num_blocks: int, num_state_slots: int = 2) -> KVCache:
         slots = num_state_slots if self.layout.has_state else 0
-        return KVCache.allocate_layout(self.layout, num_blocks, self.block_size, self.dtype, slots)
+        return KVCache.allocate_layout(
+            self.layout, num_blocks, self.block_size, self.kv_dtype, slots
+        )
 
     def _pool(self) -> tuple[list[mx.array], list[mx.array], list[list[mx.array]]]:
         assert self.kv_cache is not None, "ensure_blocks() comes before the first launch()"

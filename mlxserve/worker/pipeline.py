@@ -155,7 +155,11 @@ def serve_pipeline_rank(
         stage = PipelineStage(loaded.model, group, config.pipeline_micro_batch_tokens)
         loaded.model = stage  # the only reference to the whole model goes
         runner = ModelRunner(
-            stage, dtype=loaded.dtype, block_size=config.block_size, kernels=config.kernels
+            stage,
+            dtype=loaded.dtype,
+            block_size=config.block_size,
+            kernels=config.kernels,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         runner.plan_kv_cache(**plan)
         worker = StageRunner(runner, stage)
