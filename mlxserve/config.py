@@ -258,9 +258,18 @@ class EngineConfig:
     # Processes the model's layers are split over (rank 0 is the engine's own; the others
     # are started on this machine, or by mlx.launch: mlxserve/worker/launch.py).
     tensor_parallel_size: int = 1
-    # Not implemented yet: these must be 1.
+    # Processes the model's layers are split over, in contiguous ranges (pipeline parallel:
+    # mlxserve/models/pipeline_parallel.py); not together with tensor parallel (yet).
     pipeline_parallel_size: int = 1
+    # Pipeline parallel: a step's requests are split into micro-batches (at most one per
+    # stage) only when each gets about this many tokens: below that a step reads the
+    # weights once per micro-batch for little compute (decode is bandwidth-bound).
+    pipeline_micro_batch_tokens: int = 64
+    # Not implemented yet: must be 1.
     data_parallel_size: int = 1
+    # Tensor / pipeline parallel: a step (or start-up planning) that makes no progress for
+    # this long means a rank is stuck; the ranks are stopped and the engine fails.
+    distributed_timeout_seconds: float = 120.0
     # Speculative decoding (None: off); a dict or JSON string is parsed into the dataclass.
     speculative_config: SpeculativeConfig | None = None
 
@@ -302,18 +311,25 @@ class EngineConfig:
                 self.kv_cache_memory_bytes,
                 ">= 1",
             )
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            size = getattr(self, name)
-            _require(
-                size == 1,
-                name,
-                size,
-                "1 for now: only tensor parallelism is implemented (tensor_parallel_size)",
-            )
         _require(
-            self.tensor_parallel_size >= 1,
-            "tensor_parallel_size",
-            self.tensor_parallel_size,
+            self.data_parallel_size == 1,
+            "data_parallel_size",
+            self.data_parallel_size,
+            "1 for now: data parallelism is not implemented (run one server per machine)",
+        )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
+        _require(
+            self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
+            "pipeline_parallel_size",
+            self.pipeline_parallel_size,
+            f"1 with tensor_parallel_size {self.tensor_parallel_size}: tensor and pipeline "
+            "parallelism do not combine yet; use one of them",
+        )
+        _require(
+            self.pipeline_micro_batch_tokens >= 1,
+            "pipeline_micro_batch_tokens",
+            self.pipeline_micro_batch_tokens,
             ">= 1",
         )
         if self.speculative_config is not None and self.speculative_config.model is not None:
@@ -327,11 +343,22 @@ class EngineConfig:
                 "tensor parallelism",
             )
         _require(
+            self.distributed_timeout_seconds > 0,
+            "distributed_timeout_seconds",
+            self.distributed_timeout_seconds,
+            "> 0",
+        )
+        _require(
             self.kernels in KERNEL_CHOICES,
             "kernels (MLXSERVE_KERNELS)",
             self.kernels,
             f"one of {', '.join(KERNEL_CHOICES)}",
         )
+
+    @property
+    def world_size(self) -> int:
+        """Processes the model runs on (tensor x pipeline parallel)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

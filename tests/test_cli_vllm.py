@@ -90,14 +90,21 @@ def test_a_copied_vllm_line_parses_and_warns_once_per_no_effect_flag(caplog) -> 
     assert not warn_no_effect(build_parser().parse_args(["serve"]), ENGINE_FLAGS)
 
 
-@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "-pp", "--data-parallel-size"])
-def test_parallel_sizes_above_one_are_a_clear_error(flag: str) -> None:
-    """Tensor parallel is implemented (tests/test_tensor_parallel.py); these are not."""
+@pytest.mark.parametrize("flag", ["--data-parallel-size", "-dp"])
+def test_data_parallel_size_above_one_is_a_clear_error(flag: str) -> None:
+    """Tensor and pipeline parallel are implemented (tests/test_tensor_parallel.py,
+    tests/test_pipeline_parallel.py); data parallel is not."""
     args = build_parser().parse_args(["serve", flag, "2"])
-    with pytest.raises(ParameterError, match="must be 1 for now: only tensor parallelism"):
+    with pytest.raises(ParameterError, match="must be 1 for now: data parallelism"):
         engine_config(args, None)
     out = mlxserve("serve", "--port", "1", flag, "2")
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "got 2" in out.stderr
+
+
+def test_tensor_with_pipeline_parallel_is_a_clear_error() -> None:
+    out = mlxserve("serve", "--port", "1", "-tp", "2", "-pp", "2")
+    assert out.returncode == 2 and out.stderr.startswith("error: ")
+    assert "tensor and pipeline parallelism do not combine yet" in out.stderr
 
 
 def test_human_readable_sizes_as_vllm() -> None:

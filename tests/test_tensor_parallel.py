@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,10 +25,9 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.worker.spmd import ForwardInputs
 from tests.engine_helpers import make_tiny_model_dir
 from tests.paths import ROOT
+from tests.rank_helpers import Spawn, alive, fail_a_rank, result_line
 from tests.server_harness import free_port
-from tests.tp_script import SCENARIO_ARGS, run_chats, run_scenario, run_spec
-
-TIMEOUT = 240  # seconds for one tensor-parallel run (generous: 2 shared cores)
+from tests.tp_script import SCENARIO_ARGS, SPEC, run_chats, run_scenario
 
 
 @pytest.fixture(scope="module")
@@ -37,43 +35,6 @@ def tiny_dir(tmp_path_factory) -> Path:
     """The tiny GQA llama: 4 heads / 2 KV heads, intermediate 128 (all divisible by 2)."""
     _, model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("tp"), seed=3)
     return model_dir
-
-
-def _script(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.tp_script", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a timeout kills the script and its ranks together
-    )
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"tensor-parallel run did not finish in {timeout} s\n{out}\n{err[-3000:]}")
-
-
-def _line(stdout: str, tag: str) -> str:
-    lines = [line for line in stdout.splitlines() if line.startswith(tag + " ")]
-    assert lines, stdout
-    return lines[-1][len(tag) + 1 :]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is not running
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 # ------------------------------------------------------------------ no ranks
@@ -85,6 +46,7 @@ def test_forward_inputs_round_trip_through_one_int32_buffer() -> None:
         context_lens=[9, 4, 3],
         block_tables=[[5, 6, 9], [2], [11]],
         logits_rows=[0, 1, 4],
+        num_hidden_rows=1,
     )
     buf = fi.pack()
     assert buf.dtype == np.int32
@@ -135,94 +97,62 @@ def test_a_model_other_than_the_llama_family_is_a_clear_error() -> None:
     assert "hand-written llama" in str(e.value)
 
 
-# ----------------------------------------------------------------- two ranks
-def test_tp2_greedy_tokens_equal_one_process(tiny_dir: Path) -> None:
-    """Batching, chunked prefill, prefix caching and preemption, token for token."""
-    proc = _script("scenario", str(tiny_dir), "2")
-    one = run_scenario(LLM(str(tiny_dir), **SCENARIO_ARGS))  # while the ranks start
-    out, err = _finish(proc, TIMEOUT)
-    assert proc.returncode == 0, err[-3000:]
-    two = json.loads(_line(out, "RESULT"))
-    # The workload does what it claims (else the equality below proves less).
-    assert one["num_preemptions"] > 0
-    assert one["prefix_cache_hits"] > 0
-    assert len(one["tokens"]) == 6 and all(len(t) == 24 for t in one["tokens"])
-    assert two["tokens"] == one["tokens"]
-    assert two["num_preemptions"] == one["num_preemptions"]
-    assert two["prefix_cache_hits"] == one["prefix_cache_hits"]
-    # Embeddings are floats summed in another order across ranks: equal to rounding.
-    np.testing.assert_allclose(two["embeddings"], one["embeddings"], rtol=1e-4, atol=1e-5)
-
-
-def test_tp2_with_speculative_decoding_equals_one_process_without(tiny_dir: Path) -> None:
-    """Drafts verified as decode rows (one block table per verified position) reach every
-    rank: greedy tokens equal one process that does not speculate. Both sides keep an
-    8-bit KV cache (kv_cache_dtype int8): each rank quantizes the rows of its own KV heads,
-    one scale per row, so the shards hold what one process holds."""
-    proc = _script("spec", str(tiny_dir), "2")
-    one = run_spec(LLM(str(tiny_dir), kv_cache_dtype="int8", **SCENARIO_ARGS))
-    out, err = _finish(proc, TIMEOUT)
-    assert proc.returncode == 0, err[-3000:]
-    two = json.loads(_line(out, "RESULT"))
-    assert two["accepted"] > 0  # drafts were verified (else this proves less)
-    assert two["tokens"] == one["tokens"]
-
-
-def test_llm_in_a_script_started_by_mlx_launch(tiny_dir: Path) -> None:
-    """Every rank runs the script; LLM(...) on rank 1 serves rank 0 and exits."""
+# ---------------------------------------------------------------- ranks
+# Each spawn costs seconds (every rank imports MLX and loads the model): one run checks
+# several things.
+def test_tp2_under_mlx_launch_with_speculation_equals_one_process(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Every rank runs the script (mlx.launch, ring); LLM(...) on rank 1 serves rank 0 and
+    exits. Batching, chunked prefill, prefix caching and preemption, token for token, with
+    n-gram drafts verified as decode rows: they reach every rank (one block table per
+    verified position; fails with per-request tables). Greedy speculation changes no token,
+    so the tokens equal one process that does not speculate. Both sides keep an 8-bit KV
+    cache (kv_cache_dtype int8): each rank quantizes the rows of its own KV heads, one
+    scale per row, so the shards hold what one process holds."""
     launcher = Path(sys.executable).parent / "mlx.launch"
     cmd = [str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable]
     cmd += ["--starting-port", str(free_port())]  # ranks listen on it and the next one
     cmd += ["--env", f"PYTHONPATH={ROOT}", str(ROOT / "tests" / "tp_script.py")]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [*cmd, "scenario", str(tiny_dir), "2"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    one = run_scenario(LLM(str(tiny_dir), **SCENARIO_ARGS))
-    out, err = _finish(proc, TIMEOUT)
-    assert proc.returncode == 0, err[-3000:]
-    assert json.loads(_line(out, "RESULT"))["tokens"] == one["tokens"]
+    args = ["scenario", str(tiny_dir), "--tp", "2", "--spec", "--kv-cache-dtype", "int8"]
+    run = Spawn(args, tmp_path / "ranks.log", cmd=cmd)
+    int8 = dict(kv_cache_dtype="int8", **SCENARIO_ARGS)
+    one = run_scenario(LLM(str(tiny_dir), **int8))  # while the ranks start
+    one_spec = run_scenario(LLM(str(tiny_dir), speculative_config=SPEC, **int8))
+    out = run.finish()
+    assert run.proc.returncode == 0, run.log()[-3000:]
+    two = result_line(out, "RESULT")
+    # The workload does what it claims (else the equality below proves less).
+    assert one_spec["num_preemptions"] > 0
+    assert one_spec["prefix_cache_hits"] > 0
+    assert two["accepted"] > 0  # drafts were verified
+    assert len(one["tokens"]) == 6 and all(len(t) == 24 for t in one["tokens"])
+    assert two["tokens"] == one["tokens"]
+    assert two["num_preemptions"] == one_spec["num_preemptions"]
+    assert two["prefix_cache_hits"] == one_spec["prefix_cache_hits"]
+    assert two["accepted"] == one_spec["accepted"]
+    # Embeddings are floats summed in another order across ranks: equal to rounding.
+    np.testing.assert_allclose(two["embeddings"], one["embeddings"], rtol=1e-4, atol=1e-5)
 
 
-def test_tp3_on_the_default_model_equals_one_process() -> None:
-    """SmolLM2-135M (9 heads, 3 KV heads, Q4_1 in the CPU kernels) splits 3 ways."""
-    proc = _script("chat", "", "3")
-    one = run_chats(LLM(None, num_blocks=64))
-    out, err = _finish(proc, TIMEOUT)
-    assert proc.returncode == 0, err[-3000:]
-    assert json.loads(_line(out, "RESULT")) == one
-    assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
-
-
-def test_killing_a_rank_mid_generation_fails_fast_and_leaves_no_process(
-    tiny_dir: Path,
+def test_tp3_on_the_default_model_equals_one_process_then_a_killed_rank_fails_fast(
+    tmp_path: Path,
 ) -> None:
-    proc = _script("kill", str(tiny_dir), "2")
-    try:
-        first = proc.stdout.readline()  # blocks until the engine is up
-        assert first.startswith("RANKS "), first + proc.stderr.read()[-3000:]
-        (rank_pid,) = json.loads(first[len("RANKS ") :])
-        time.sleep(1.0)  # mid-generation
-        os.kill(rank_pid, signal.SIGKILL)
-        out, err = _finish(proc, 60)  # the bound against a hang
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    if proc.returncode == 0:  # the usual way: the collective fails, the engine raises
-        result = json.loads(_line(out, "ERROR"))
-        assert result["type"] == "RankLostError"
-        assert "rank 1 exited (killed by signal 9)" in result["message"]
-        assert result["gone"] is True
+    """SmolLM2-135M (9 heads, 3 KV heads, Q4_1 in the CPU kernels) splits 3 ways; then
+    rank 1 is killed mid-generation: the engine fails within seconds, no rank is left."""
+    run = Spawn(["chat", "", "--tp", "3", "--then-fail"], tmp_path / "ranks.log")
+    one = run_chats(LLM(None, num_blocks=64))
+    three = json.loads(run.read_until("RESULT"))
+    assert three["chats"] == one
+    assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
+    failed = fail_a_rank(run, signal.SIGKILL)
+    if failed.get("type"):  # the usual way: the collective fails, the engine raises
+        assert failed["type"] == "RankLostError"
+        assert "rank 1 exited (killed by signal 9)" in failed["message"]
+        assert failed["gone"] is True
     else:  # a collective queued on the broken ring blocked: the watchdog ended the process
-        assert proc.returncode == 1, err[-3000:]
-        assert "rank 1 exited (killed by signal 9); the engine cannot go on" in err, err[-3000:]
-    assert not _alive(rank_pid)
+        assert "rank 1 exited (killed by signal 9); the engine cannot go on" in run.log()
+    assert not failed["rank_left"]
 
 
 # -------------------------------------------------------------- the server
@@ -301,6 +231,6 @@ def test_server_under_tp2_answers_like_one_process_then_exits_when_a_rank_dies(
         server.proc.wait(timeout=60)
         assert server.proc.returncode == 1, server.log()[-3000:]
         assert "a rank is gone" in server.log()
-        assert not _alive(rank_pid)
+        assert not alive(rank_pid)
     finally:
         server.stop()

@@ -1,17 +1,22 @@
 """Tensor-parallel runs for tests/test_tensor_parallel.py, each in a fresh process
-(MLX has one distributed group per process): ``python -m tests.tp_script MODE MODEL TP``.
+(MLX has one distributed group per process)::
+
+    python -m tests.tp_script MODE MODEL [--tp N] [--pp N] [--spec] [--then-fail]
 
     scenario  the batching / chunked prefill / prefix caching / preemption workload,
-              printed as one JSON line (tokens and the scheduler counters)
+              printed as one JSON line (tokens and the scheduler counters); with --spec
+              the engine speculates (n-gram: drafts verified as decode rows on every rank)
     chat      greedy replies to two conversations (MODEL "" is the default model)
-    spec      the scenario's generations with n-gram speculative decoding (drafts verified
-              as decode rows on every rank), plus the speculation counters
-    kill      print the ranks' pids, then generate until a rank is killed from outside;
-              print how the engine failed and whether the ranks are gone
+    --then-fail  afterwards print the ranks' pids and generate until the test kills or
+              stops a rank; print how the engine failed and whether the ranks are gone
+
+Each spawn is expensive (2-3 processes import MLX and load a model), so one run checks
+several things.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -53,6 +58,7 @@ def run_scenario(llm: LLM) -> dict[str, Any]:
         "embeddings": [list(map(float, e)) for e in embeddings],
         "num_preemptions": stats.num_preemptions,
         "prefix_cache_hits": stats.prefix_cache_hits,
+        "accepted": stats.spec_decode_num_accepted_tokens,  # drafts (0 without speculation)
     }
 
 
@@ -77,23 +83,13 @@ SPEC = {
 }
 
 
-def run_spec(llm: LLM) -> dict[str, Any]:
-    """The scenario's greedy outputs (speculating if ``llm`` does) and its draft counters."""
-    prompts = scenario_prompts(llm.engine.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    out = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.engine.get_stats()
-    return {
-        "tokens": [o.outputs[0].token_ids for o in out],
-        "accepted": stats.spec_decode_num_accepted_tokens,
-    }
-
-
-def kill(model: str, tp: int) -> None:
-    llm = LLM(model, tensor_parallel_size=tp, dtype="float32", num_blocks=256)
+def fail_on_demand(llm: LLM) -> None:
+    """Print the ranks' pids, then generate until the test kills or stops a rank; print
+    how the engine failed and whether every rank is gone."""
     ranks = llm.engine.ranks
     print("RANKS", json.dumps([p.pid for p in ranks.procs]), flush=True)
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    max_tokens = min(400, llm.engine.max_model_len - 3)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.monotonic()
     try:
         while time.monotonic() - t0 < 120:
@@ -101,33 +97,44 @@ def kill(model: str, tp: int) -> None:
         print("NO ERROR", flush=True)
     except Exception as e:  # noqa: BLE001 -- reported to the test
         gone = all(p.poll() is not None for p in ranks.procs)
-        print("ERROR", json.dumps({"type": type(e).__name__, "message": str(e), "gone": gone}))
+        error = {"type": type(e).__name__, "message": str(e), "gone": gone}
+        print("ERROR", json.dumps(error), flush=True)
 
 
 def main(argv: list[str]) -> None:
-    mode, model, tp = argv[0], argv[1], int(argv[2])
-    if mode == "scenario":
-        llm = LLM(model, tensor_parallel_size=tp, **SCENARIO_ARGS)
-        print("RESULT", json.dumps(run_scenario(llm)), flush=True)
-        llm.shutdown()
-    elif mode == "spec":
-        llm = LLM(
-            model,
-            tensor_parallel_size=tp,
-            speculative_config=SPEC,
-            kv_cache_dtype="int8",
-            **SCENARIO_ARGS,
-        )
-        print("RESULT", json.dumps(run_spec(llm)), flush=True)
-        llm.shutdown()
-    elif mode == "chat":  # MODEL "" is the embedded default model
-        llm = LLM(model or None, tensor_parallel_size=tp, num_blocks=64)
-        print("RESULT", json.dumps(run_chats(llm)), flush=True)
-        llm.shutdown()
-    elif mode == "kill":
-        kill(model, tp)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("scenario", "chat"))
+    parser.add_argument("model", help='"" is the embedded default model')
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--spec", action="store_true", help="n-gram speculative decoding")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--micro-batch-tokens", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--then-fail", action="store_true", help="then fail_on_demand")
+    args = parser.parse_args(argv)
+    parallel = dict(
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        distributed_timeout_seconds=args.timeout,
+        pipeline_micro_batch_tokens=args.micro_batch_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    if args.mode == "scenario":
+        spec = dict(speculative_config=SPEC) if args.spec else {}
+        llm = LLM(args.model, **parallel, **spec, **SCENARIO_ARGS)
+        result = run_scenario(llm)
     else:
-        raise SystemExit(f"unknown mode {mode!r}")
+        llm = LLM(args.model or None, **parallel, num_blocks=64)
+        result = {"chats": run_chats(llm)}
+    channel = llm.engine.runner.channel
+    if args.pp > 1:  # every rank's counters (worker/pipeline.py): the stages did run
+        result["stage_stats"] = channel.gather_stats([])
+    print("RESULT", json.dumps(result), flush=True)
+    if args.then_fail:
+        fail_on_demand(llm)
+    else:
+        llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -86,14 +86,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split the model over this many processes (started here on 127.0.0.1, or by "
         "mlx.launch); llama-family models whose head counts it divides",
     )
-    for name, short in (("pipeline", "-pp"), ("data", "-dp")):
-        g.add_argument(
-            f"--{name}-parallel-size",
-            short,
-            type=int,
-            default=1,
-            help="1 for now (not implemented; see --tensor-parallel-size)",
-        )
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="split the model's layers over this many processes (started here on 127.0.0.1, "
+        "or by mlx.launch); llama-family models; not with --tensor-parallel-size",
+    )
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="1 for now (not implemented; see --tensor-parallel-size)",
+    )
+    g.add_argument(
+        "--distributed-timeout-seconds",
+        type=float,
+        default=EngineConfig.distributed_timeout_seconds,
+        help="tensor / pipeline parallel: a step that makes no progress this long means a "
+        "rank is stuck; the ranks are stopped and requests fail",
+    )
     add_no_effect_flags(parser, ENGINE_FLAGS)
 
 

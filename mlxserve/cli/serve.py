@@ -207,7 +207,7 @@ def serve_command(args: argparse.Namespace) -> int:
         )
     if names:
         config = dataclasses.replace(config, served_model_name=names[0])
-    if config.tensor_parallel_size > 1 and launched_rank() not in (None, 0):
+    if config.world_size > 1 and launched_rank() not in (None, 0):
         # Started by mlx.launch on every rank: the others only run rank 0's forwards
         # (LLMEngine exits the process when rank 0 stops); rank 0 serves HTTP.
         LLMEngine(config)

@@ -12,7 +12,6 @@ KV arrays, every evaluation). A request whose step fails ends alone with finish_
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import numpy as np
@@ -26,7 +25,6 @@ from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.loader import LoadedModel, load_model
-from mlxserve.models.tensor_parallel import check_tensor_parallel, shard_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
@@ -34,7 +32,7 @@ from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.drafter import load_drafter
 from mlxserve.worker.isolation import describe
-from mlxserve.worker.launch import LaunchedRanks, LocalRanks, launched_rank, serve_rank
+from mlxserve.worker.launch import LaunchedRanks, LocalRanks, keep_this_ranks_part, start_ranks
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
 from mlxserve.worker.spmd import RankLostError, StepChannel
@@ -125,22 +123,16 @@ class LLMEngine:
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        # Tensor parallel: the other ranks, started here; None in one process.
+        # Tensor / pipeline parallel: the other ranks, started here; None in one process.
         self.ranks: LocalRanks | LaunchedRanks | None = None
         channel = None
-        if config.tensor_parallel_size > 1:
-            check_tensor_parallel(loaded.model, config.tensor_parallel_size)
-            if launched_rank() is None:
-                self.ranks = LocalRanks(config, plan_args)
-            else:  # every rank runs the caller's script: only rank 0 goes on from here
-                self.ranks = LaunchedRanks(config.tensor_parallel_size)
-                group = self.ranks.group
-                if group.rank() != 0:
-                    sys.exit(serve_rank(loaded.model, loaded.dtype, config, plan_args, group))
+        if config.world_size > 1:
+            self.ranks = start_ranks(loaded, config, plan_args)
         try:
             if self.ranks is not None:
-                shard_model(loaded.model, self.ranks.group)
-                channel = StepChannel(self.ranks.group, self.ranks.lost)
+                keep_this_ranks_part(loaded, config, self.ranks.group)
+                channel = StepChannel(self.ranks.group, self.ranks.lost, self.ranks.name)
+                self.ranks.progress.begin("start-up (planning the KV pool)")
             self.runner = ModelRunner(
                 loaded.model,
                 dtype=loaded.dtype,
@@ -154,6 +146,8 @@ class LLMEngine:
             if sc is not None and sc.model is not None and not self.runner.layout.has_state:
                 self.runner.drafter = load_drafter(config, loaded.tokenizer, self.runner)
             self.plan = self.runner.plan_kv_cache(**plan_args)
+            if self.ranks is not None:
+                self.ranks.progress.end()
         except BaseException:
             if self.ranks is not None:
                 self.ranks.kill()
@@ -381,13 +375,17 @@ class LLMEngine:
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """Advance by one forward pass (see :meth:`_step`); RankLostError if a
         tensor-parallel rank is gone: the other ranks are stopped, the engine is dead."""
+        if self.ranks is None:
+            return self._step(delta)
+        self.ranks.progress.begin("a step")
         try:
             return self._step(delta)
         except RankLostError:
-            logger.error("a tensor-parallel rank is gone; stopping the others")
-            if self.ranks is not None:
-                self.ranks.kill()
+            logger.error("a %s rank is gone; stopping the others", self.ranks.name)
+            self.ranks.kill()
             raise
+        finally:
+            self.ranks.progress.end()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing in one process). Call it on the
@@ -396,10 +394,13 @@ class LLMEngine:
             return
         ranks, self.ranks = self.ranks, None
         if ranks.lost() is None and self.runner.channel is not None:
+            ranks.progress.begin("shutdown")
             try:
                 self.runner.channel.stop()
             except RankLostError:
                 pass
+            finally:
+                ranks.progress.end()
         ranks.wait()
 
     def _step(self, delta: bool = False) -> list[RequestOutput]:

@@ -1,4 +1,4 @@
-"""Starting tensor-parallel ranks on this machine, the way ``mlx.launch`` does.
+"""Starting tensor- or pipeline-parallel ranks on this machine, the way ``mlx.launch`` does.
 
 ``mlx.launch --backend ring`` starts each rank with ``MLX_RANK`` and ``MLX_HOSTFILE`` (a
 JSON list of ``["ip:port"]`` per rank) in its environment; ``mx.distributed.init``
@@ -36,8 +36,11 @@ import mlx.core as mx
 
 from mlxserve.config import EngineConfig
 from mlxserve.exceptions import ParameterError
-from mlxserve.models.tensor_parallel import shard_model
+from mlxserve.loader import LoadedModel
+from mlxserve.models.pipeline_parallel import PipelineStage, check_pipeline_parallel
+from mlxserve.models.tensor_parallel import check_tensor_parallel, shard_model
 from mlxserve.worker.model_runner import ModelRunner
+from mlxserve.worker.pipeline import serve_pipeline_rank
 from mlxserve.worker.spmd import RankLostError, StepChannel, serve_forwards
 
 logger = logging.getLogger("mlxserve")
@@ -70,20 +73,69 @@ def launched_rank() -> int | None:
     return None if rank is None else int(rank)
 
 
+def parallel_name(config: EngineConfig) -> str:
+    """ "tensor parallel" or "pipeline parallel", for messages."""
+    return "pipeline parallel" if config.pipeline_parallel_size > 1 else "tensor parallel"
+
+
+class Progress:
+    """Which step (or start-up phase) the engine is in and since when: a watchdog reads it
+    to tell a stuck rank (rank 0 waits in a collective that never completes) from work."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._since: float | None = None
+        self._what = ""
+
+    def begin(self, what: str) -> None:
+        self._what, self._since = what, time.monotonic()
+
+    def end(self) -> None:
+        self._since = None
+
+    def stuck(self) -> str | None:
+        """Why the group looks stuck, or None while the current step is within its time."""
+        since = self._since
+        if since is None or time.monotonic() - since <= self.timeout:
+            return None
+        return (
+            f"{self._what} made no progress for {self.timeout:g} s "
+            "(distributed_timeout_seconds): a rank stopped responding"
+        )
+
+
 class LaunchedRanks:
     """The group ``mlx.launch`` made (any backend, any hosts); the launcher owns the
-    processes: it stops them all when one fails."""
+    processes: it stops them all when one fails. A stuck group ends this process."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         global _group_made
+        size = config.world_size
         self.group = mx.distributed.init(strict=True)
         _group_made = True
         if self.group.size() != size:
-            raise ParameterError(
-                f"tensor_parallel_size {size} differs from the {self.group.size()} processes "
-                "the launcher started; give it the same number",
-                parameter="tensor_parallel_size",
+            name = (
+                "pipeline_parallel_size"
+                if config.pipeline_parallel_size > 1
+                else "tensor_parallel_size"
             )
+            raise ParameterError(
+                f"{name} {size} differs from the {self.group.size()} processes "
+                "the launcher started; give it the same number",
+                parameter=name,
+            )
+        self.name = parallel_name(config)
+        self.progress = Progress(config.distributed_timeout_seconds)
+        if self.group.rank() == 0:
+            threading.Thread(target=self._watch, name="mlxserve-ranks", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Remote ranks cannot be stopped from here: a stuck group ends this process,
+        and the launcher then stops the others."""
+        while (why := self.progress.stuck()) is None:
+            time.sleep(0.25)
+        logger.critical("%s: %s; exiting this process (status 1)", self.name, why)
+        os._exit(1)
 
     def lost(self) -> str | None:
         return None  # remote processes: only a broken connection tells
@@ -100,12 +152,15 @@ class LocalRanks:
 
     def __init__(self, config: EngineConfig, plan_args: dict[str, object]) -> None:
         global _group_made
-        size = config.tensor_parallel_size
+        size = config.world_size
+        self.name = name = parallel_name(config)
         if _group_made:
             raise RuntimeError(
-                "this process already started a tensor-parallel group; MLX has one per "
+                f"this process already started a {name} group; MLX has one per "
                 "process: start another engine in another process"
             )
+        self.progress = Progress(config.distributed_timeout_seconds)
+        self._stuck: str | None = None  # why the ranks were stopped as stuck
         fd, self.hostfile = tempfile.mkstemp(prefix="mlxserve-ranks-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump([[f"127.0.0.1:{p}"] for p in free_ports(size)], f)
@@ -146,7 +201,8 @@ class LocalRanks:
         self._closing = False
         threading.Thread(target=self._watch, name="mlxserve-ranks", daemon=True).start()
         logger.info(
-            "tensor parallel: %d ranks on 127.0.0.1 (ring backend); ranks 1-%d are pids %s",
+            "%s: %d ranks on 127.0.0.1 (ring backend); ranks 1-%d are pids %s",
+            name,
             size,
             size - 1,
             " ".join(str(p.pid) for p in self.procs),
@@ -158,11 +214,11 @@ class LocalRanks:
         while pending:
             why = self.lost()
             if why is not None:
-                raise RuntimeError(f"tensor parallel: {why} before joining the group")
+                raise RuntimeError(f"{self.name}: {why} before joining the group")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(
-                    f"tensor parallel: rank(s) {sorted(pending.values())} did not start "
+                    f"{self.name}: rank(s) {sorted(pending.values())} did not start "
                     f"within {READY_TIMEOUT:.0f} s"
                 )
             readable, _, _ = select.select(list(pending), [], [], min(left, 0.5))
@@ -173,10 +229,20 @@ class LocalRanks:
     def _watch(self) -> None:
         """If a rank exits and the engine has not failed within LOST_GRACE seconds (it
         is idle, or blocked in a collective MLX cannot interrupt), say so and end the
-        process, killing the other ranks first: a dead group never hangs or lingers."""
+        process, killing the other ranks first: a dead group never hangs or lingers.
+
+        A step that makes no progress for ``distributed_timeout_seconds`` means a rank is
+        stuck (alive, not answering): the ranks are killed, so their closed connections
+        fail rank 0's collective like a crash does, and the engine fails with that reason.
+        """
         while not self._closing:
             why = self.lost()
             if why is None:
+                stuck = self.progress.stuck()
+                if stuck is not None:
+                    logger.error("%s: %s; stopping the ranks", self.name, stuck)
+                    self._stuck = stuck
+                    self._kill_ranks()
                 time.sleep(0.25)
                 continue
             deadline = time.monotonic() + LOST_GRACE
@@ -185,7 +251,7 @@ class LocalRanks:
             if self._closing:
                 return
             message = (
-                f"tensor parallel: {why}; the engine cannot go on without it and did not "
+                f"{self.name}: {why}; the engine cannot go on without it and did not "
                 f"stop within {LOST_GRACE:.0f} s (idle, or blocked in a collective that "
                 "cannot be interrupted): exiting this process (status 1)"
             )
@@ -194,7 +260,10 @@ class LocalRanks:
             os._exit(1)
 
     def lost(self) -> str | None:
-        """Which rank has exited and how, or None while all run."""
+        """Which rank has exited and how (or why the ranks were stopped), or None while
+        all run."""
+        if self._stuck is not None:
+            return self._stuck
         for rank, proc in enumerate(self.procs, start=1):
             code = proc.poll()
             if code is not None:
@@ -213,14 +282,17 @@ class LocalRanks:
                 pass
         self.kill()
 
-    def kill(self) -> None:
-        """Kill every rank still running and reap them (idempotent)."""
-        self._closing = True
+    def _kill_ranks(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
         for proc in self.procs:
             proc.wait()
+
+    def kill(self) -> None:
+        """Kill every rank still running and reap them (idempotent)."""
+        self._closing = True
+        self._kill_ranks()
         if os.path.exists(self.hostfile):
             os.unlink(self.hostfile)
 
@@ -229,16 +301,54 @@ class LocalRanks:
         self.kill()
 
 
+def start_ranks(
+    loaded: LoadedModel, config: EngineConfig, plan_args: dict[str, object]
+) -> LocalRanks | LaunchedRanks:
+    """Rank 0's view of the group: the ranks started here on 127.0.0.1, or the group
+    ``mlx.launch`` made. Under mlx.launch every rank runs the caller's script: a rank
+    r > 0 serves rank 0's forwards here and exits. ParameterError first if the model
+    cannot be split that way."""
+    if config.pipeline_parallel_size > 1:
+        check_pipeline_parallel(loaded.model, config.pipeline_parallel_size)
+    else:
+        check_tensor_parallel(loaded.model, config.tensor_parallel_size)
+    if launched_rank() is None:
+        return LocalRanks(config, plan_args)
+    ranks = LaunchedRanks(config)
+    if ranks.group.rank() != 0:
+        sys.exit(serve_rank(loaded, config, plan_args, ranks.group))
+    return ranks
+
+
+def keep_this_ranks_part(
+    loaded: LoadedModel, config: EngineConfig, group: mx.distributed.Group
+) -> None:
+    """Tensor parallel: shard ``loaded.model`` in place; pipeline parallel: replace it
+    with this rank's stage (the other layers are freed with the model)."""
+    if config.pipeline_parallel_size == 1:
+        shard_model(loaded.model, group)
+        return
+    stage = PipelineStage(loaded.model, group, config.pipeline_micro_batch_tokens)
+    loaded.model = stage
+    if group.rank() == 0:
+        ranges = ", ".join(
+            f"rank {r}: layers {a}-{b - 1}" for r, (a, b) in enumerate(stage.layer_ranges)
+        )
+        logger.info("pipeline parallel: %s", ranges)
+
+
 def serve_rank(
-    model, dtype: mx.Dtype, config: EngineConfig, plan: dict, group: mx.distributed.Group
+    loaded: LoadedModel, config: EngineConfig, plan: dict, group: mx.distributed.Group
 ) -> int:
-    """Keep this rank's shard of ``model``, plan the KV pool with rank 0, run forwards
-    until STOP; the exit status (1 if another rank was lost)."""
+    """Keep this rank's shard (or layers) of ``loaded.model``, plan the KV pool with rank 0,
+    run forwards until STOP; the exit status (1 if another rank was lost)."""
+    if config.pipeline_parallel_size > 1:
+        return serve_pipeline_rank(loaded, config, plan, group)
     try:
-        shard_model(model, group)
+        shard_model(loaded.model, group)
         runner = ModelRunner(
-            model,
-            dtype=dtype,
+            loaded.model,
+            dtype=loaded.dtype,
             block_size=config.block_size,
             kernels=config.kernels,
             kv_cache_dtype=config.kv_cache_dtype,

@@ -235,8 +235,8 @@ class ModelRunner:
 
     @property
     def group(self) -> mx.distributed.Group | None:
-        """The tensor-parallel group this runner's model is sharded over (None: alone)."""
-        return getattr(self.model, "tp_group", None)
+        """The group this runner's model is split over, tensor or pipeline (None: alone)."""
+        return getattr(self.model, "tp_group", None) or getattr(self.model, "pp_group", None)
 
     def _check_lost(self, error: BaseException) -> None:
         """Re-raise a step's error as RankLostError when a tensor-parallel rank is gone:
@@ -535,7 +535,13 @@ class ModelRunner:
             # One full-attention group (the tensor-parallel models): one table per entry
             # of query_lens (a request with drafts has one per verified position).
             inputs = ForwardInputs(
-                self.num_blocks, input_ids, query_lens, context_lens, [t[0] for t in tables], rows
+                self.num_blocks,
+                input_ids,
+                query_lens,
+                context_lens,
+                [t[0] for t in tables],
+                rows,
+                len(pooling.rows),
             )
         ids = mx.array(input_ids, dtype=mx.int32)
         if proposal is not None:

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         tokenizer=config.tokenizer,
         skip_tokenizer_init=True,
     )
-    return serve_rank(loaded.model, loaded.dtype, config, spec["plan"], group)
+    return serve_rank(loaded, config, spec["plan"], group)
 
 
 if __name__ == "__main__":

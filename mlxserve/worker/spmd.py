@@ -1,7 +1,8 @@
 """The SPMD step protocol: rank 0 sends each forward pass's inputs, every rank runs it.
 
 Rank 0 runs the scheduler and samples; the other ranks hold a ModelRunner with their
-shard of the weights and of the KV pool and run a loop (:func:`serve_forwards`)::
+shard of the weights (tensor parallel) or their layers (pipeline parallel:
+worker/pipeline.py) and of the KV pool, and run a loop (:func:`serve_forwards`)::
 
     rank 0:  schedule -> ForwardInputs -> broadcast -> forward (all_sum per block) -> sample
     rank r:              receive ------------------> forward (all_sum per block) -> (drop)
@@ -14,7 +15,8 @@ token ids, the batch's query/context lengths and block tables (positions and slo
 follow from them), the rows whose logits are needed, and the pool size to grow to.
 Sampling parameters never travel: only rank 0 samples, and the next step's token ids come
 from rank 0. Aborts, finishes and preemption are scheduler state on rank 0, seen by the
-other ranks as the next forwards' block tables; shutdown is a STOP message.
+other ranks as the next forwards' block tables; shutdown is a STOP message. A STATS
+message asks every rank for its counters (one row each, in one all_sum).
 
 Every forward rank 0 runs goes through :meth:`StepChannel.send` first, including the
 start-up memory probe and the re-runs that isolate a failing request, so the ranks'
@@ -34,12 +36,14 @@ import numpy as np
 
 from mlxserve.ops import AttentionMetadata
 
-FORWARD, STOP = 1, 2
+FORWARD, STOP, STATS = 1, 2, 3
 HEADER_LEN = 4  # kind, payload length, and room to grow
+NUM_STATS = 12  # counters per rank in a STATS reply (room to grow)
 
 
 class RankLostError(RuntimeError):
-    """A tensor-parallel rank is gone (it exited or its connection broke)."""
+    """A tensor- or pipeline-parallel rank is gone (it exited, broke its connection, or
+    stopped responding and was stopped)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class ForwardInputs:
     context_lens: list[int]  # (num_reqs,)
     block_tables: list[list[int]]  # (num_reqs, blocks of that request)
     logits_rows: list[int]  # rows whose logits are needed ([] -> every row)
+    num_hidden_rows: int = 0  # the last that many rows are wanted as hidden states
 
     def positions(self) -> list[int]:
         """Each new token's position: request i's are context - query .. context - 1."""
@@ -69,7 +74,13 @@ class ForwardInputs:
         """One int32 buffer: counts first, then the lists."""
         tables = self.block_tables
         parts = [
-            [self.num_blocks, len(self.input_ids), len(self.query_lens), len(self.logits_rows)],
+            [
+                self.num_blocks,
+                len(self.input_ids),
+                len(self.query_lens),
+                len(self.logits_rows),
+                self.num_hidden_rows,
+            ],
             self.input_ids,
             self.query_lens,
             self.context_lens,
@@ -82,8 +93,8 @@ class ForwardInputs:
     @classmethod
     def unpack(cls, buf: np.ndarray) -> ForwardInputs:
         values = buf.tolist()
-        num_blocks, num_tokens, num_reqs, num_rows = values[:4]
-        at = 4
+        num_blocks, num_tokens, num_reqs, num_rows, num_hidden_rows = values[:5]
+        at = 5
 
         def take(n: int) -> list[int]:
             nonlocal at
@@ -95,14 +106,21 @@ class ForwardInputs:
         context_lens = take(num_reqs)
         table_lens = take(num_reqs)
         tables = [take(n) for n in table_lens]
-        return cls(num_blocks, input_ids, query_lens, context_lens, tables, take(num_rows))
+        rows = take(num_rows)
+        return cls(num_blocks, input_ids, query_lens, context_lens, tables, rows, num_hidden_rows)
 
 
 class StepChannel:
     """Rank 0 -> every rank, over ``group``'s all_sum; counts bytes and seconds sent."""
 
-    def __init__(self, group: mx.distributed.Group, is_lost: Callable[[], str | None]) -> None:
+    def __init__(
+        self,
+        group: mx.distributed.Group,
+        is_lost: Callable[[], str | None],
+        name: str = "tensor parallel",
+    ) -> None:
         self.group = group
+        self.name = name  # in error messages
         self.rank = group.rank()
         self.size = group.size()
         # Why the group is broken (a rank's exit code), or None; checked after an error.
@@ -124,7 +142,7 @@ class StepChannel:
     def lost(self, error: BaseException) -> RankLostError:
         """The RankLostError for ``error`` raised by a collective."""
         why = self._is_lost() or str(error)
-        return RankLostError(f"tensor parallel: a rank is gone ({why}); the engine stops")
+        return RankLostError(f"{self.name}: a rank is gone ({why}); the engine stops")
 
     def check(self, error: BaseException) -> None:
         """Raise RankLostError if ``error`` (from a step) means the group is broken."""
@@ -152,23 +170,49 @@ class StepChannel:
         """Rank 0: tell every rank to leave its loop."""
         self._send(STOP, np.zeros(0, dtype=np.int32))
 
-    def receive(self) -> ForwardInputs | None:
-        """Rank r > 0: the next forward's inputs, or None on STOP."""
-        header = self._all_sum(np.zeros(HEADER_LEN, dtype=np.int32))
-        kind, length = int(header[0]), int(header[1])
-        if kind == STOP:
-            return None
-        assert kind == FORWARD, header
-        return ForwardInputs.unpack(self._all_sum(np.zeros(length, dtype=np.int32)))
+    def gather_stats(self, mine: list[float]) -> list[list[float]]:
+        """Rank 0: every rank's counters (``mine`` for rank 0), one row per rank."""
+        self._send(STATS, np.zeros(0, dtype=np.int32))
+        return self._stats_all_sum(mine)
+
+    def _stats_all_sum(self, mine: list[float]) -> list[list[float]]:
+        # Each rank fills its own row; float32 is exact enough for seconds and counts.
+        rows = np.zeros((self.size, NUM_STATS), dtype=np.float32)
+        rows[self.rank, : len(mine)] = mine
+        try:
+            out = mx.distributed.all_sum(mx.array(rows), group=self.group)
+            mx.eval(out)
+        except RuntimeError as e:
+            raise self.lost(e) from None
+        return np.array(out).tolist()
+
+    def receive(self, stats: Callable[[], list[float]] | None = None) -> ForwardInputs | None:
+        """Rank r > 0: the next forward's inputs, or None on STOP; answers STATS
+        requests with ``stats()`` on the way."""
+        while True:
+            header = self._all_sum(np.zeros(HEADER_LEN, dtype=np.int32))
+            kind, length = int(header[0]), int(header[1])
+            if kind == STOP:
+                return None
+            if kind == STATS:
+                self._stats_all_sum(stats() if stats is not None else [])
+                continue
+            assert kind == FORWARD, header
+            return ForwardInputs.unpack(self._all_sum(np.zeros(length, dtype=np.int32)))
 
 
-def serve_forwards(run: Callable[[ForwardInputs], None], channel: StepChannel) -> int:
-    """Rank r > 0: run every forward rank 0 sends until STOP; how many ran.
+def serve_forwards(
+    run: Callable[[ForwardInputs], None],
+    channel: StepChannel,
+    stats: Callable[[], list[float]] | None = None,
+) -> int:
+    """Rank r > 0: run every forward rank 0 sends until STOP; how many ran. ``stats()``
+    answers rank 0's :meth:`StepChannel.gather_stats`.
 
     RankLostError if rank 0 (or another rank) is gone.
     """
     count = 0
-    while (inputs := channel.receive()) is not None:
+    while (inputs := channel.receive(stats)) is not None:
         try:
             run(inputs)
         except Exception as e:  # noqa: BLE001 -- a lost peer ends the loop, the rest is a bug
