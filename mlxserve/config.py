@@ -335,13 +335,14 @@ class EngineConfig:
         if self.speculative_config is not None and self.speculative_config.model is not None:
             # The draft model runs on rank 0 only; the SPMD step protocol carries host
             # token ids, and a draft's tokens exist only on the device.
-            _require(
-                self.tensor_parallel_size == 1,
-                "tensor_parallel_size",
-                self.tensor_parallel_size,
-                "1 with a draft model (speculative_config.model): use method ngram, or no "
-                "tensor parallelism",
-            )
+            for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+                _require(
+                    getattr(self, name) == 1,
+                    name,
+                    getattr(self, name),
+                    "1 with a draft model (speculative_config.model): use method ngram, or "
+                    "one process",
+                )
         _require(
             self.distributed_timeout_seconds > 0,
             "distributed_timeout_seconds",

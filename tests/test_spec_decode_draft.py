@@ -194,14 +194,15 @@ def test_bad_draft_model_config_names_the_field(config, field) -> None:
     assert e.value.parameter == field
 
 
-def test_the_method_follows_from_the_model_and_tensor_parallel_is_refused() -> None:
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_the_method_follows_from_the_model_and_parallel_ranks_are_refused(parallel) -> None:
     from mlxserve.config import EngineConfig
 
     config = EngineConfig(speculative_config={"model": "some/draft"})
     assert config.speculative_config.method == "draft_model"
     with pytest.raises(ParameterError) as e:
-        EngineConfig(speculative_config={"model": "some/draft"}, tensor_parallel_size=2)
-    assert e.value.parameter == "tensor_parallel_size" and "draft model" in str(e.value)
+        EngineConfig(speculative_config={"model": "some/draft"}, **{parallel: 2})
+    assert e.value.parameter == parallel and "draft model" in str(e.value)
 
 
 def test_a_draft_with_a_padded_embedding_drafts_in_the_targets_vocabulary(
