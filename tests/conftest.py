@@ -19,3 +19,23 @@ def smollm2_gguf() -> Path:
 def llamacpp_oracle() -> dict:
     """llama.cpp's tokenization, chat templates and greedy steps for SmolLM2."""
     return paths.llamacpp_oracle()
+
+
+# The longest modules first: under `pytest -n 2 --dist loadfile` (scripts/test.sh) a long
+# module collected last would run alone at the end while the other worker idles.
+SLOW_FIRST = (
+    "test_soak.py",
+    "test_server_schemathesis.py",
+    "test_tensor_parallel.py",
+    "test_pipeline_parallel.py",
+    "test_server_structured.py",
+    "test_server_agent_apis.py",
+    "test_models_zoo_engine.py",
+    "test_spec_decode_engine.py",
+    "test_spec_decode_smollm2.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
