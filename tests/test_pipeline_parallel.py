@@ -191,8 +191,10 @@ def test_pp2_equals_one_process_then_a_stuck_rank_is_stopped(
     assert two["tokens"] == one["tokens"]
     for counter in ("num_preemptions", "prefix_cache_hits", "accepted"):
         assert two[counter] == one_spec[counter], counter
-    # Hidden states cross ranks unchanged (no sum): the embeddings are the same floats.
-    np.testing.assert_allclose(two["embeddings"], one["embeddings"], rtol=1e-6, atol=1e-7)
+    # Hidden states cross ranks unchanged (no sum), but the micro-batches multiply fewer
+    # rows at a time than one process does, and a fused projection's BLAS call may sum in
+    # another order for another row count: float32 rounding (measured 1.8e-7), no more.
+    np.testing.assert_allclose(two["embeddings"], one["embeddings"], rtol=1e-5, atol=1e-6)
     stats = dict(zip(STAT_NAMES, two["stage_stats"][1], strict=False))
     hidden_bytes = 64 * 4  # a token's hidden state, float32
     assert stats["forwards"] > 0
