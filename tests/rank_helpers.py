@@ -103,3 +103,16 @@ def fail_a_rank(run: Spawn, how: signal.Signals, timeout: float = 60) -> dict:
     # A collective queued on the broken ring blocked: the watchdog ended the process.
     assert run.proc.returncode == 1, run.log()[-3000:]
     return {"rank_left": left}
+
+
+def kill_a_rank_and_check_it_failed_fast(run: Spawn) -> None:
+    """SIGKILL rank 1 mid-generation: the engine raises RankLostError naming it (or, if a
+    collective blocked, the watchdog ends the process saying why), and no rank is left."""
+    failed = fail_a_rank(run, signal.SIGKILL)
+    if failed.get("type"):  # the usual way: the collective fails, the engine raises
+        assert failed["type"] == "RankLostError"
+        assert "rank 1 exited (killed by signal 9)" in failed["message"]
+        assert failed["gone"] is True
+    else:  # a collective queued on the broken ring blocked: the watchdog ended the process
+        assert "rank 1 exited (killed by signal 9); the engine cannot go on" in run.log()
+    assert not failed["rank_left"]

@@ -29,7 +29,7 @@ from mlxserve.models.pipeline_parallel import (
 from mlxserve.ops import AttentionMetadata
 from mlxserve.worker.pipeline import STAT_NAMES
 from tests.engine_helpers import make_tiny_model_dir
-from tests.rank_helpers import Spawn, fail_a_rank
+from tests.rank_helpers import Spawn, fail_a_rank, kill_a_rank_and_check_it_failed_fast
 from tests.tp_script import SCENARIO_ARGS, SPEC, run_chats, run_scenario
 
 STUCK_TIMEOUT = 5.0  # distributed_timeout_seconds in the stuck-rank run
@@ -223,11 +223,4 @@ def test_pp2_on_the_default_model_equals_one_process_then_a_killed_rank_fails_fa
     two = json.loads(run.read_until("RESULT"))
     assert two["chats"] == one
     assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
-    failed = fail_a_rank(run, signal.SIGKILL)
-    if failed.get("type"):  # the usual way: the collective fails, the engine raises
-        assert failed["type"] == "RankLostError"
-        assert "rank 1 exited (killed by signal 9)" in failed["message"]
-        assert failed["gone"] is True
-    else:  # a collective queued on the broken ring blocked: the watchdog ended the process
-        assert "rank 1 exited (killed by signal 9); the engine cannot go on" in run.log()
-    assert not failed["rank_left"]
+    kill_a_rank_and_check_it_failed_fast(run)

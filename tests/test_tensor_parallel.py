@@ -25,7 +25,12 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.worker.spmd import ForwardInputs
 from tests.engine_helpers import make_tiny_model_dir
 from tests.paths import ROOT
-from tests.rank_helpers import Spawn, alive, fail_a_rank, result_line
+from tests.rank_helpers import (
+    Spawn,
+    alive,
+    kill_a_rank_and_check_it_failed_fast,
+    result_line,
+)
 from tests.server_harness import free_port
 from tests.tp_script import SCENARIO_ARGS, SPEC, run_chats, run_scenario
 
@@ -145,14 +150,7 @@ def test_tp3_on_the_default_model_equals_one_process_then_a_killed_rank_fails_fa
     three = json.loads(run.read_until("RESULT"))
     assert three["chats"] == one
     assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
-    failed = fail_a_rank(run, signal.SIGKILL)
-    if failed.get("type"):  # the usual way: the collective fails, the engine raises
-        assert failed["type"] == "RankLostError"
-        assert "rank 1 exited (killed by signal 9)" in failed["message"]
-        assert failed["gone"] is True
-    else:  # a collective queued on the broken ring blocked: the watchdog ended the process
-        assert "rank 1 exited (killed by signal 9); the engine cannot go on" in run.log()
-    assert not failed["rank_left"]
+    kill_a_rank_and_check_it_failed_fast(run)
 
 
 # -------------------------------------------------------------- the server
