@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten
 from mlxserve.exceptions import ParameterError
 from mlxserve.models import llama
 from mlxserve.models.base import KVCache, select_rows, split_hidden_rows
+from mlxserve.models.tensor_parallel import require_llama
 from mlxserve.ops import AttentionMetadata
 
 __all__ = [
@@ -51,12 +52,7 @@ def _bytes(module: nn.Module) -> int:
 
 def check_pipeline_parallel(model: nn.Module, size: int) -> None:
     """ParameterError (field pipeline_parallel_size) if ``model`` cannot be split ``size`` ways."""
-    if not isinstance(model, llama.Model):
-        raise ParameterError(
-            f"pipeline_parallel_size {size} needs one of the hand-written llama, mistral, "
-            f"qwen2, qwen3 models; this model ({type(model).__module__}) runs in one process only",
-            parameter="pipeline_parallel_size",
-        )
+    require_llama(model, "pipeline_parallel_size", size)
     num_layers = len(model.model.layers)
     if size > num_layers:
         raise ParameterError(

@@ -59,14 +59,20 @@ def _input_dims(linear: nn.Module) -> int:
     return linear.weight.shape[-1]
 
 
-def check_tensor_parallel(model: nn.Module, size: int) -> None:
-    """ParameterError (field tensor_parallel_size) if ``model`` cannot be split ``size`` ways."""
+def require_llama(model: nn.Module, field: str, size: int) -> None:
+    """ParameterError on ``field`` unless ``model`` is the hand-written llama family (the
+    only one split across processes, by tensor or pipeline parallelism)."""
     if not isinstance(model, llama.Model):
         raise ParameterError(
-            f"tensor_parallel_size {size} needs one of the hand-written llama, mistral, qwen2, "
-            f"qwen3 models; this model ({type(model).__module__}) runs in one process only",
-            parameter="tensor_parallel_size",
+            f"{field} {size} needs one of the hand-written llama, mistral, qwen2, qwen3 "
+            f"models; this model ({type(model).__module__}) runs in one process only",
+            parameter=field,
         )
+
+
+def check_tensor_parallel(model: nn.Module, size: int) -> None:
+    """ParameterError (field tensor_parallel_size) if ``model`` cannot be split ``size`` ways."""
+    require_llama(model, "tensor_parallel_size", size)
     args = model.args
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     if heads % size or kv_heads % size:
