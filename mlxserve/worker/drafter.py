@@ -40,6 +40,7 @@ from mlxserve.worker.sampler import (
     SamplingState,
     apply_logits_processors,
     filter_logits,
+    gumbel_rows,
     make_sampling_batch,
 )
 
@@ -250,14 +251,8 @@ def sample_draft(
     if batch.all_greedy:
         return greedy, None
     filtered = filter_logits(processed, batch)
-    noise = mx.stack(
-        [
-            mx.zeros((target_vocab,))
-            if k is None
-            else mx.random.gumbel((target_vocab,), key=mx.random.key((k ^ _DRAFT_TAG) & _SEED_MASK))
-            for k in batch.keys
-        ]
-    )  # (N, V)
+    keys = [None if k is None else (k ^ _DRAFT_TAG) & _SEED_MASK for k in batch.keys]
+    noise = gumbel_rows(keys, target_vocab)  # (N, V): the draft's own noise
     sampled = mx.argmax(filtered + noise, axis=-1).astype(mx.int32)
     tokens = mx.where(batch.temperature > 0, sampled, greedy)
     return tokens, mx.softmax(filtered, axis=-1)

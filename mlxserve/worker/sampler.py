@@ -223,6 +223,17 @@ def filter_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
     return logits
 
 
+def gumbel_rows(keys: list[int | None], vocab: int) -> mx.array:  # (N, vocab) float32
+    """Gumbel noise for each row from its own key (zeros for a greedy row's None): a row's
+    draw depends on its key only, never on the batch it shares."""
+    return mx.stack(
+        [
+            mx.zeros((vocab,)) if k is None else mx.random.gumbel((vocab,), key=mx.random.key(k))
+            for k in keys
+        ]
+    )
+
+
 def sample(
     logits: mx.array,
     batch: SamplingBatch,
@@ -245,14 +256,7 @@ def sample(
         token_ids = greedy
     else:
         vocab = processed.shape[-1]
-        noise = mx.stack(
-            [
-                mx.zeros((vocab,))
-                if k is None
-                else mx.random.gumbel((vocab,), key=mx.random.key(k))
-                for k in batch.keys
-            ]
-        )  # (N, V)
+        noise = gumbel_rows(batch.keys, vocab)  # (N, V)
         filtered = filter_logits(processed, batch)
         if draft_ids is not None:
             has_draft = draft_ids >= 0
