@@ -184,8 +184,6 @@ def _decode_context(
     """The decode groups' layout: each padded query row's decode row (None: one row per
     group), the flat pool row of each gathered key (G, kvh, L), which keys each query row
     sees (G, 1, R, 1, L), and each decode row's padded row (None: no padding)."""
-    import numpy as np
-
     num_decodes = md.num_decodes
     sizes = md.decode_group_sizes or (1,) * num_decodes
     assert sum(sizes) == num_decodes, (sizes, num_decodes)
