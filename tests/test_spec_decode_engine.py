@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mlxserve import LLM, SamplingParams
+from mlxserve.core.spec_cost import MIN_STEPS, PROBE_INTERVAL, PROBE_STEPS
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import StructuredOutputsParams
 from tests.chi_square import assert_fits
@@ -207,6 +208,48 @@ def test_sampled_tokens_keep_the_target_distribution(tiny) -> None:
 
 
 @pytest.mark.parametrize(
+    ("draft_cost", "pays"),
+    [(2.0, False), (-0.1, True)],
+    ids=["drafts-cost-more", "drafts-pay"],
+)
+def test_cost_backoff_follows_the_cost_per_token(tiny, draft_cost: float, pays: bool) -> None:
+    """With a made-up clock (a step costs 1 s plus ``draft_cost`` s per draft), the engine
+    keeps speculating where drafts make tokens cheaper and stops where they make them
+    dearer, probing now and then; greedy output is the same either way."""
+    _, model_dir = tiny
+    llm = spec_llm(model_dir, num_blocks=512)
+    sched = llm.engine.scheduler
+    now = [0.0]
+    sched.spec.clock = lambda: now[0]
+    schedule = sched.schedule
+
+    def schedule_and_charge():
+        so = schedule()
+        now[0] += 1.0 + draft_cost * sum(len(d) for d in so.draft_token_ids.values())
+        return so
+
+    sched.schedule = schedule_and_charge
+    cost = sched.spec.cost
+    observe, seen = cost.observe, []  # (step verified drafts, speculation on after it)
+
+    def record(batch: int, speculated: bool, seconds: float, num_tokens: int) -> None:
+        observe(batch, speculated, seconds, num_tokens)
+        seen.append((speculated, cost.is_on(batch)))
+
+    cost.observe = record
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    ps = [prompts()[0]]
+    assert greedy(llm, ps, params) == greedy(LLM(str(model_dir), num_blocks=512), ps, params)
+    assert sum(s for s, _ in seen) >= MIN_STEPS  # it did speculate, at first at least
+    assert cost.is_on(1) is pays and cost.num_switches == (0 if pays else 1)
+    if not pays:  # after the switch, drafts only in probes: short runs, far apart
+        after = [s for s, _ in seen[[on for _, on in seen].index(False) :]]
+        text = "".join("s" if s else "." for s in after)
+        assert all(len(run) <= PROBE_STEPS for run in text.split(".") if run), text
+        assert text.count("s") <= PROBE_STEPS * (1 + len(after) // PROBE_INTERVAL), text
+
+
+@pytest.mark.parametrize(
     ("config", "field"),
     [
         ({"method": "eagle"}, "speculative_config.method"),
@@ -219,6 +262,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny) -> None:
             "speculative_config.prompt_lookup_min",
         ),
         ({"method": "ngram", "typo": 1}, "speculative_config.typo"),
+        ({"method": "ngram", "disable_by_cost": "yes"}, "speculative_config.disable_by_cost"),
         ({"num_speculative_tokens": 3}, "speculative_config.method"),
         ('{"method": ', "speculative_config"),
         ([1, 2], "speculative_config"),
