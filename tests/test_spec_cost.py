@@ -14,17 +14,18 @@ from mlxserve.core.spec_cost import (
     PROBE_STEPS,
     CostBackoff,
     batch_bucket,
+    context_bucket,
 )
 
 
-def run(backoff: CostBackoff, steps: int, cost, batch: int = 1) -> list[bool]:
+def run(backoff: CostBackoff, steps: int, cost, batch: int = 1, context: int = 0) -> list[bool]:
     """Run ``steps`` steps; ``cost(i, speculated) -> (seconds, tokens)``; the decisions."""
     decisions = []
     for i in range(steps):
-        spec = backoff.should_speculate(batch)
+        spec = backoff.should_speculate(batch, context)
         decisions.append(spec)
         seconds, tokens = cost(i, spec)
-        backoff.observe(batch, spec, seconds, tokens)
+        backoff.observe(batch, spec, seconds, tokens, context)
     return decisions
 
 
@@ -121,3 +122,13 @@ def test_steps_without_tokens_teach_nothing() -> None:
     s = b.state(1)
     assert s.plain.num_steps == s.spec.num_steps == 0 and s.steps_in_mode == 0
     assert MIN_STEPS <= PROBE_STEPS and PROBE_INTERVAL < MAX_PROBE_INTERVAL
+
+
+def test_context_lengths_are_decided_apart() -> None:
+    """Drafts over a long context cost more (each verified row attends to all of it):
+    speculation off at 1,500 tokens says nothing about a short chat."""
+    b = CostBackoff()
+    long_run = run(b, 40, losing, context=1500)
+    assert long_run[-1] is False and not b.is_on(1, 1500) and not b.is_on(1, 2047)
+    assert b.is_on(1, 100) and b.is_on(1, 511) and b.is_on(1, 2048)
+    assert [context_bucket(n) for n in (0, 511, 512, 1023, 1024, 2048)] == [0, 0, 1, 1, 2, 3]

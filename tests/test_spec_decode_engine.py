@@ -232,16 +232,17 @@ def test_cost_backoff_follows_the_cost_per_token(tiny, draft_cost: float, pays: 
     cost = sched.spec.cost
     observe, seen = cost.observe, []  # (step verified drafts, speculation on after it)
 
-    def record(batch: int, speculated: bool, seconds: float, num_tokens: int) -> None:
-        observe(batch, speculated, seconds, num_tokens)
-        seen.append((speculated, cost.is_on(batch)))
+    def record(batch: int, speculated: bool, seconds: float, tokens: int, context: int) -> None:
+        observe(batch, speculated, seconds, tokens, context)
+        seen.append((speculated, cost.is_on(batch, context)))
 
     cost.observe = record
     params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
     ps = [prompts()[0]]
     assert greedy(llm, ps, params) == greedy(LLM(str(model_dir), num_blocks=512), ps, params)
     assert sum(s for s, _ in seen) >= MIN_STEPS  # it did speculate, at first at least
-    assert cost.is_on(1) is pays and cost.num_switches == (0 if pays else 1)
+    assert [state.is_on for state in cost.buckets.values()] == [pays]  # batch 1, < 512
+    assert cost.num_switches == (0 if pays else 1)
     if not pays:  # after the switch, drafts only in probes: short runs, far apart
         after = [s for s, _ in seen[[on for _, on in seen].index(False) :]]
         text = "".join("s" if s else "." for s in after)

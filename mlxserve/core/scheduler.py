@@ -173,7 +173,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}
         preempted: list[str] = []
-        speculate = self.spec is not None and self.spec.begin_step(len(self.running), budget)
+        speculate = self.spec is not None and self._begin_spec_step(budget)
 
         # 1. Running requests, oldest first: a decode token or the next prompt chunk.
         index = 0
@@ -224,6 +224,11 @@ class Scheduler:
             prefill_budget -= num_new
 
         return self._make_output(scheduled, num_scheduled, preempted, drafts)
+
+    def _begin_spec_step(self, budget: int) -> bool:
+        assert self.spec is not None
+        longest = max((r.num_tokens for r in self.running), default=0)
+        return self.spec.begin_step(len(self.running), budget, longest)
 
     def _schedule_drafts(self, request: Request, budget: int) -> list[int]:
         """Propose drafts for a decoding request and allocate room for them; [] when there

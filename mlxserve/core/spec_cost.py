@@ -5,9 +5,11 @@ a long context can cost more than the decode steps its accepted drafts save, eve
 most drafts are accepted. So the engine measures what it is after, **seconds per emitted
 token**, for steps that verified drafts and for steps that did not, and keeps the cheaper.
 
-Per batch-size bucket (1, 2-3, 4-7, 8-15, ...: the cost of a step depends on how many
-requests share it) two exponential moving averages are kept, of a step's wall time and
-of the tokens it emitted; their ratio is the mode's cost per token::
+Per bucket of batch size (1, 2-3, 4-7, 8-15, ...) and context length (the longest in the
+step: < 512, 512-1023, 1024-2047, ... tokens), since a step's cost depends on both (a
+verified draft attends to the whole context), two exponential moving averages are kept,
+of a step's wall time and of the tokens it emitted; their ratio is the mode's cost per
+token::
 
     spec  = EMA(step seconds) / EMA(tokens emitted)   steps that verified drafts
     plain = the same                                   decode steps without drafts
@@ -38,9 +40,18 @@ PROBE_INTERVAL = 32  # steps in one mode before the first probe of the other
 MAX_PROBE_INTERVAL = 512
 
 
+CONTEXT_UNIT = 512  # tokens: context buckets are < 512, 512-1023, 1024-2047, ...
+
+
 def batch_bucket(batch_size: int) -> int:
     """The bucket of a step with ``batch_size`` requests: 1, 2-3, 4-7, ... -> 1, 2, 3, ..."""
     return max(batch_size, 1).bit_length()
+
+
+def context_bucket(context_len: int) -> int:
+    """The bucket of a step whose longest context is ``context_len`` tokens:
+    < 512, 512-1023, 1024-2047, ... -> 0, 1, 2, ..."""
+    return (max(context_len, 0) // CONTEXT_UNIT).bit_length()
 
 
 @dataclass(slots=True)
@@ -83,36 +94,45 @@ class CostBackoff:
     """Decides per step whether to speculate, from the measured cost per emitted token."""
 
     def __init__(self) -> None:
-        self.buckets: dict[int, BucketState] = {}
+        self.buckets: dict[tuple[int, int], BucketState] = {}
         self.num_switches = 0
 
-    def state(self, batch_size: int) -> BucketState:
-        """The bucket state of a step with ``batch_size`` requests (made on first use)."""
-        return self.buckets.setdefault(batch_bucket(batch_size), BucketState())
+    def state(self, batch_size: int, context_len: int = 0) -> BucketState:
+        """The state of the bucket of a step with ``batch_size`` requests, the longest
+        ``context_len`` tokens (made on first use)."""
+        key = (batch_bucket(batch_size), context_bucket(context_len))
+        return self.buckets.setdefault(key, BucketState())
 
-    def should_speculate(self, batch_size: int) -> bool:
+    def should_speculate(self, batch_size: int, context_len: int = 0) -> bool:
         """Whether a step of ``batch_size`` decoding requests proposes drafts."""
-        s = self.state(batch_size)
+        s = self.state(batch_size, context_len)
         return s.is_on != (s.probe_left > 0)  # a probe runs the other mode
 
-    def observe(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int) -> None:
+    def observe(
+        self,
+        batch_size: int,
+        speculated: bool,
+        seconds: float,
+        num_tokens: int,
+        context_len: int = 0,
+    ) -> None:
         """Account one decode-only step: its wall time and the tokens it emitted;
         ``speculated``: some request in it verified drafts."""
         if num_tokens <= 0:
             return
-        s = self.state(batch_size)
+        s = self.state(batch_size, context_len)
         s.rate(speculated).add(seconds, num_tokens)
         if s.probe_left > 0:
             s.probe_left -= 1
             if s.probe_left == 0:
-                self._decide(s, batch_size, after_probe=True)
+                self._decide(s, batch_size, context_len, after_probe=True)
             return
         s.steps_in_mode += 1
-        self._decide(s, batch_size, after_probe=False)
+        self._decide(s, batch_size, context_len, after_probe=False)
         if s.steps_in_mode >= s.probe_interval:
             s.probe_left, s.steps_in_mode = PROBE_STEPS, 0
 
-    def _decide(self, s: BucketState, batch_size: int, after_probe: bool) -> None:
+    def _decide(self, s: BucketState, batch_size: int, context_len: int, after_probe: bool) -> None:
         if s.plain.num_steps < MIN_STEPS or s.spec.num_steps < MIN_STEPS:
             return
         want_on = s.spec.per_token < s.plain.per_token
@@ -131,6 +151,6 @@ class CostBackoff:
             1000 * s.plain.per_token,
         )
 
-    def is_on(self, batch_size: int) -> bool:
-        """The mode in use for this batch size (probes aside)."""
-        return self.state(batch_size).is_on
+    def is_on(self, batch_size: int, context_len: int = 0) -> bool:
+        """The mode in use for this bucket (probes aside)."""
+        return self.state(batch_size, context_len).is_on

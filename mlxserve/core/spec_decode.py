@@ -75,7 +75,7 @@ class SpecDecoder:
         self.clock = clock if config.disable_by_cost else None
         self.cost = CostBackoff()
         self._step_start: float | None = None  # clock() when the step in flight was scheduled
-        self._step_batch = 0
+        self._step_batch = self._step_context = 0
         self.uses_drafter = config.method == "draft_model"
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_drafts = 0  # verifications (a request's drafts in one step)
@@ -84,13 +84,14 @@ class SpecDecoder:
         self.is_on = False  # this step speculates (begin_step)
         self.catchup_left = 0  # draft model: catch-up tokens left in this step
 
-    def begin_step(self, num_running: int, budget: int) -> bool:
-        """Start a step; whether it speculates at all (the batch-size and cost back-offs)."""
+    def begin_step(self, num_running: int, budget: int, context_len: int = 0) -> bool:
+        """Start a step; whether it speculates at all (the batch-size and cost back-offs).
+        ``context_len``: the longest running request's tokens."""
         self.is_on = num_running <= self.config.disable_by_batch_size
         if self.is_on and self.clock is not None:
-            self.is_on = self.cost.should_speculate(num_running)
+            self.is_on = self.cost.should_speculate(num_running, context_len)
         self.catchup_left = budget
-        self._step_batch = num_running
+        self._step_batch, self._step_context = num_running, context_len
         self._step_start = None if self.clock is None else self.clock()
         return self.is_on
 
@@ -108,7 +109,8 @@ class SpecDecoder:
             and num_requests == self._step_batch
         )
         if is_decode_only and self._step_batch <= self.config.disable_by_batch_size:
-            self.cost.observe(self._step_batch, bool(so.draft_token_ids), seconds, num_tokens)
+            speculated = bool(so.draft_token_ids)
+            self.cost.observe(self._step_batch, speculated, seconds, num_tokens, self._step_context)
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         """Drafts for a request about to decode (at most ``max_drafts``, which the caller
