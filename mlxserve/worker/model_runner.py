@@ -33,7 +33,6 @@ token it would have got anyway.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -48,7 +47,7 @@ from mlxserve.models.base import KVCache
 from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata
 from mlxserve.ops.kv_quant import kv_pool_dtype
-from mlxserve.structured_output.grammar import GrammarState, fill_bitmasks
+from mlxserve.structured_output.grammar import fill_bitmasks
 from mlxserve.worker.drafter import Drafter, Proposal
 from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
 from mlxserve.worker.kv_inputs import probe_arguments, step_metadata
@@ -61,6 +60,7 @@ from mlxserve.worker.memory import (
     tree_bytes,
 )
 from mlxserve.worker.pooling import PoolingRows, PoolingSums
+from mlxserve.worker.request_states import RequestStates
 from mlxserve.worker.sampler import (
     SamplerOutput,
     SamplingState,
@@ -73,18 +73,6 @@ from mlxserve.worker.spmd import ForwardInputs, StepChannel
 __all__ = ["KVCacheLostError", "ModelRunner", "StepHandle"]
 
 logger = logging.getLogger("mlxserve")
-
-
-@dataclass
-class _RequestState:
-    """What the runner keeps per live request between steps."""
-
-    sampling: SamplingState
-    grammar: GrammarState | None = None  # structured outputs: where the output is in it
-    prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
-    # Set once the whole prompt is scored: a preempted request recomputes its prompt,
-    # but its prompt logprobs are not computed (or reported) twice.
-    prompt_logprobs_done: bool = False
 
 
 @dataclass
@@ -175,8 +163,7 @@ class ModelRunner:
         # Speculative decoding with a draft model: set by the engine before planning.
         self.drafter: Drafter | None = None
         mx.random.seed(seed)
-        self._rng = random.Random(seed)
-        self._states: dict[str, _RequestState] = {}
+        self._states = RequestStates(seed)
         # Mean pooling over a prompt computed in chunks: the running sum of hidden states.
         self._pool_sums = PoolingSums()
         # Host time spent on grammar bitmasks, and in how many steps (bench/ reads them).
@@ -325,23 +312,6 @@ class ModelRunner:
             )
         mx.eval(self.kv_cache.arrays(), *([logits] if rows else []))
 
-    def _state(self, request: Request) -> _RequestState:
-        state = self._states.get(request.request_id)
-        if state is None:
-            params = request.sampling_params
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            stop_ids = frozenset(request.eos_token_ids) | params.all_stop_token_ids
-            sampling = SamplingState(params, seed, request.prompt_token_ids, stop_ids=stop_ids)
-            so = request.structured_output
-            grammar = None if so is None else so.new_state(stop_ids)
-            for tok in request.output_token_ids:  # a request resumes (its state was lost)
-                sampling.append(tok)
-                if grammar is not None:
-                    grammar.accept(tok)
-            state = _RequestState(sampling, grammar)
-            self._states[request.request_id] = state
-        return state
-
     def launch(self, so: SchedulerOutput) -> StepHandle:
         """Build the step's graph and start evaluating it; returns at once.
 
@@ -350,7 +320,7 @@ class ModelRunner:
         part of the graph cannot be built are left out and reported by collect().
         """
         for rid in so.finished_request_ids:
-            self._states.pop(rid, None)
+            self._states.drop(rid)
             self._pool_sums.drop(rid)
         handle = StepHandle(so, [], {})
         if not so.scheduled_requests:
@@ -486,7 +456,7 @@ class ModelRunner:
         proposal = None
         if self.drafter is not None and so.drafter_feeds:
             # The draft model's passes first: the drafts are this forward's inputs.
-            proposal = self.drafter.propose(so, lambda r, j: self._state(r).sampling.ahead(j))
+            proposal = self.drafter.propose(so, lambda r, j: self._states.get(r).sampling.ahead(j))
         proposed_rows: list[int] = []  # rows of input_ids that take the proposal's drafts
         for req in so.scheduled_requests:
             rid = req.request_id
@@ -514,7 +484,7 @@ class ModelRunner:
                 query_lens.append(n)
                 context_lens.append(end)
                 tables.append(so.block_ids[rid])
-            state = self._state(req)
+            state = self._states.get(req)
             if req.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
                 if start == 0:
                     state.prompt_logprobs = [None]
