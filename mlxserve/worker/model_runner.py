@@ -38,7 +38,7 @@ from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata
 from mlxserve.ops.kv_quant import kv_pool_dtype
 from mlxserve.worker.drafter import Drafter
-from mlxserve.worker.isolation import KVCacheLostError, bisect, describe
+from mlxserve.worker.isolation import KVCacheLostError, PoolSnapshot, bisect, describe
 from mlxserve.worker.kv_inputs import probe_arguments
 from mlxserve.worker.memory import (
     PROBE_TOKENS,
@@ -194,21 +194,9 @@ class ModelRunner:
             self.layout, num_blocks, self.block_size, self.kv_dtype, slots
         )
 
-    def _pool(self) -> tuple:
+    def _snapshot(self) -> PoolSnapshot:
         assert self.kv_cache is not None, "ensure_blocks() comes before the first launch()"
-        kv = self.kv_cache
-        drafter = None if self.drafter is None else self.drafter.save()
-        return list(kv.keys), list(kv.values), [list(arrays) for arrays in kv.states], drafter
-
-    def _restore(self, pool: tuple) -> None:
-        """Put back the pool arrays of before a failed build (drops its lazy writes)."""
-        assert self.kv_cache is not None
-        keys, values, states, drafter = pool
-        self.kv_cache.keys[:], self.kv_cache.values[:] = keys, values
-        for arrays, saved in zip(self.kv_cache.states, states, strict=True):
-            arrays[:] = saved
-        if drafter is not None:
-            self.drafter.restore(drafter)
+        return PoolSnapshot.take(self.kv_cache, self.drafter)
 
     def _pool_arrays(self) -> list[mx.array]:
         """Every pool array the step writes: the target's, and the draft model's."""
@@ -322,7 +310,7 @@ class ModelRunner:
 
     def _rerun(self, so: SchedulerOutput, output: ModelRunnerOutput) -> str | None:
         """Run part of a failed step to the end; its error, or None once committed."""
-        pool = self._pool()  # held during the eval: no donation, so a failure can restore
+        pool = self._snapshot()  # held during the eval: no donation, so a failure can restore
         try:
             parts = self._build_isolating(so, output.failed)
             self._sample_masked([p for p in parts if p.result is None and p.samplers])
@@ -330,7 +318,7 @@ class ModelRunner:
             reads = [read_part(part) for part in parts]
         except Exception as e:  # noqa: BLE001 -- the caller splits this part further
             self._check_lost(e)
-            self._restore(pool)
+            pool.restore(self.kv_cache, self.drafter)
             return describe(e)
         for read in reads:
             commit(read, output, self._states, self._pool_sums)
@@ -346,16 +334,17 @@ class ModelRunner:
         parts: list[StepPart] = []
 
         def build(sub: SchedulerOutput) -> str | None:
-            pool = self._pool()
+            pool = self._snapshot()
             try:
                 with ops.use_kernels(self.kernels):
                     part = self._build(sub)
             except Exception as e:  # noqa: BLE001 -- split and try again
                 self._check_lost(e)
-                self._restore(pool)
+                pool.restore(self.kv_cache, self.drafter)
                 return describe(e)
             if self.channel is not None and part.inputs is not None:
-                self._start_everywhere(part)
+                # Tensor parallel: the other ranks run this forward too, in this order.
+                self.channel.start(part.inputs, [self.kv_cache.arrays(), part.arrays()])
             parts.append(part)
             return None
 
@@ -368,17 +357,6 @@ class ModelRunner:
             )
             bisect(so, error, failed, build)
         return parts
-
-    def _start_everywhere(self, part: StepPart) -> None:
-        """Tensor parallel: send a built part's forward to the other ranks and start it
-        here, so its collectives are queued before the next message's, in the order
-        every rank runs them."""
-        assert self.channel is not None and part.inputs is not None
-        self.channel.send(part.inputs)
-        try:
-            mx.async_eval(self.kv_cache.arrays(), part.arrays())
-        except RuntimeError as e:
-            raise self.channel.lost(e) from None
 
     def _build(self, so: SchedulerOutput) -> StepPart:
         """The step's graph (worker/step_build.py), from this runner's model and pool."""
