@@ -132,3 +132,14 @@ def test_context_lengths_are_decided_apart() -> None:
     assert long_run[-1] is False and not b.is_on(1, 1500) and not b.is_on(1, 2047)
     assert b.is_on(1, 100) and b.is_on(1, 511) and b.is_on(1, 2048)
     assert [context_bucket(n) for n in (0, 511, 512, 1023, 1024, 2048)] == [0, 0, 1, 1, 2, 3]
+
+
+def test_back_on_only_when_clearly_cheaper() -> None:
+    """Off, drafts must be 10% cheaper per token to come back: 5% is noise."""
+    b = CostBackoff()
+    run(b, 40, losing)
+    assert not b.is_on(1)
+    run(b, 200, lambda i, spec: (0.19, 2) if spec else (0.1, 1))  # 0.095 s/token: 5% less
+    assert not b.is_on(1) and b.num_switches == 1
+    run(b, 200, lambda i, spec: (0.17, 2) if spec else (0.1, 1))  # 0.085 s/token: 15% less
+    assert b.is_on(1) and b.num_switches == 2

@@ -15,8 +15,9 @@ token::
     plain = the same                                   decode steps without drafts
 
 Only steps where every request decodes are measured (a prefill chunk's cost is not a
-token's). Once both modes have ``MIN_STEPS`` observations, speculation is on while
-``spec < plain`` and off otherwise. The mode not in use goes stale, so after
+token's). Once both modes have ``MIN_STEPS`` observations, speculation turns off when
+``spec >= plain`` and back on when ``spec < ON_MARGIN * plain`` (a 10% margin, so noise
+does not flip it back and forth). The mode not in use goes stale, so after
 ``probe_interval`` steps in one mode the other runs for ``PROBE_STEPS`` steps (a probe);
 each probe that confirms the current mode doubles the interval (up to
 ``MAX_PROBE_INTERVAL``), a switch resets it. While speculating, steps where no request
@@ -38,6 +39,10 @@ MIN_STEPS = 3  # observations of each mode before it can decide
 PROBE_STEPS = 4  # steps of the other mode per probe
 PROBE_INTERVAL = 32  # steps in one mode before the first probe of the other
 MAX_PROBE_INTERVAL = 512
+# Drafts are turned back on only when they are this much cheaper per token: where both
+# modes cost about the same, step-time noise would otherwise flip the choice back and
+# forth, and plain decoding is the safe side.
+ON_MARGIN = 0.9
 
 
 CONTEXT_UNIT = 512  # tokens: context buckets are < 512, 512-1023, 1024-2047, ...
@@ -135,7 +140,8 @@ class CostBackoff:
     def _decide(self, s: BucketState, batch_size: int, context_len: int, after_probe: bool) -> None:
         if s.plain.num_steps < MIN_STEPS or s.spec.num_steps < MIN_STEPS:
             return
-        want_on = s.spec.per_token < s.plain.per_token
+        limit = s.plain.per_token * (1.0 if s.is_on else ON_MARGIN)
+        want_on = s.spec.per_token < limit
         if want_on == s.is_on:
             if after_probe:  # the probe confirmed the mode: probe less often
                 s.probe_interval = min(2 * s.probe_interval, MAX_PROBE_INTERVAL)
