@@ -17,6 +17,8 @@ Workloads (greedy, one stream each unless --batch):
 - edit: a ~1,500-token Python file (mlxserve's own block pool, cut at a line boundary)
   and the instruction to return it with one function renamed. A model that follows it
   copies most of its prompt, which n-gram drafts predict.
+- copy: the edit's file and "repeat this file exactly" (an upper bound, labelled as
+  such: what n-gram drafts give at the edit's context when the model does copy).
 - repeat: "repeat this text exactly" with ~400 tokens of prose (the README's opening):
   the best case, for a model too small to follow the edit instruction.
 - chat: a short question with nothing to copy.
@@ -56,18 +58,30 @@ CHAT = [
 ]
 
 
-def edit_prompt(tokenizer) -> str:
-    """The code-editing request: ~EDIT_TOKENS tokens of source, one rename asked."""
+def edit_source(tokenizer) -> str:
+    """~EDIT_TOKENS tokens of mlxserve's block pool, cut at a line boundary."""
     lines, text = EDIT_SOURCE.read_text().splitlines(keepends=True), ""
     for line in lines:
         if len(tokenizer.encode(text + line)) > EDIT_TOKENS:
             break
         text += line
+    return text
+
+
+def edit_prompt(tokenizer) -> str:
+    """The code-editing request: ~EDIT_TOKENS tokens of source, one rename asked."""
     ask = (
         "Here is a Python file. Return the whole file unchanged, except rename the method "
         "`get_new_blocks` to `allocate_blocks` everywhere. Output only the code.\n\n"
     )
-    return chat(tokenizer, ask + "```python\n" + text + "```")
+    return chat(tokenizer, ask + "```python\n" + edit_source(tokenizer) + "```")
+
+
+def copy_prompt(tokenizer) -> str:
+    """The edit's file, to be repeated verbatim: the upper bound of n-gram drafts at the
+    edit's context length (what a model that follows the edit instruction would copy)."""
+    ask = "Repeat this Python file exactly, from its first line. Output only the code.\n\n"
+    return chat(tokenizer, ask + "```python\n" + edit_source(tokenizer) + "```")
 
 
 def repeat_prompt(tokenizer) -> str:
@@ -240,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.workloads.split(","):
         if name == "edit":
             workloads["edit"] = [edit_prompt(tok)]
+        elif name == "copy":
+            workloads["copy"] = [copy_prompt(tok)]
         elif name == "repeat":
             workloads["repeat"] = [repeat_prompt(tok)]
         elif name == "chat":
