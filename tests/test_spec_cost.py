@@ -2,12 +2,14 @@
 
 Oracle: decision sequences derived by hand from the documented rule (speculate while
 seconds per emitted token with drafts < without; probe the other mode for PROBE_STEPS
-steps after probe_interval steps, the interval doubling when a probe confirms).
+steps after probe_interval steps, FIRST_PROBE while the other mode is unmeasured, the
+interval doubling when a probe confirms).
 """
 
 from __future__ import annotations
 
 from mlxserve.core.spec_cost import (
+    FIRST_PROBE,
     MAX_PROBE_INTERVAL,
     MIN_STEPS,
     PROBE_INTERVAL,
@@ -52,11 +54,11 @@ def winning(i: int, spec: bool) -> tuple[float, int]:
 
 def test_speculation_that_loses_turns_off_and_is_probed_ever_less_often() -> None:
     b = CostBackoff()
-    decisions = run(b, PROBE_INTERVAL + PROBE_STEPS + 32 + 4 + 64 + 4 + 10, losing)
-    # On from the start; no plain step yet, so nothing to compare until the plain probe,
-    # which shows plain is cheaper: off. Then spec probes after 32, then 64 plain steps.
+    decisions = run(b, FIRST_PROBE + PROBE_STEPS + 32 + 4 + 64 + 4 + 10, losing)
+    # On from the start; no plain step yet, so nothing to compare until the first plain
+    # probe, which shows plain is cheaper: off. Then spec probes after 32, 64 plain steps.
     assert runs(decisions) == [
-        (True, PROBE_INTERVAL),
+        (True, FIRST_PROBE),
         (False, PROBE_STEPS + 32),  # the plain probe, which decides "off"; 32 plain steps
         (True, PROBE_STEPS),  # a spec probe: confirms "off", the interval doubles
         (False, 64),
@@ -70,13 +72,13 @@ def test_speculation_that_loses_turns_off_and_is_probed_ever_less_often() -> Non
 def test_speculation_that_wins_stays_on() -> None:
     b = CostBackoff()
     decisions = run(b, 200, winning)
-    # Plain probes only (4 steps after 32, 64, 128 speculating steps), never switched.
+    # Plain probes only (4 steps after 8, then 64 speculating steps), never switched.
     assert runs(decisions) == [
-        (True, 32),
-        (False, 4),
+        (True, FIRST_PROBE),
+        (False, PROBE_STEPS),
         (True, 64),
-        (False, 4),
-        (True, 96),
+        (False, PROBE_STEPS),
+        (True, 120),
     ]
     assert b.is_on(1) and b.num_switches == 0
 

@@ -18,7 +18,8 @@ Only steps where every request decodes are measured (a prefill chunk's cost is n
 token's). Once both modes have ``MIN_STEPS`` observations, speculation turns off when
 ``spec >= plain`` and back on when ``spec < ON_MARGIN * plain`` (a 10% margin, so noise
 does not flip it back and forth). The mode not in use goes stale, so after
-``probe_interval`` steps in one mode the other runs for ``PROBE_STEPS`` steps (a probe);
+``probe_interval`` steps in one mode the other runs for ``PROBE_STEPS`` steps (a probe;
+the first one after ``FIRST_PROBE`` steps, while the other mode has no measurements);
 each probe that confirms the current mode doubles the interval (up to
 ``MAX_PROBE_INTERVAL``), a switch resets it. While speculating, steps where no request
 had drafts (nothing matched) count as plain ones, so a plain probe is rarely needed.
@@ -37,7 +38,10 @@ logger = logging.getLogger("mlxserve")
 ALPHA = 0.25  # weight of a new step in the moving averages
 MIN_STEPS = 3  # observations of each mode before it can decide
 PROBE_STEPS = 4  # steps of the other mode per probe
-PROBE_INTERVAL = 32  # steps in one mode before the first probe of the other
+PROBE_INTERVAL = 32  # steps in one mode before a probe of the other
+# Steps before the first probe of a mode never measured in this bucket: exploring is
+# paid by the first request at a batch size and context length, so it is kept short.
+FIRST_PROBE = 8
 MAX_PROBE_INTERVAL = 512
 # Drafts are turned back on only when they are this much cheaper per token: where both
 # modes cost about the same, step-time noise would otherwise flip the choice back and
@@ -134,7 +138,8 @@ class CostBackoff:
             return
         s.steps_in_mode += 1
         self._decide(s, batch_size, context_len, after_probe=False)
-        if s.steps_in_mode >= s.probe_interval:
+        unknown = s.rate(not s.is_on).num_steps < MIN_STEPS
+        if s.steps_in_mode >= (FIRST_PROBE if unknown else s.probe_interval):
             s.probe_left, s.steps_in_mode = PROBE_STEPS, 0
 
     def _decide(self, s: BucketState, batch_size: int, context_len: int, after_probe: bool) -> None:
