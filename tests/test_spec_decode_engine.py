@@ -20,7 +20,14 @@ from tests.engine_helpers import VOCAB_SIZE, make_tiny_model_dir
 from tests.model_helpers import mlx_lm_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+# No cost back-off (it decides from wall-clock step times): the draft counts asserted
+# below are then the same in every run; test_cost_backoff_* turns it on with a fake clock.
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "disable_by_batch_size": 64,
+    "disable_by_cost": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +200,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny) -> None:
             "num_speculative_tokens": 1,
             "prompt_lookup_min": 1,
             "disable_by_batch_size": 256,
+            "disable_by_cost": False,
         },
     )
     params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
@@ -217,7 +225,7 @@ def test_cost_backoff_follows_the_cost_per_token(tiny, draft_cost: float, pays: 
     keeps speculating where drafts make tokens cheaper and stops where they make them
     dearer, probing now and then; greedy output is the same either way."""
     _, model_dir = tiny
-    llm = spec_llm(model_dir, num_blocks=512)
+    llm = LLM(str(model_dir), speculative_config=SPEC | {"disable_by_cost": True}, num_blocks=512)
     sched = llm.engine.scheduler
     now = [0.0]
     sched.spec.clock = lambda: now[0]
