@@ -60,6 +60,7 @@ from mlxserve.worker.memory import (
     probe_activation_bytes,
     tree_bytes,
 )
+from mlxserve.worker.pool_watch import PoolWatch
 from mlxserve.worker.pooling import PoolingRows, PoolingSums
 from mlxserve.worker.sampler import (
     SamplerOutput,
@@ -105,6 +106,11 @@ class _Part:
     pooled: mx.array | None = None  # (len(poolers), hidden) float32
     inputs: ForwardInputs | None = None  # tensor parallel: what the other ranks run
     proposal: Proposal | None = None  # a draft model's drafts (worker/drafter.py)
+
+    @property
+    def waited(self) -> bool:
+        """Whether reading this part waited for its forward pass (it has host results)."""
+        return any(a is not None for a in (self.result, self.prompt_logprobs, self.pooled))
 
     def arrays(self) -> list[mx.array]:
         out = list(self.prompt_logprobs or ())
@@ -172,6 +178,7 @@ class ModelRunner:
         dims = [d for _, k, v in self.layout.tensor_shapes for d in (k, v)]
         self.kv_dtype = kv_pool_dtype(kv_cache_dtype, dtype, dims)  # int8: 8-bit (kv_quant)
         self.kv_cache: KVCache | None = None  # made by the first ensure_blocks()
+        self.pool_watch = PoolWatch()  # warns if a step copied the pool (not in place)
         # Speculative decoding with a draft model: set by the engine before planning.
         self.drafter: Drafter | None = None
         mx.random.seed(seed)
@@ -398,6 +405,8 @@ class ModelRunner:
             else:
                 for read in reads:
                     self._commit(read, output)
+                if any(part.waited for part in handle.parts):  # else the pool may be in flight
+                    self.pool_watch.check(self._pool_arrays())
                 return output
         so = handle.scheduler_output
         logger.warning(
@@ -406,6 +415,7 @@ class ModelRunner:
             error,
         )
         handle.parts = []  # drop the failed graph before re-running
+        self.pool_watch.forget()  # the re-runs hold the old pool arrays: copies, on purpose
         self._settle_pool()
         live = [r for r in so.scheduled_requests if r.request_id not in output.failed]
         bisect(so.subset(live), error, output.failed, lambda sub: self._rerun(sub, output))
