@@ -312,6 +312,6 @@ def test_a_kernel_name_always_means_one_source(split: bool) -> None:
     for g in rec.variants:
         name = g.kernel_name.split("__")[0]  # MLX < 0.32's name: no input types
         sources.setdefault((name, g.template_def), set()).add(g.source)
-    assert len(sources) == (4 if split else 3)  # write, prefill, decode (+ split, reduce)
+    assert len(sources) == (3 if split else 2)  # prefill, decode (+ split, reduce)
     flips = {key: len(v) for key, v in sources.items() if len(v) > 1}
     assert not flips, flips
