@@ -253,7 +253,7 @@ def test_steps_update_the_kv_pool_in_place(tiny, caplog, kv_cache_dtype, hold_ol
     assert len(addresses) == 8 and all(len(step) == 4 for step in addresses)  # 2 layers, K, V
     moved = [
         sum(before != after for before, after in zip(a, b, strict=True))
-        for a, b in zip(addresses, addresses[1:])
+        for a, b in zip(addresses, addresses[1:], strict=False)
     ]
     copies = [r.getMessage() for r in caplog.records if "instead of updating" in r.getMessage()]
     if hold_old_pool:

@@ -405,7 +405,9 @@ class ModelRunner:
             else:
                 for read in reads:
                     self._commit(read, output)
-                if any(part.waited for part in handle.parts):  # else the pool may be in flight
+                if len(handle.parts) > 1:  # a part's write copies a pool an earlier part reads
+                    self.pool_watch.forget()
+                elif handle.parts and handle.parts[0].waited:  # else the pool may be in flight
                     self.pool_watch.check(self._pool_arrays())
                 return output
         so = handle.scheduler_output
@@ -455,6 +457,7 @@ class ModelRunner:
                 self._check_lost(e)
                 self._restore(pool)
                 return describe(e)
+            del pool  # before evaluating: the old pool arrays would be copied, not donated
             if self.channel is not None and part.inputs is not None:
                 self._start_everywhere(part)
             parts.append(part)
