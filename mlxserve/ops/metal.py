@@ -18,11 +18,20 @@ row-contiguous input, and ``set_copy_output_data`` (backend/common/copy.h) then 
 input's buffer to the output instead of allocating, when ``is_donatable(in, out)``: no other
 array references the input or shares its buffer (both use counts 1), the item sizes match
 and the buffer is at most 16 KiB larger than the output. The reshapes around the scatter
-share the buffer and are released before it runs. So the caller must drop its old pool
-arrays (KVCache keeps one reference, which the layer replaces); the engine warns once if a
-step copied a pool anyway (worker/pool_watch.py). A non-row-contiguous pool is copied once
-(correct, slower); pools come from mx.zeros, mx.concatenate and the scatter itself, all
-row-contiguous.
+share the buffer and are released before it runs. Two consequences:
+
+* The caller must drop its old pool arrays before the step is evaluated (KVCache keeps one
+  reference, which the layer replaces; the runner lets go of its saved copy first).
+* MLX also keeps each kernel's input buffers until that kernel has *finished* (cpu/eval.cpp,
+  metal/eval.cpp: released when the task or command buffer completes), so the write is in
+  place only if the pool's previous readers are done. Between steps they are: the runner
+  waits for a step's results before it builds the next, and each step writes each pool
+  once. A second write of a pool within one evaluation may copy it instead (a step re-run
+  in parts after a failure; on Metal possibly the draft model's passes) -- correct, slower.
+
+The engine warns once if a step copied a pool (worker/pool_watch.py). A non-row-contiguous
+pool is copied (correct, slower); pools come from mx.zeros, mx.concatenate and the scatter
+itself, all row-contiguous.
 
 Why not a kernel that writes the pool: mx.fast.metal_kernel gives every output a fresh
 buffer (no donation or aliasing in MLX 0.32), so a kernel that *outputs* the pool copies it
