@@ -248,7 +248,10 @@ def test_steps_update_the_kv_pool_in_place(tiny, caplog, kv_cache_dtype, hold_ol
     for _ in range(8):
         engine.step()
         if runner.kv_cache is not None:
-            addresses.append([(a.shape, buffer_address(a)) for a in runner.kv_cache.arrays()])
+            pools = runner.kv_cache.arrays()
+            assert all(memoryview(a).c_contiguous for a in pools)  # what the scatter donates
+            addresses.append([(a.shape, buffer_address(a)) for a in pools])
+            del pools
     held.clear()
     assert len(addresses) == 8 and all(len(step) == 4 for step in addresses)  # 2 layers, K, V
     moved = [
