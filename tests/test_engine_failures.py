@@ -192,3 +192,55 @@ def test_a_fault_no_request_causes_alone_fails_nobody(model_dir) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [*reference, alone]
     assert all(o.error is None for o in outs)
     assert_idle(llm)
+
+
+def test_a_broken_group_the_engine_cannot_report_still_fails_its_callers(
+    model_dir, monkeypatch
+) -> None:
+    """A rank died and rank 0's step never returns (MLX's ring can leave a collective
+    blocked for good: seen under CI load). The rank watchdog ends the process, but first
+    every caller still waiting gets the reason (before: a dropped stream, no error)."""
+    from types import SimpleNamespace
+
+    from mlxserve.worker import launch
+
+    llm = LLM(str(model_dir), num_blocks=64)
+    engine = llm.engine
+    entered, release = threading.Event(), threading.Event()
+
+    def hung_step(*args, **kwargs):  # a collective on a broken ring
+        entered.set()
+        release.wait(60)
+        raise RuntimeError("released at the end of the test")
+
+    monkeypatch.setattr(engine, "step", hung_step)
+    monkeypatch.setattr(engine, "ranks", SimpleNamespace(before_exit=None))
+    exits: list[int] = []
+    monkeypatch.setattr(launch.os, "_exit", exits.append)
+    monkeypatch.setattr(launch, "FLUSH_SECONDS", 0.0)
+    async_llm = AsyncLLM(engine)
+
+    async def consume() -> list[int]:
+        tokens: list[int] = []
+        async for out in async_llm.generate("r", None, GREEDY, prompt_token_ids=[5, 6, 7]):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def main() -> BaseException | list[int]:
+        task = asyncio.create_task(consume())
+        assert await asyncio.to_thread(entered.wait, 30)
+        why = "rank 1 exited (killed by signal 9)"
+        await asyncio.to_thread(launch.exit_lost, "tensor parallel", why, engine.ranks.before_exit)
+        done, _ = await asyncio.wait([task], timeout=30)
+        assert done, "the caller was left waiting"
+        return task.exception() or task.result()
+
+    try:
+        error = asyncio.run(main())
+        assert isinstance(error, RuntimeError), error
+        assert "tensor parallel: a rank is gone (rank 1 exited (killed by signal 9))" in str(error)
+        assert exits == [1]
+    finally:
+        engine.ranks = None
+        release.set()
+        async_llm.shutdown()
