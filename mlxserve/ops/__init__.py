@@ -5,12 +5,11 @@ available and the default stream is on the GPU, and the pure-MLX fallback otherw
 ``write_kv`` is MLX's scatter on every backend (in place when the old pools can be
 donated; why: ops/metal.py); on Metal, rows for 8-bit pools are quantized by a kernel
 first. ``use_kernels(choice)`` ("auto", "metal" or "fallback", the engine's ``kernels``
-setting) scopes a choice; ``check_kernels`` says at start-up
-whether a choice can run here. Each kernel variant is self-tested on first use
-(ops/selftest.py): on failure "auto" falls back for that op, "metal" raises.
-``kernel_backend()`` says which implementation is in use and why.
-An attention layer calls ``write_kv`` and replaces its pool entries with the result, then
-``paged_attention`` on them.
+setting) scopes a choice; ``check_kernels`` says at start-up whether a choice can run here.
+Each kernel variant is self-tested on first use (ops/selftest.py): on failure "auto" falls
+back for that op, "metal" raises. ``kernel_backend()`` says which implementation is in use
+and why. An attention layer calls ``write_kv``, replaces its pool entries with the result
+(the old ones must go for the write to be in place), then calls ``paged_attention``.
 
 Per-layer variants: ``window`` (sliding-window attention) and ``sinks`` (gpt-oss's per-head
 sink logits) run in both implementations; layers the kernels cannot take (K and V head sizes
