@@ -14,7 +14,7 @@ import pytest
 from mlxserve import LLM, SamplingParams
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.exceptions import RequestFailedError
-from mlxserve.worker.model_runner import ModelRunner
+from mlxserve.worker import model_runner
 from tests.engine_helpers import make_tiny_model_dir
 from tests.server_harness import wait_until
 
@@ -57,14 +57,14 @@ def inject(where: str, monkeypatch, llm: LLM):
     if where == "launch":  # a real one: the sampler's mx.array raises std::bad_cast
         return bad_cast_params()
     if where == "collect":  # reading the step's results back fails
-        real = ModelRunner._read
+        real = model_runner.read_part
 
-        def read(self, part):
+        def read(part):
             if any(is_marked(r) for r in part.samplers):
                 raise RuntimeError("injected fault while reading the step")
-            return real(self, part)
+            return real(part)
 
-        monkeypatch.setattr(ModelRunner, "_read", read)
+        monkeypatch.setattr(model_runner, "read_part", read)
         return marked_params(n=2)
     assert where == "output"  # the host side: detokenizing the request's new token
     outputs = llm.engine.outputs
@@ -152,10 +152,10 @@ def test_a_lost_kv_pool_fails_every_request_then_serves_from_a_fresh_pool(
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert llm.engine.block_pool.num_cached_blocks > 0
     runner = llm.engine.runner
-    real = ModelRunner._read
+    real = model_runner.read_part
 
-    def read(self, part):
-        monkeypatch.setattr(ModelRunner, "_read", real)  # once
+    def read(part):
+        monkeypatch.setattr(model_runner, "read_part", real)  # once
         # An array made lazily on another thread cannot be evaluated on this one.
         box = []
         shape = runner.kv_cache.keys[0].shape
@@ -165,7 +165,7 @@ def test_a_lost_kv_pool_fails_every_request_then_serves_from_a_fresh_pool(
         runner.kv_cache.keys[0] = box[0]
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(ModelRunner, "_read", read)
+    monkeypatch.setattr(model_runner, "read_part", read)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "error" for o in outs)
     assert all("KV cache could not be evaluated" in o.error for o in outs)
