@@ -7,9 +7,10 @@
  *                      0, 2, ..., 30), then the high nibbles (1, 3, ..., 31)
  *   q8_w8(p)           32 weight bytes -> q8w, in order
  *   q8i                a block's int32 partial sums (each exact)
- *   q8_dot7(w, q)      sum of w_k q_k over the block, split into partial sums; q: 32 int8
- *                      in the weights' order; w_k < 128 (4-bit, and 2/3/5/6-bit unpacked)
- *   q8_dot8(w, q)      the same for 8-bit weights (w_k up to 255)
+ *   q8_dot4(w, q)      sum of w_k q_k over the block, split into partial sums; q: 32 int8
+ *                      in the weights' order; 4-bit weights (w_k < 16)
+ *   q8_dot8(w, q)      the same for bytes up to 255 (8-bit weights, and 2/3/5/6-bit ones
+ *                      unpacked to bytes)
  *   q8_acc(i, ds, acc) acc + float(i) * ds, per lane (ds a float)
  *   Q8_ENTRY           the exported function's name
  *
@@ -86,7 +87,7 @@ static inline __attribute__((always_inline)) void q8_block(const q8_ctx *c, int6
         const float *dsr = ds + r * m_rows * nb + b;
 #pragma GCC unroll 8
         for (int m = 0; m < m_rows; m++) {
-            const q8i t = kind == Q8_BITS8 ? q8_dot8(w, qb + m * K) : q8_dot7(w, qb + m * K);
+            const q8i t = kind == Q8_BITS4 ? q8_dot4(w, qb + m * K) : q8_dot8(w, qb + m * K);
             acc[r][m][slot] = q8_acc(t, dsr[m * nb], acc[r][m][slot]);
         }
     }

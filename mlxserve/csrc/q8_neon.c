@@ -27,12 +27,12 @@ static inline q8w q8_w8(const uint8_t *p) {
     const q8w w = {vld1q_u8(p), vld1q_u8(p + 16)};
     return w;
 }
-/* 4-bit (and unpacked 2/3/5/6-bit) weights are < 128: valid signed bytes as they are. */
-static inline q8i q8_dot7(q8w w, const int8_t *q) {
+/* 4-bit weights are < 16: valid signed bytes as they are. */
+static inline q8i q8_dot4(q8w w, const int8_t *q) {
     const int32x4_t t = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(w.a), vld1q_s8(q));
     return vdotq_s32(t, vreinterpretq_s8_u8(w.b), vld1q_s8(q + 16));
 }
-/* 8-bit weights: w = lo + 16 hi, both nibbles valid signed bytes. */
+/* Weight bytes up to 255: w = lo + 16 hi, both nibbles valid signed bytes. */
 static inline q8i q8_dot8(q8w w, const int8_t *q) {
     const uint8x16_t m = vdupq_n_u8(15);
     const int8x16_t x0 = vld1q_s8(q), x1 = vld1q_s8(q + 16);

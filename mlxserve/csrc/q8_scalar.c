@@ -32,7 +32,7 @@ static inline q8i q8_dot8(q8w w, const int8_t *q) {
     for (int i = 0; i < 32; i++) t += (int32_t)w.v[i] * q[i];
     return t;
 }
-static inline q8i q8_dot7(q8w w, const int8_t *q) { return q8_dot8(w, q); }
+static inline q8i q8_dot4(q8w w, const int8_t *q) { return q8_dot8(w, q); }
 
 #define Q8_ENTRY mlxserve_q8_scalar
 #include "q8_impl.h"

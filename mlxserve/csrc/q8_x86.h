@@ -41,10 +41,10 @@ static inline __m256i q8_load(const int8_t *q) { return _mm256_loadu_si256((cons
 #ifdef Q8_DPBUSD
 static inline q8w q8_w4(const uint8_t *p) { return q8_nibbles(p); }
 static inline q8w q8_w8(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline q8i q8_dot7(q8w w, const int8_t *q) {
+static inline q8i q8_dot4(q8w w, const int8_t *q) {
     return Q8_DPBUSD(_mm256_setzero_si256(), w, q8_load(q));
 }
-static inline q8i q8_dot8(q8w w, const int8_t *q) { return q8_dot7(w, q); }
+static inline q8i q8_dot8(q8w w, const int8_t *q) { return q8_dot4(w, q); }
 #else
 static inline q8w q8_w4(const uint8_t *p) {
     const q8w w = {q8_nibbles(p), _mm256_setzero_si256()};
@@ -55,8 +55,8 @@ static inline q8w q8_w8(const uint8_t *p) {
     const q8w w = {_mm256_and_si256(b, mask), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask)};
     return w;
 }
-/* Pairs of u8 * s8 into int16 (at most 2 * 127 * 127: no saturation), then into int32. */
-static inline q8i q8_dot7(q8w w, const int8_t *q) {
+/* Pairs of u8 * s8 into int16 (at most 2 * 15 * 127: no saturation), then into int32. */
+static inline q8i q8_dot4(q8w w, const int8_t *q) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, q8_load(q)), _mm256_set1_epi16(1));
 }
 static inline q8i q8_dot8(q8w w, const int8_t *q) {
