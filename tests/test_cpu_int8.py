@@ -5,9 +5,9 @@ as numpy computes it), then exact integer dot products and the scales applied in
 float64, which the kernels must match to float32 rounding; (2) MLX's own dequantize +
 matmul on the unrounded x, within the bound the rounding allows (half a quantum per
 value times the weights' magnitudes). Every int8 instruction set is forced on in turn (a
-path this CPU or build lacks is skipped, saying so), and the integer GEMV is forced up
-to 8 rows; the default split (integer GEMV for a few rows, float kernels on the rounded
-x for more) is tested against the same oracles. Speed: bench/q8_gemv.py.
+path this CPU or build lacks is skipped, saying so); rows beyond the GEMV's 8 run in
+chunks of 8, each row computed the same way whatever its neighbours. Speed:
+bench/q8_gemv.py.
 """
 
 from __future__ import annotations
@@ -32,17 +32,8 @@ def kernels() -> None:
         pytest.skip(cpu.status())
 
 
-@pytest.fixture
-def gemv_rows():
-    """The integer GEMV for up to 8 rows (default: a few); restored afterwards."""
-    module = cpu._module()
-    module.q8_set_gemv_rows(8)
-    yield
-    module.q8_set_gemv_rows(0)
-
-
 @pytest.fixture(params=ISAS)
-def isa(request, gemv_rows):
+def isa(request):
     name = request.param
     if not cpu.force_int8_isa(name):
         pytest.skip(f"this CPU (or this build) has no int8 {name} path")
@@ -108,7 +99,7 @@ def test_the_hand_rounding_is_what_its_docstring_says() -> None:
 
 
 SHAPES = [(1, 96, 7), (2, 64, 33), (3, 160, 1), (4, 192, 29), (5, 128, 17), (6, 64, 50)]
-SHAPES += [(7, 96, 9), (8, 320, 21)]
+SHAPES += [(7, 96, 9), (8, 320, 21), (11, 64, 13), (20, 128, 3)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -136,9 +127,7 @@ def test_other_bit_widths(isa: str, bits: int) -> None:
         assert_matches_oracle(run(x, wq, s, b, group, bits), *integer_oracle(x, wq, s, b, group, bits))
 
 
-def test_16_bit_scales_and_more_rows_than_the_integer_gemv() -> None:
-    """Default split: a few rows integer GEMV, more rows the float kernels on the rounded x
-    (the float GEMV up to 8 rows, the GEMM beyond): the same oracle either way."""
+def test_16_bit_scales_and_many_rows() -> None:
     for m in (1, 3, 6, 9, 40):
         for scale_dtype in (mx.float16, mx.bfloat16):
             x, wq, s, b = problem(m, 128, 19, 4, 32, seed=m, scale_dtype=scale_dtype)
@@ -146,9 +135,11 @@ def test_16_bit_scales_and_more_rows_than_the_integer_gemv() -> None:
 
 
 def test_a_row_gets_the_same_bits_alone_and_beside_other_rows(isa: str) -> None:
-    x, wq, s, b = problem(8, 160, 37, 4, 32, seed=4, scale_dtype=mx.float16)
-    alone = [run(x[i : i + 1], wq, s, b, 32, 4) for i in range(8)]
-    for m in range(2, 9):
+    """Any number of rows (chunks of 8 beyond 8): a request's logits do not depend on its
+    batch, its drafts or how its prompt is chunked."""
+    x, wq, s, b = problem(20, 160, 37, 4, 32, seed=4, scale_dtype=mx.float16)
+    alone = [run(x[i : i + 1], wq, s, b, 32, 4) for i in range(20)]
+    for m in [*range(2, 10), 17, 20]:
         together = run(x[:m], wq, s, b, 32, 4)
         for i in range(m):
             np.testing.assert_array_equal(together[i : i + 1], alone[i], err_msg=f"{isa} {m} {i}")
@@ -165,7 +156,7 @@ def test_zero_blocks_and_non_finite_activations(isa: str) -> None:
     assert np.isnan(got[1:]).all()
 
 
-def test_results_do_not_depend_on_the_thread_count(gemv_rows) -> None:
+def test_results_do_not_depend_on_the_thread_count() -> None:
     module = cpu._module()
     x, wq, s, b = problem(8, 256, 301, 4, 64)
     outs = []

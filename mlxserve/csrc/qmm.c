@@ -205,23 +205,16 @@ void mlxserve_q8_quantize(const float *x, int64_t M, int64_t K, int perm4, int8_
         }
 }
 
-static int q8_gemv_rows = Q8_GEMV_ROWS;
-
-int mlxserve_q8_set_gemv_rows(int n) {
-    q8_gemv_rows = n <= 0 ? Q8_GEMV_ROWS : n > Q8_MAX_ROWS ? Q8_MAX_ROWS : n;
-    return q8_gemv_rows;
-}
-
 /* Thread-local buffers of the int8 path, grown as needed. */
 static __thread void *q8_buf;
 static __thread size_t q8_cap;
 
+/* x rounded once, then the integer GEMV over chunks of up to Q8_MAX_ROWS rows: a row's
+ * result is the same bits whatever the number of rows around it (q8_impl.h), so a
+ * request's logits do not depend on its batch, drafts or prompt chunking. */
 static int qmm_int8(const qmm_problem *p) {
     const int64_t M = p->M, K = p->K, nb = K / 32;
-    const int gemv = M <= q8_gemv_rows;
-    /* q (M, K) int8, d and dsum (M, nb); x' (M, K) float32 for the GEMM. */
-    const size_t need = (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * nb + 16) +
-                        (gemv ? 0 : sizeof(float) * (size_t)(M * K));
+    const size_t need = (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * nb); /* q, d, dsum */
     if (need > q8_cap) {
         free(q8_buf);
         q8_buf = aligned_alloc(64, (need + 63) / 64 * 64);
@@ -229,34 +222,32 @@ static int qmm_int8(const qmm_problem *p) {
         if (!q8_buf) return -2;
     }
     float *d = (float *)q8_buf, *dsum = d + M * nb;
-    float *xr = dsum + M * nb + 16;
-    int8_t *q = (int8_t *)(gemv ? (void *)xr : (void *)(xr + M * K));
-    mlxserve_q8_quantize(p->x, M, K, gemv && p->bits == 4, q, d, dsum);
-    if (!gemv) { /* x' = d_b * q_k in float32, then the float kernels */
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) xr[m * K + k] = d[m * nb + k / 32] * (float)q[m * K + k];
-        qmm_problem fp = *p;
-        fp.x = xr;
-        fp.act_bits = 0;
-        qmm_float(&fp);
-        return 0;
-    }
-    const q8_problem qp = {p, q, d, dsum};
+    int8_t *q = (int8_t *)(dsum + M * nb);
+    mlxserve_q8_quantize(p->x, M, K, p->bits == 4, q, d, dsum);
+    void (*kernel)(const q8_problem *);
     switch (mlxserve_q8_isa()) {
     case Q8_AVX512VNNI:
-        mlxserve_q8_avx512vnni(&qp);
+        kernel = mlxserve_q8_avx512vnni;
         break;
     case Q8_AVXVNNI:
-        mlxserve_q8_avxvnni(&qp);
+        kernel = mlxserve_q8_avxvnni;
         break;
     case Q8_AVX2:
-        mlxserve_q8_avx2(&qp);
+        kernel = mlxserve_q8_avx2;
         break;
     case Q8_NEON:
-        mlxserve_q8_neon(&qp);
+        kernel = mlxserve_q8_neon;
         break;
     default:
-        mlxserve_q8_scalar(&qp);
+        kernel = mlxserve_q8_scalar;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += Q8_MAX_ROWS) {
+        qmm_problem chunk = *p;
+        chunk.M = M - m0 < Q8_MAX_ROWS ? M - m0 : Q8_MAX_ROWS;
+        chunk.x = p->x + m0 * K;
+        chunk.y = p->y + m0 * p->N;
+        const q8_problem qp = {&chunk, q + m0 * K, d + m0 * nb, dsum + m0 * nb};
+        kernel(&qp);
     }
     return 0;
 }

@@ -63,11 +63,10 @@ void mlxserve_qmm_parallel_for(int64_t n_items, qmm_work_fn fn, void *ctx);
  *     amax = max |x_k|;  id = 127 / amax;  q_k = rint(x_k * id) (nearest, ties to even,
  *     clamped to [-127, 127]);  d_b = amax / 127;  x'_k = d_b * q_k
  * (amax == 0: d_b = 0 and q = 0; a non-finite amax: q = 0 and d_b = amax / 127, so the
- * outputs become NaN as a float matmul's would). A few rows run an integer GEMV
- * (q8_impl.h: int8 x weight-byte dot products per block, then one float scale per block;
- * up to mlxserve_q8_set_gemv_rows rows, at most Q8_MAX_ROWS); more rows compute x' in
- * float32 and take the float kernels, so a row's result differs between the two by float
- * rounding only, whatever the batch around it. */
+ * outputs become NaN as a float matmul's would). An integer GEMV computes it (q8_impl.h:
+ * int8 x weight-byte dot products per block, then one float scale per block) over chunks
+ * of up to Q8_MAX_ROWS rows, each row in the same order whatever the rows around it: a
+ * row gets the same bits alone, in a batch, or in a prompt's chunk. */
 #define Q8_MAX_ROWS 8
 enum { Q8_SCALAR = 0, Q8_AVX2 = 1, Q8_AVXVNNI = 2, Q8_AVX512VNNI = 3, Q8_NEON = 4, Q8_NUM_ISAS = 5 };
 
@@ -83,12 +82,6 @@ int mlxserve_q8_isa(void);
 int mlxserve_q8_isa_supported(int isa);
 int mlxserve_q8_force_isa(int isa);
 const char *mlxserve_q8_isa_name(int isa);
-
-/* Up to how many rows the integer GEMV runs (1 .. Q8_MAX_ROWS; more rows take the float
- * kernels on x', the same values up to float rounding); n <= 0 restores the default,
- * Q8_GEMV_ROWS. Returns the count now in effect. */
-#define Q8_GEMV_ROWS 4
-int mlxserve_q8_set_gemv_rows(int n);
 
 typedef struct {
     const qmm_problem *p; /* M <= Q8_MAX_ROWS */

@@ -174,7 +174,7 @@ NB_MODULE(MLXSERVE_EXT_NAME, m) {
   m.def("quantized_matmul", &quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "act_bits"_a = 0,
         "x @ dequantize(w, scales, biases).T, lazily, with mlxserve's CPU kernels; act_bits=8 "
-        "rounds x to int8 per block of 32 first (integer dot products for up to 8 rows).");
+        "rounds x to int8 per block of 32 first (integer dot products).");
   m.def("isa", []() { return std::string(mlxserve_qmm_isa_name(mlxserve_qmm_isa())); },
         "The instruction set the kernels use now.");
   m.def("isa_supported", [](const std::string& n) { return mlxserve_qmm_isa_supported(isa_by_name(n)) != 0; },
@@ -189,8 +189,6 @@ NB_MODULE(MLXSERVE_EXT_NAME, m) {
   m.def("q8_force_isa",
         [](const std::string& n) { return mlxserve_q8_force_isa(q8_isa_by_name(n)) == 0; },
         "Use int8 instruction set n ('auto': the best); False if unsupported.");
-  m.def("q8_set_gemv_rows", &mlxserve_q8_set_gemv_rows, "n"_a,
-        "Rows up to which the integer GEMV runs (0: default); the count now in effect.");
   m.def("set_threads", &mlxserve_qmm_set_threads, "n"_a, "Threads per call (0: default).");
   m.def("threads", &mlxserve_qmm_threads, "Threads per call now.");
 }
