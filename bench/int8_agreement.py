@@ -143,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             f"max {s['logprob_max']:.4f}",
             flush=True,
         )
-    diffs = [first_diff(a, b) for a, b in zip(outs["float"]["alone"], outs["int8"]["alone"])]
+    diffs = [
+        first_diff(a, b) for a, b in zip(outs["float"]["alone"], outs["int8"]["alone"], strict=True)
+    ]
     same = sum(d is None for d in diffs)
     where = sorted(d for d in diffs if d is not None)
-    print(f"int8 vs float, {len(diffs)} prompts x {args.tokens} tokens: {same} equal; "
-          f"first differences at {where}")
+    print(
+        f"int8 vs float, {len(diffs)} prompts x {args.tokens} tokens: {same} equal; "
+        f"first differences at {where}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"scores": scores, "int8_vs_float": diffs}))
     return 0

@@ -54,7 +54,9 @@ def round_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, (amax / np.float32(127)).astype(np.float32)
 
 
-def integer_oracle(x: np.ndarray, wq: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int):
+def integer_oracle(
+    x: np.ndarray, wq: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int
+):
     """y by qmm.h's formula: integer dot products per block, scales and biases in float64.
     Returns y and the sum of |terms| (the float32 rounding scale)."""
     q, d = round_rows(x)  # (m, nb, 32), (m, nb)
@@ -124,7 +126,9 @@ def test_integer_gemv_matches_the_integer_oracle_and_mlx(isa: str, bits: int, gr
 def test_other_bit_widths(isa: str, bits: int) -> None:
     for m, k, n, group in [(1, 96, 7, 32), (3, 128, 10, 64), (8, 256, 9, 128)]:
         x, wq, s, b = problem(m, k, n, bits, group, seed=m + bits)
-        assert_matches_oracle(run(x, wq, s, b, group, bits), *integer_oracle(x, wq, s, b, group, bits))
+        assert_matches_oracle(
+            run(x, wq, s, b, group, bits), *integer_oracle(x, wq, s, b, group, bits)
+        )
 
 
 def test_16_bit_scales_and_many_rows() -> None:
@@ -185,8 +189,10 @@ def test_the_setting_picks_the_layers_activations(monkeypatch: pytest.MonkeyPatc
         assert cpu.use_kernels(model) == 1
         return model.layers[0].act_bits
 
-    monkeypatch.setenv("MLXSERVE_CPU_INT8", "off")
+    monkeypatch.delenv("MLXSERVE_CPU_INT8", raising=False)  # opt-in (README: CPU performance)
     assert act_bits() == 0 and "float activations" in cpu.status()
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "off")
+    assert act_bits() == 0
     monkeypatch.setenv("MLXSERVE_CPU_INT8", "on")
     assert act_bits() == 8 and "int8 activations" in cpu.status()
     monkeypatch.setenv("MLXSERVE_CPU_INT8", "auto")  # on wherever a SIMD integer path exists
@@ -195,3 +201,30 @@ def test_the_setting_picks_the_layers_activations(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ParameterError, match="MLXSERVE_CPU_INT8 must be auto, on or off") as e:
         act_bits()
     assert e.value.parameter == "MLXSERVE_CPU_INT8"
+
+
+def test_the_default_model_with_int8_activations_tracks_llamacpp(
+    monkeypatch: pytest.MonkeyPatch, llamacpp_oracle: dict
+) -> None:
+    """llama.cpp rounds activations the same way: teacher-forced over all its greedy
+    steps, its token is in our top 3 everywhere and our argmax wherever its choice is
+    clear (bench/int8_agreement.py measures how much closer than the float path)."""
+    from mlxserve.loader import load_model
+    from tests.model_helpers import BlockPoolRunner
+    from tests.paths import check_llamacpp_step
+
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "on")
+    model = load_model(skip_tokenizer_init=True).model
+    assert model.model.layers[0].mlp.up_proj.act_bits == 8
+    cases = llamacpp_oracle["greedy"]
+    work = [
+        (f"r{i}", (c["prompt_ids"] + [s["id"] for s in c["steps"]])[:-1])
+        for i, c in enumerate(cases)
+    ]
+    logits = BlockPoolRunner(model, num_blocks=32, block_size=16).step(work, all_logits=True)
+    num_clear = 0
+    for i, case in enumerate(cases):
+        rows = np.array(logits[f"r{i}"][len(case["prompt_ids"]) - 1 :])
+        for step, row in zip(case["steps"], rows, strict=True):
+            num_clear += check_llamacpp_step(step, row, case["prompt"])
+    assert num_clear >= 70  # most steps are clear: the check has teeth
