@@ -61,6 +61,11 @@ class StepPart:
     inputs: ForwardInputs | None = None  # tensor parallel: what the other ranks run
     proposal: Proposal | None = None  # a draft model's drafts (worker/drafter.py)
 
+    @property
+    def waited(self) -> bool:
+        """Whether reading this part waited for its forward pass (it has host results)."""
+        return any(a is not None for a in (self.result, self.prompt_logprobs, self.pooled))
+
     def arrays(self) -> list[mx.array]:
         """The part's lazy results, to evaluate with the pool."""
         out = list(self.prompt_logprobs or ())
