@@ -118,10 +118,14 @@ def test_n_samples_share_the_prompt(tiny) -> None:
     assert stats.prefix_cache_hits >= 3 * (len(prompt) // 16 * 16)
 
 
-def test_logprobs_equal_log_softmax_of_reference_logits(tiny) -> None:
+@pytest.mark.parametrize("chunks", ["one", "last token alone"])
+def test_logprobs_equal_log_softmax_of_reference_logits(tiny, chunks: str) -> None:
+    """Also when the prompt's last token is a chunk of its own: the chunk before scored
+    every prompt position, and the prompt logprobs went missing (None)."""
     oracle, model_dir = tiny
-    llm = LLM(str(model_dir), num_blocks=256)
     prompt = prompts(2)[1]
+    budget = {"one": None, "last token alone": len(prompt) - 1}[chunks]
+    llm = LLM(str(model_dir), num_blocks=256, max_num_batched_tokens=budget)
     params = SamplingParams(
         temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True
     )

@@ -25,6 +25,7 @@ class RequestState:
     # Set once the whole prompt is scored: a preempted request recomputes its prompt,
     # but its prompt logprobs are not computed (or reported) twice.
     prompt_logprobs_done: bool = False
+    prompt_logprobs_sent: bool = False  # in the output of the request's first sampled step
 
 
 class RequestStates:

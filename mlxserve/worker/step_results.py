@@ -88,8 +88,18 @@ def commit(
     pool_sums: PoolingSums,
 ) -> None:
     """Apply a part's results to the request states and the step's output."""
+    for req, entry in read.prompt_logprobs:
+        state = request_states[req.request_id]
+        state.prompt_logprobs.append(entry)
+        state.prompt_logprobs_done = len(state.prompt_logprobs) == req.num_prompt_tokens
     for req, tokens, entries in read.samples:
         state = request_states[req.request_id]
+        # The prompt's logprobs go out with its first token: the engine reports a request
+        # in the steps it samples in, and the last prompt token (it has no logprob of
+        # its own) may be a chunk after the one that scored the rest.
+        if state.prompt_logprobs_done and not state.prompt_logprobs_sent:
+            output.prompt_logprobs[req.request_id] = state.prompt_logprobs
+            state.prompt_logprobs_sent = True
         if state.grammar is not None:  # never with drafts: one token
             try:
                 state.grammar.accept(tokens[0])
@@ -101,12 +111,6 @@ def commit(
         output.sampled_token_ids[req.request_id] = tokens
         if entries is not None:
             output.logprobs[req.request_id] = entries
-    for req, entry in read.prompt_logprobs:
-        state = request_states[req.request_id]
-        state.prompt_logprobs.append(entry)
-        if len(state.prompt_logprobs) == req.num_prompt_tokens:
-            state.prompt_logprobs_done = True
-            output.prompt_logprobs[req.request_id] = state.prompt_logprobs
     for req, first, done, row in read.pooled:
         vector = pool_sums.add(req, first, done, row)
         if vector is not None:
