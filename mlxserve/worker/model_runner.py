@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import logging
 import random
+from functools import partial
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -105,9 +108,12 @@ class _Part:
     pooled: mx.array | None = None  # (len(poolers), hidden) float32
     inputs: ForwardInputs | None = None  # tensor parallel: what the other ranks run
     proposal: Proposal | None = None  # a draft model's drafts (worker/drafter.py)
+    # MTP (worker/mtp.py): its pass over the step's rows, given the sampler's result.
+    follow: Callable[[SamplerOutput | None], list[mx.array]] | None = None
+    followed: list[mx.array] = field(default_factory=list)  # its arrays to evaluate
 
     def arrays(self) -> list[mx.array]:
-        out = list(self.prompt_logprobs or ())
+        out = list(self.prompt_logprobs or ()) + self.followed
         if self.proposal is not None:
             out.append(self.proposal.token_ids)
         if self.pooled is not None:
@@ -484,7 +490,7 @@ class ModelRunner:
         plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
         pooling = PoolingRows()  # embedding requests: hidden states, no logits
         proposal = None
-        if self.drafter is not None and so.drafter_feeds:
+        if self.drafter is not None and self.drafter.proposes(so):
             # The draft model's passes first: the drafts are this forward's inputs.
             proposal = self.drafter.propose(so, lambda r, j: self._state(r).sampling.ahead(j))
         proposed_rows: list[int] = []  # rows of input_ids that take the proposal's drafts
@@ -546,15 +552,16 @@ class ModelRunner:
         ids = mx.array(input_ids, dtype=mx.int32)
         if proposal is not None:
             ids[mx.array(proposed_rows, dtype=mx.int32)] = proposal.token_ids
-        out = self.model(
-            ids,
-            mx.array(positions, dtype=mx.int32),
-            md,
-            self.kv_cache,
-            logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
-            **extra,
-            **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
-        )
+        with nullcontext() if self.drafter is None else self.drafter.capture() as captured:
+            out = self.model(
+                ids,
+                mx.array(positions, dtype=mx.int32),
+                md,
+                self.kv_cache,
+                logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
+                **extra,
+                **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
+            )
         logits, hidden = out if pooling.rows else (out, None)
         pooled = None if hidden is None else pooling.reduce(hidden)
         result = None
@@ -574,6 +581,10 @@ class ModelRunner:
                 max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
             )
         part.result, part.prompt_logprobs, part.inputs = result, plp, inputs
+        if captured is not None:  # MTP: after the sampler (a grammar's: _sample_masked)
+            part.follow = partial(self.drafter.follow, so, ids, captured, md)
+            if result is not None or not samplers:
+                part.followed = part.follow(result)
         return part
 
     def _sample_rows(
@@ -614,6 +625,8 @@ class ModelRunner:
             batch = make_sampling_batch(states, part.logits.shape[-1])
             batch.bitmask = mx.array(bitmask)
             part.result = sample(part.logits, batch, draft_ids, draft_probs)
+            if part.follow is not None:
+                part.followed = part.follow(part.result)
         self.num_mask_steps += 1
 
     def _read(self, part: _Part) -> _Read:
