@@ -31,11 +31,11 @@ from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutput
 from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.drafter import load_drafter
-from mlxserve.worker.mtp import load_mtp
 from mlxserve.worker.isolation import describe
 from mlxserve.worker.launch import LaunchedRanks, LocalRanks, keep_this_ranks_part, start_ranks
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
+from mlxserve.worker.mtp import load_mtp
 from mlxserve.worker.spmd import RankLostError, StepChannel
 
 logger = logging.getLogger("mlxserve")

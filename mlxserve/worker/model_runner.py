@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import logging
 import random
-from functools import partial
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import numpy as np

@@ -13,7 +13,9 @@ caching need nothing of their own). One step, all lazy, evaluated with the targe
               next prompt token, or what the sampler settled on: the draft if accepted,
               else the sampled token). Rows past the first rejection write K/V at
               positions that are rewritten before they are read. g at the last verified
-              row (picked on the device from the acceptance) is kept for the next step.
+              row (picked on the device from the acceptance) is kept for the next step;
+              a prompt chunk's last row too (a request whose last prompt token is left
+              verifies drafts with it).
 
 So the MTP layer's KV is valid up to the target's num_computed_tokens after every step,
 with no catch-up to schedule; a prefix-cache hit drops its last block (the scheduler,
@@ -32,6 +34,7 @@ import mlx.core as mx
 from mlxserve.core.request import Request
 from mlxserve.core.scheduler_output import SchedulerOutput
 from mlxserve.exceptions import ParameterError
+from mlxserve.kv_cache_spec import FULL_ATTENTION
 from mlxserve.models.mtp import (
     MTP_ARCHITECTURES,
     MtpLayer,
@@ -41,7 +44,6 @@ from mlxserve.models.mtp import (
     mtp_weight_names,
 )
 from mlxserve.ops import AttentionMetadata
-from mlxserve.kv_cache_spec import FULL_ATTENTION
 from mlxserve.worker.drafter import Drafter, Proposal, sample_draft
 from mlxserve.worker.sampler import SamplerOutput, SamplingState, make_sampling_batch
 
@@ -161,16 +163,16 @@ class MtpDrafter(Drafter):
                 after = req.get_token_ids(start + n, start + n + 1)
                 fixed_rows.append(last)
                 fixed_ids.append(after[0] if after else 0)
+                if req.pooling is None:  # its last prompt token may come with drafts
+                    carried.append((rid, last, 0, 0))
             row0 += n
         if fixed_rows:
             next_ids[mx.array(fixed_rows, dtype=mx.int32)] = mx.array(fixed_ids, dtype=mx.int32)
         if sample_rows:
             assert result is not None
             rows = mx.array(sample_rows, dtype=mx.int32)
-            settled = result.token_ids
-            if result.accepted is not None:  # an accepted draft is the next token
-                settled = mx.where(result.accepted, next_ids[rows], settled)
-            next_ids[rows] = settled.astype(mx.int32)
+            # A row's result: its draft when accepted, else what the target sampled there.
+            next_ids[rows] = result.token_ids.astype(mx.int32)
         g = self.model.forward(
             next_ids, mx.array(positions, dtype=mx.int32), hidden, md, self.kv_cache
         )  # (T, hidden)
@@ -219,10 +221,11 @@ def load_mtp(config, loaded, runner) -> MtpDrafter:
     checkpoint_config, weights = read_model_dir(loaded.source.path)
     found = mtp_weight_names(model_type, checkpoint_config, list(weights))
     if not found or not checkpoint_config.get("num_nextn_predict_layers", 1):
+        n = checkpoint_config["num_hidden_layers"]
         raise ParameterError(
             f"speculative_config.method 'mtp': {name} has no MTP layer weights (expected "
-            f"{MTP_ARCHITECTURES[model_type].prefix.format(n=checkpoint_config['num_hidden_layers'], i=0)}*; "
-            "conversions made with mlx-lm drop them)",
+            f"{MTP_ARCHITECTURES[model_type].prefix.format(n=n, i=0)}*; conversions made "
+            "with mlx-lm drop them)",
             parameter=_FIELD,
         )
     layer = build_mtp_layer(
