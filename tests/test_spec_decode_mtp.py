@@ -15,6 +15,7 @@ import pytest
 from mlxserve import LLM, SamplingParams
 from mlxserve.exceptions import ParameterError
 from mlxserve.ops import AttentionMetadata
+from mlxserve.sampling_params import StructuredOutputsParams
 from tests.chi_square import assert_fits
 from tests.engine_helpers import VOCAB_SIZE, write_tokenizer
 from tests.model_helpers import make_mlx_lm_checkpoint
@@ -128,8 +129,13 @@ def test_every_draft_is_the_dense_oracles(models, model_type) -> None:
     drafter.propose = spy
     ps = prompts(7)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm.generate([ps[0], ps[3], ps[6], ps[2]], params, use_tqdm=False)
+    # A constrained request (no drafts) in the batch: the steps it shares are sampled
+    # after the grammar masks, and the MTP layer follows them then.
+    regex = StructuredOutputsParams(regex="[a-z ]{4,30}\\.")
+    constrained = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=regex)
+    llm.generate([ps[0], ps[3], ps[6], ps[2], ps[1]], [params] * 4 + [constrained], use_tqdm=False)
     assert llm.engine.get_stats().prefix_cache_hits > 0
+    assert llm.engine.runner.num_mask_steps > 0
     dense = DenseMtp(oracle, model_type, weights)
     checked = 0
     for requests, proposal in seen:
@@ -246,3 +252,31 @@ def test_an_mtp_layer_that_predicts_as_the_target_has_every_draft_accepted(model
     stats = llm.engine.get_stats()
     assert stats.spec_decode_num_draft_tokens > 60
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_speculating_plain_and_constrained_requests_share_steps(models, kv_cache_dtype) -> None:
+    """Requests that do not speculate (a penalty, a regex) beside ones that do: the MTP
+    layer follows them all (a constrained part's rows after its masked sampling), and
+    every output is the one without speculation (int8 KV: the MTP pool's rows too)."""
+    _, model_dir, _ = models["glm4_moe"]
+    base = LLM(str(model_dir), num_blocks=512, kv_cache_dtype=kv_cache_dtype)
+    llm = mtp_llm(model_dir, num_blocks=512, kv_cache_dtype=kv_cache_dtype)
+    ps = prompts(6)
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = [
+        free,
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=16,
+            structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,12}\\."),
+        ),
+    ] * 2
+    want = base.generate(ps, params, use_tqdm=False)
+    got = llm.generate(ps, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert llm.engine.get_stats().spec_decode_num_draft_tokens > 20
+    if kv_cache_dtype == "int8":
+        runner = llm.engine.runner
+        assert runner.drafter.kv_cache.keys[0].dtype == runner.kv_cache.keys[0].dtype == mx.int8
