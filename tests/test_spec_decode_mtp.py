@@ -14,6 +14,8 @@ import pytest
 
 from mlxserve import LLM, SamplingParams
 from mlxserve.exceptions import ParameterError
+from mlxserve.kv_cache_spec import uniform_layout
+from mlxserve.models.base import KVCache
 from mlxserve.ops import AttentionMetadata
 from mlxserve.sampling_params import StructuredOutputsParams
 from tests.chi_square import assert_fits
@@ -21,6 +23,7 @@ from tests.engine_helpers import VOCAB_SIZE, write_tokenizer
 from tests.model_helpers import make_mlx_lm_checkpoint
 from tests.mtp_helpers import MTP_TYPES, DenseMtp, make_mtp_model_dir, mtp_config
 from tests.test_spec_decode_engine import greedy, prompts
+from tests.zoo_configs import ZOO
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +80,6 @@ def test_the_mtp_layer_on_the_pool_matches_the_dense_oracle(models, model_type) 
     tokens = prompts(3)[1][:22]
     hidden = dense.target_hidden(tokens[:-1])  # (21, hidden)
     want = dense.run(tokens[1:], hidden)
-    from mlxserve.kv_cache_spec import uniform_layout
-    from mlxserve.models.base import KVCache
-
     cache = KVCache.allocate_layout(
         uniform_layout(1, layer.num_kv_heads, layer.head_dim), 8, 4, mx.float32
     )
@@ -194,11 +194,7 @@ def test_a_checkpoint_without_mtp_weights_is_refused(tmp_path) -> None:
     [("llama", "supported for glm4_moe, mimo"), ("qwen3_next", "recurrent layers")],
 )
 def test_other_architectures_are_refused(tmp_path, model_type, why) -> None:
-    from tests.zoo_configs import ZOO
-
-    config = ZOO[model_type] | {"vocab_size": VOCAB_SIZE} if model_type in ZOO else None
-    if config is None:
-        config = mtp_config("mimo") | {"model_type": "llama"}
+    config = ZOO[model_type] | {"vocab_size": VOCAB_SIZE}
     _, model_dir = make_mlx_lm_checkpoint(tmp_path / model_type, config)
     write_tokenizer(model_dir)
     with pytest.raises(ParameterError) as e:
