@@ -93,7 +93,7 @@ class _Timer:
 
 def profile_engine(engine, batch: int, steps: int) -> dict[str, float]:
     """Mean ms per decode step at ``batch`` requests, per part (see module docstring)."""
-    from mlxserve.worker import model_runner
+    from mlxserve.worker import model_runner, step_build
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     prompts = make_prompts(engine.tokenizer, batch, 32, start=70_000 + batch)
@@ -119,10 +119,10 @@ def profile_engine(engine, batch: int, steps: int) -> dict[str, float]:
     t.wrap(engine.scheduler, "update_from_output", "update")
     t.wrap(engine, "_process", "process")
     t.wrap(runner, "_build", "build")
-    t.wrap(runner, "_read", "read")
-    t.wrap(model_runner, "step_metadata", "build: step metadata")
-    t.wrap(model_runner, "make_sampling_batch", "build: sampler batch")
-    t.wrap(model_runner, "sample", "build: sampler graph")
+    t.wrap(model_runner, "read_part", "read")
+    t.wrap(step_build, "step_metadata", "build: step metadata")
+    t.wrap(step_build, "make_sampling_batch", "build: sampler batch")
+    t.wrap(step_build, "sample", "build: sampler graph")
     t.wrap(runner, "model", "build: model graph")
     mx.async_eval = eval_now
     t.wrap(mx, "async_eval", "eval")

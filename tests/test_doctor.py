@@ -50,7 +50,7 @@ def test_doctor_reports_this_machine_and_the_embedded_model() -> None:
     # 2 x 30 x 3 x 64 x 4 B = 45 KiB per token, 720 KiB per 16-token block (float16 on
     # Metal: 360 KiB)
     assert "SmolLM2-135M-Instruct" in text
-    assert "30 layers, 9 heads, 3 KV heads, head_dim 64" in text
+    assert "30 layers, 9 heads, 3 KV heads x head_dim 64;" in text
     per_block = "720 KiB/block" if not mx.metal.is_available() else "360 KiB/block"
     assert "up to 64 blocks x 16 tokens" in text and per_block in text
     assert "max_model_len 1024" in text
@@ -175,3 +175,24 @@ def test_doctor_says_why_cpu_kernels_are_off(monkeypatch) -> None:
     out = run_doctor(["--num-blocks", "65"])
     assert out.returncode == 0, out.stderr
     assert "cpu-qmm:    MLXSERVE_CPU_KERNELS=off" in out.stdout.splitlines()
+
+
+def test_a_hybrid_model_is_reported_and_self_tested_per_kind_of_attention_layer() -> None:
+    """Gemma-style sliding + global layers of other head sizes, an MLA-like layer (K and
+    V head sizes differ) and a recurrent layer: one shape per kind, in layer order."""
+    from types import SimpleNamespace
+
+    from mlxserve.kv_cache_spec import FULL_ATTENTION, RECURRENT, SLIDING_WINDOW, LayerCacheSpec
+
+    sliding = LayerCacheSpec(SLIDING_WINDOW, 4, 64, 64, window=512)
+    full = LayerCacheSpec(FULL_ATTENTION, 2, 128, 128)
+    mla = LayerCacheSpec(FULL_ATTENTION, 8, 24, 16)
+    state = LayerCacheSpec(RECURRENT, state_shapes=((4, 8),), state_dtypes=("float32",))
+    model = SimpleNamespace(cache_specs=(sliding, sliding, state, full, sliding, mla, full))
+    assert doctor.attention_shapes(model, 8) == [
+        (4, 64, 64, 512),
+        (2, 128, 128, None),
+        (8, 24, 16, None),
+    ]
+    plain = SimpleNamespace(num_kv_heads=3, head_dim=64)  # mlxserve's own llama: no specs
+    assert doctor.attention_shapes(plain, 9) == [(3, 64, 64, None)]

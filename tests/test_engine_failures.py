@@ -14,7 +14,7 @@ import pytest
 from mlxserve import LLM, SamplingParams
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.exceptions import RequestFailedError
-from mlxserve.worker.model_runner import ModelRunner
+from mlxserve.worker import model_runner
 from tests.engine_helpers import make_tiny_model_dir
 from tests.server_harness import wait_until
 
@@ -57,14 +57,14 @@ def inject(where: str, monkeypatch, llm: LLM):
     if where == "launch":  # a real one: the sampler's mx.array raises std::bad_cast
         return bad_cast_params()
     if where == "collect":  # reading the step's results back fails
-        real = ModelRunner._read
+        real = model_runner.read_part
 
-        def read(self, part):
+        def read(part):
             if any(is_marked(r) for r in part.samplers):
                 raise RuntimeError("injected fault while reading the step")
-            return real(self, part)
+            return real(part)
 
-        monkeypatch.setattr(ModelRunner, "_read", read)
+        monkeypatch.setattr(model_runner, "read_part", read)
         return marked_params(n=2)
     assert where == "output"  # the host side: detokenizing the request's new token
     outputs = llm.engine.outputs
@@ -152,10 +152,10 @@ def test_a_lost_kv_pool_fails_every_request_then_serves_from_a_fresh_pool(
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert llm.engine.block_pool.num_cached_blocks > 0
     runner = llm.engine.runner
-    real = ModelRunner._read
+    real = model_runner.read_part
 
-    def read(self, part):
-        monkeypatch.setattr(ModelRunner, "_read", real)  # once
+    def read(part):
+        monkeypatch.setattr(model_runner, "read_part", real)  # once
         # An array made lazily on another thread cannot be evaluated on this one.
         box = []
         shape = runner.kv_cache.keys[0].shape
@@ -165,7 +165,7 @@ def test_a_lost_kv_pool_fails_every_request_then_serves_from_a_fresh_pool(
         runner.kv_cache.keys[0] = box[0]
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(ModelRunner, "_read", read)
+    monkeypatch.setattr(model_runner, "read_part", read)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "error" for o in outs)
     assert all("KV cache could not be evaluated" in o.error for o in outs)
@@ -192,3 +192,55 @@ def test_a_fault_no_request_causes_alone_fails_nobody(model_dir) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [*reference, alone]
     assert all(o.error is None for o in outs)
     assert_idle(llm)
+
+
+def test_a_broken_group_the_engine_cannot_report_still_fails_its_callers(
+    model_dir, monkeypatch
+) -> None:
+    """A rank died and rank 0's step never returns (MLX's ring can leave a collective
+    blocked for good: seen under CI load). The rank watchdog ends the process, but first
+    every caller still waiting gets the reason (before: a dropped stream, no error)."""
+    from types import SimpleNamespace
+
+    from mlxserve.worker import launch
+
+    llm = LLM(str(model_dir), num_blocks=64)
+    engine = llm.engine
+    entered, release = threading.Event(), threading.Event()
+
+    def hung_step(*args, **kwargs):  # a collective on a broken ring
+        entered.set()
+        release.wait(60)
+        raise RuntimeError("released at the end of the test")
+
+    monkeypatch.setattr(engine, "step", hung_step)
+    monkeypatch.setattr(engine, "ranks", SimpleNamespace(before_exit=None))
+    exits: list[int] = []
+    monkeypatch.setattr(launch.os, "_exit", exits.append)
+    monkeypatch.setattr(launch, "FLUSH_SECONDS", 0.0)
+    async_llm = AsyncLLM(engine)
+
+    async def consume() -> list[int]:
+        tokens: list[int] = []
+        async for out in async_llm.generate("r", None, GREEDY, prompt_token_ids=[5, 6, 7]):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def main() -> BaseException | list[int]:
+        task = asyncio.create_task(consume())
+        assert await asyncio.to_thread(entered.wait, 30)
+        why = "rank 1 exited (killed by signal 9)"
+        await asyncio.to_thread(launch.exit_lost, "tensor parallel", why, engine.ranks.before_exit)
+        done, _ = await asyncio.wait([task], timeout=30)
+        assert done, "the caller was left waiting"
+        return task.exception() or task.result()
+
+    try:
+        error = asyncio.run(main())
+        assert isinstance(error, RuntimeError), error
+        assert "tensor parallel: a rank is gone (rank 1 exited (killed by signal 9))" in str(error)
+        assert exits == [1]
+    finally:
+        engine.ranks = None
+        release.set()
+        async_llm.shutdown()

@@ -126,7 +126,7 @@ def test_a_step_failure_fails_only_the_request_that_caused_it(app_server, monkey
     step (here: reading back its sampled token raises) gets a 500 naming it as the cause."""
     import asyncio
 
-    from mlxserve.worker.model_runner import ModelRunner
+    from mlxserve.worker import model_runner
 
     url, _, engine = app_server
     victims = [BODY | {"prompt": [4 + i, 5, 6, 7 + 2 * i], "max_tokens": 12} for i in range(5)]
@@ -151,14 +151,14 @@ def test_a_step_failure_fails_only_the_request_that_caused_it(app_server, monkey
             return await asyncio.gather(*jobs)
 
     reference = asyncio.run(run(False))
-    real = ModelRunner._read
+    real = model_runner.read_part
 
-    def read(self, part):
+    def read(part):
         if any(r.sampling_params.max_tokens == 7 for r in part.samplers):
             raise RuntimeError("injected fault")
-        return real(self, part)
+        return real(part)
 
-    monkeypatch.setattr(ModelRunner, "_read", read)
+    monkeypatch.setattr(model_runner, "read_part", read)
     *texts, failed = asyncio.run(run(True))
     assert texts == reference
     err = assert_openai_error(failed, 500)

@@ -24,7 +24,7 @@ from mlxserve.blas import blas_status, fast_blas
 from mlxserve.cli.engine_args import add_engine_args, engine_config
 from mlxserve.config import EngineConfig
 from mlxserve.ops import selftest
-from mlxserve.ops.metal import MetalKernels
+from mlxserve.ops.metal import MAX_HEAD_DIM, MetalKernels
 from mlxserve.utils import GiB, gpu_core_count, usable_memory
 
 # The MLX range pyproject.toml pins (tests/test_mlx_floor.py keeps them equal).
@@ -135,16 +135,32 @@ def kernel_lines(
     block_size: int,
     gqa: int,
     kv_quant: bool = False,
+    window: int | None = None,
 ) -> list[str]:
     """Each kernel variant this model uses with its self-test result (running the tests not
     run yet), or why none ran. `kv_quant`: the pools are 8-bit (kv_cache_dtype int8)."""
     if kernels is None:
         return ["self-tests: not run (the fallback is in use; the kernels need a Metal GPU)"]
     lines = []
-    for r in selftest.run_all(kernels, dtype, head_dim, block_size, gqa, quant=kv_quant):
+    results = selftest.run_all(kernels, dtype, head_dim, block_size, gqa, window, quant=kv_quant)
+    for r in results:
         verdict = "ok" if r.ok else f"FAILED, using the fallback: {r.detail}"
         lines.append(f"self-test:  {r.variant}: {verdict}")
     return lines
+
+
+def attention_shapes(model, heads: int) -> list[tuple[int, int, int, int | None]]:
+    """(KV heads, K head_dim, V head_dim, window) of each kind of attention layer the model
+    has, in layer order: hybrids mix sliding and global layers or head sizes (Gemma 4)."""
+    specs = getattr(model, "cache_specs", None)
+    if specs is None:
+        return [(model.num_kv_heads, model.head_dim, model.head_dim, None)]
+    shapes: list[tuple[int, int, int, int | None]] = []
+    for spec in specs:
+        shape = (spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, spec.window)
+        if spec.is_attention and shape not in shapes:
+            shapes.append(shape)
+    return shapes
 
 
 def model_lines(config: EngineConfig) -> Iterator[str]:
@@ -155,22 +171,38 @@ def model_lines(config: EngineConfig) -> Iterator[str]:
     engine = LLMEngine(config)
     loaded, model = engine.loaded, engine.model
     heads = int(loaded.config.get("num_attention_heads") or model.num_kv_heads)
+    shapes = attention_shapes(model, heads)
+    kv = ", ".join(
+        f"{n} KV heads x head_dim {k if k == v else f'{k}/{v} (K/V)'}" for n, k, v, _ in shapes
+    )
     yield (
         f"model:      {loaded.source.name} ({loaded.source.path}); dtype "
         f"{str(loaded.dtype).removeprefix('mlx.core.')}; {model.num_layers} layers, {heads} "
-        f"heads, {model.num_kv_heads} KV heads, head_dim {model.head_dim}; weights "
+        f"heads, {kv or 'no attention layers'}; weights "
         f"{tree_bytes(model.parameters()) / GiB:.2f} GiB"
     )
     with ops.use_kernels(config.kernels):
         kernels = ops.metal_kernels()
-        yield from kernel_lines(
-            kernels,
-            loaded.dtype,
-            model.head_dim,
-            config.block_size,
-            max(1, heads // model.num_kv_heads),
-            kv_quant=config.kv_cache_dtype == "int8",
-        )
+        seen: set[str] = set()
+        for num_kv_heads, k_dim, v_dim, window in shapes:
+            if k_dim != v_dim or k_dim > MAX_HEAD_DIM or heads % num_kv_heads:
+                yield (
+                    f"self-test:  none for {num_kv_heads} KV heads x head_dim {k_dim}/{v_dim}: "
+                    "the kernels do not take these layers' shapes; they use the MLX fallback"
+                )
+                continue
+            for line in kernel_lines(
+                kernels,
+                loaded.dtype,
+                k_dim,
+                config.block_size,
+                heads // num_kv_heads,
+                kv_quant=config.kv_cache_dtype == "int8",
+                window=window,
+            ):
+                if line not in seen:  # variants shared by several layer shapes: once
+                    seen.add(line)
+                    yield line
     where = "Metal recommended working set" if mx.metal.is_available() else "system RAM"
     yield (
         f"memory:     {usable_memory() / GiB:.1f} GiB usable ({where}) x memory_fraction "

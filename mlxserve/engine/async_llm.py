@@ -59,6 +59,8 @@ class AsyncLLM:
         self._on_dead = on_dead
         self.dead_reason: str | None = None
         self._stop = threading.Event()
+        if engine.ranks is not None:  # a broken group the engine cannot report ends the process
+            engine.ranks.before_exit = self._fail_streams
         self._thread = threading.Thread(target=self._run, name="mlxserve-engine", daemon=True)
         self._thread.start()
 
@@ -207,6 +209,13 @@ class AsyncLLM:
             for out in self.engine.abort_request(item[1]):
                 if self._on_step is not None:
                     self._on_step(self.engine, [out])
+
+    def _fail_streams(self, reason: str) -> None:
+        """Fail every caller still waiting, without the engine (its thread may be blocked
+        for good in a collective): the rank watchdog's last act before it ends the process."""
+        failure = RuntimeError(f"internal error while running the model: {reason}")
+        for stream in list(self._streams.values()):
+            stream.put(failure)
 
     def _fail_all(self, error: Exception) -> None:
         # Every accepted request fails, including those the failing step already

@@ -13,20 +13,52 @@ those requests the same results. A step that raises is therefore re-run in halve
 
 One culprit among n requests costs about 2 log2(n) re-runs. Re-running a request writes
 the same K/V into the same slots, so a step that got half-way before failing does no harm.
+A build (or re-run) that raises before its graph is evaluated leaves lazy writes in the
+pool's arrays: a PoolSnapshot taken before it puts the evaluated arrays back.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
 
 from mlxserve.core.scheduler import SchedulerOutput
+from mlxserve.models.base import KVCache
+from mlxserve.worker.drafter import Drafter
 
 logger = logging.getLogger("mlxserve")
 
 
 class KVCacheLostError(RuntimeError):
     """The K/V pool could not be evaluated after a failed step: every request's KV is gone."""
+
+
+@dataclass
+class PoolSnapshot:
+    """The pool's arrays (the target model's and the draft model's) before a build."""
+
+    keys: list[mx.array]
+    values: list[mx.array]
+    states: list[list[mx.array]]
+    drafter: tuple | None  # what drafter.save() returned
+
+    @classmethod
+    def take(cls, kv_cache: KVCache, drafter: Drafter | None) -> PoolSnapshot:
+        """The arrays as they are now (holding them keeps MLX from updating them in place)."""
+        saved = None if drafter is None else drafter.save()
+        states = [list(arrays) for arrays in kv_cache.states]
+        return cls(list(kv_cache.keys), list(kv_cache.values), states, saved)
+
+    def restore(self, kv_cache: KVCache, drafter: Drafter | None) -> None:
+        """Put the arrays back (drops the lazy writes of a failed build)."""
+        kv_cache.keys[:], kv_cache.values[:] = self.keys, self.values
+        for arrays, saved in zip(kv_cache.states, self.states, strict=True):
+            arrays[:] = saved
+        if self.drafter is not None:
+            drafter.restore(self.drafter)
 
 
 def describe(error: BaseException) -> str:

@@ -31,6 +31,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import NoReturn
 
 import mlx.core as mx
 
@@ -48,13 +50,31 @@ logger = logging.getLogger("mlxserve")
 READY_TIMEOUT = 120.0  # seconds for a rank's interpreter to start and import MLX
 STOP_TIMEOUT = 10.0  # seconds for a rank to leave after STOP, then it is killed
 # Seconds the engine has, after a rank exited, to notice (RankLostError) before the
-# watchdog ends this process: a collective queued on a broken ring can block for good.
-# MLX's ring backend retries a closed socket for several seconds before it fails the
-# pending collective; on a loaded machine that took over 10 s (CI), and a 10 s grace
-# then cut the engine's own error short (clients got a dropped stream, not the error).
-LOST_GRACE = 30.0
+# watchdog ends this process: a collective queued on a broken ring can block for good
+# (seen under CI load: MLX's ring "failed pending tasks" and the step never returned).
+# Either way the callers get the error: the watchdog fails them itself (``before_exit``)
+# and gives the server FLUSH_SECONDS to send it before the process exits.
+LOST_GRACE = 10.0
+FLUSH_SECONDS = 2.0
 
 _group_made = False  # MLX keeps one global group per process
+
+
+def exit_lost(
+    name: str, why: str, before_exit: Callable[[str], None] | None, detail: str = ""
+) -> NoReturn:
+    """End this process (status 1) because the group is broken and the engine cannot
+    say so itself: first hand the reason to ``before_exit`` (the server fails the calls
+    in flight with it) and give it FLUSH_SECONDS to reach the callers."""
+    reason = f"{name}: a rank is gone ({why}); the engine stops"
+    logger.critical("%s%s; exiting this process (status 1)", reason, detail)
+    if before_exit is not None:
+        try:
+            before_exit(reason)
+            time.sleep(FLUSH_SECONDS)
+        except Exception:  # noqa: BLE001 -- exiting regardless
+            logger.exception("failing the requests in flight")
+    os._exit(1)
 
 
 def free_ports(count: int) -> list[int]:
@@ -129,6 +149,9 @@ class LaunchedRanks:
             )
         self.name = parallel_name(config)
         self.progress = Progress(config.distributed_timeout_seconds)
+        # Called with the reason just before a broken group ends this process (AsyncLLM
+        # fails the requests in flight with it).
+        self.before_exit: Callable[[str], None] | None = None
         if self.group.rank() == 0:
             threading.Thread(target=self._watch, name="mlxserve-ranks", daemon=True).start()
 
@@ -137,8 +160,7 @@ class LaunchedRanks:
         and the launcher then stops the others."""
         while (why := self.progress.stuck()) is None:
             time.sleep(0.25)
-        logger.critical("%s: %s; exiting this process (status 1)", self.name, why)
-        os._exit(1)
+        exit_lost(self.name, why, self.before_exit)
 
     def lost(self) -> str | None:
         return None  # remote processes: only a broken connection tells
@@ -163,6 +185,7 @@ class LocalRanks:
                 "process: start another engine in another process"
             )
         self.progress = Progress(config.distributed_timeout_seconds)
+        self.before_exit: Callable[[str], None] | None = None  # as LaunchedRanks's
         self._stuck: str | None = None  # why the ranks were stopped as stuck
         fd, self.hostfile = tempfile.mkstemp(prefix="mlxserve-ranks-", suffix=".json")
         with os.fdopen(fd, "w") as f:
@@ -253,14 +276,12 @@ class LocalRanks:
                 time.sleep(0.1)
             if self._closing:
                 return
-            message = (
-                f"{self.name}: {why}; the engine cannot go on without it and did not "
-                f"stop within {LOST_GRACE:.0f} s (idle, or blocked in a collective that "
-                "cannot be interrupted): exiting this process (status 1)"
-            )
-            logger.critical(message)
             self.kill()
-            os._exit(1)
+            detail = (
+                f"; the engine did not stop within {LOST_GRACE:.0f} s (idle, or blocked "
+                "in a collective that cannot be interrupted)"
+            )
+            exit_lost(self.name, why, self.before_exit, detail)
 
     def lost(self) -> str | None:
         """Which rank has exited and how (or why the ranks were stopped), or None while

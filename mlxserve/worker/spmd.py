@@ -166,6 +166,16 @@ class StepChannel:
         """Rank 0: tell every rank to run this forward."""
         self._send(FORWARD, inputs.pack())
 
+    def start(self, inputs: ForwardInputs, arrays: list[list[mx.array]]) -> None:
+        """Rank 0: send a built forward to every rank, then start evaluating its
+        ``arrays`` here, so its collectives are queued before the next message's, in the
+        order every rank runs them."""
+        self.send(inputs)
+        try:
+            mx.async_eval(arrays)
+        except RuntimeError as e:
+            raise self.lost(e) from None
+
     def stop(self) -> None:
         """Rank 0: tell every rank to leave its loop."""
         self._send(STOP, np.zeros(0, dtype=np.int32))
