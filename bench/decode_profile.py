@@ -176,8 +176,7 @@ def _in_dims(linear: nn.Module) -> int:
 
 def profile_parts(model, batch: int, repeats: int, context: int = 48) -> dict[str, float]:
     """Compute per kind of op at a decode step's shapes (best of ``repeats``), in ms."""
-    from mlxserve import ops
-    from mlxserve.models.base import KVCache
+    from mlxserve.models.base import KVCache, cached_attention
     from mlxserve.ops import AttentionMetadata
     from mlxserve.worker.sampler import SamplingState, make_sampling_batch, sample
 
@@ -217,10 +216,7 @@ def profile_parts(model, batch: int, repeats: int, context: int = 48) -> dict[st
     def attention():
         outs = []
         for i in range(len(layers)):
-            o, cache.keys[i], cache.values[i] = ops.write_kv_and_attend(
-                q, k, k, cache.keys[i], cache.values[i], md, attn.scale
-            )
-            outs.append(o)
+            outs.append(cached_attention(cache, i, q, k, k, md, attn.scale))
         return outs + cache.arrays()
 
     out["attention (K/V write + paged)"] = _best_ms(attention, repeats)

@@ -32,8 +32,8 @@ inline float kv_row_scale(KV row) {
   return KV_QUANT ? *reinterpret_cast<const device float*>(row + HEAD_DIM) : 1.0f;
 }
 
-// Quantizes one row of HEAD_DIM values x into the 8-bit pool row `row` (values, then the
-// float32 scale max|x| / 127); called by the 32 lanes of one simdgroup (write_kv_q8.metal).
+// Quantizes one row of HEAD_DIM values x into the 8-bit row `row` (values, then the
+// float32 scale max|x| / 127); called by the 32 lanes of one simdgroup (quantize_kv.metal).
 template <int HEAD_DIM, typename X>
 inline void quantize_row(X x, device int8_t* row, uint lane) {
   float amax = 0.0f;

@@ -112,10 +112,9 @@ def test_kernel_self_tests_are_reported_per_variant() -> None:
 
     kernels = MetalKernels(broken(Emulator(), "paged_decode", "wrong"))
     lines = doctor.kernel_lines(kernels, mx.float16, 64, 16, 3)
-    assert len(lines) == 4
+    assert len(lines) == 3
     verdicts = {line.split("<")[0].removeprefix("self-test:  "): line for line in lines}
     assert set(verdicts) == {
-        "write_kv",
         "paged_decode",
         "paged_decode_split+paged_decode_reduce",
         "paged_prefill_tiled",
@@ -129,8 +128,8 @@ def test_kernel_self_tests_are_reported_per_variant() -> None:
 
 
 def test_kernel_self_tests_of_8bit_pools_name_the_quantizing_variants() -> None:
-    """kv_cache_dtype int8: the quantizing write and KV_QUANT attention are self-tested; a
-    wrong scale in the write (emulated) is reported FAILED."""
+    """kv_cache_dtype int8: the row quantization and KV_QUANT attention are self-tested; a
+    wrong scale in the quantization (emulated) is reported FAILED."""
     if sys.platform != "linux":
         pytest.skip("the Metal emulator runs on Linux")
     from metal.checker.emulator import Emulator
@@ -139,13 +138,13 @@ def test_kernel_self_tests_of_8bit_pools_name_the_quantizing_variants() -> None:
     emu = Emulator()
 
     def factory(**kw):
-        if kw["name"] == "write_kv_q8":  # the quantizer's step is in the shared header
+        if kw["name"] == "quantize_kv":  # the quantizer's step is in the shared header
             kw["header"] = kw["header"].replace("amax / 127.0f", "amax / 100.0f")
         return emu.metal_kernel(**kw)
 
     lines = doctor.kernel_lines(MetalKernels(factory), mx.float16, 64, 16, 3, kv_quant=True)
     assert len(lines) == 4
-    assert lines[0].startswith("self-test:  write_kv_q8<T=float16, HEAD_DIM=64>: FAILED")
+    assert lines[0].startswith("self-test:  quantize_kv<T=float16, HEAD_DIM=64>: FAILED")
     assert all("KV_QUANT=true" in line and line.endswith(": ok") for line in lines[1:]), lines
 
 

@@ -216,3 +216,53 @@ def test_plain_script_without_main_guard(tiny, tmp_path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[3, 3]"
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype,hold_old_pool",
+    [("auto", False), ("int8", False), ("auto", True)],
+    ids=["float", "int8", "an-extra-reference-copies"],
+)
+def test_steps_update_the_kv_pool_in_place(tiny, caplog, kv_cache_dtype, hold_old_pool) -> None:
+    """Each step's K/V write reuses the pool arrays' own buffers (MLX donates them to the
+    scatter): the buffer addresses stay put from step to step. Holding the old pool arrays
+    across a step (as a stray reference would) makes every step copy them instead: the
+    addresses move, and the engine warns once."""
+    from mlxserve.worker.pool_watch import buffer_address
+
+    _, model_dir = tiny
+    llm = LLM(str(model_dir), num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    engine, runner = llm.engine, llm.engine.runner
+    runner.pool_watch.every = 1  # compare every step (the engine samples 2 in 8)
+    held: list[mx.array] = []
+    if hold_old_pool:
+        launch = runner.launch
+
+        def launch_holding(so):
+            held[:] = [] if runner.kv_cache is None else runner.kv_cache.arrays()
+            return launch(so)
+
+        runner.launch = launch_holding
+    caplog.set_level("WARNING", logger="mlxserve")
+    engine.add_request("r", [5, 6, 7, 8, 9, 10], GREEDY)
+    addresses = []  # per step: (shape, buffer address) of every pool array, never the arrays
+    for _ in range(8):
+        engine.step()
+        if runner.kv_cache is not None:
+            pools = runner.kv_cache.arrays()
+            assert all(memoryview(a).c_contiguous for a in pools)  # what the scatter donates
+            addresses.append([(a.shape, buffer_address(a)) for a in pools])
+            del pools
+    held.clear()
+    assert len(addresses) == 8 and all(len(step) == 4 for step in addresses)  # 2 layers, K, V
+    moved = [
+        sum(before != after for before, after in zip(a, b, strict=True))
+        for a, b in zip(addresses, addresses[1:], strict=False)
+    ]
+    copies = [r.getMessage() for r in caplog.records if "instead of updating" in r.getMessage()]
+    if hold_old_pool:
+        assert moved == [4] * 7
+        assert len(copies) == 1 and "copied 4 of 4 KV pool arrays" in copies[0]
+    else:
+        assert moved == [0] * 7
+        assert copies == [] and runner.pool_watch.num_copied_steps == 0

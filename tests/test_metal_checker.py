@@ -64,7 +64,8 @@ def test_signatures_match_mlx(requests, dtype, capfd, tmp_path) -> None:
     dt = DTYPES[dtype]
 
     def forward(q, keys, values, k_cache, v_cache):
-        return ops.write_kv_and_attend(q, keys, values, k_cache, v_cache, inp.md, inp.scale)
+        k_cache, v_cache = ops.write_kv(k_cache, v_cache, keys, values, inp.md.slot_mapping)
+        return ops.paged_attention(q, k_cache, v_cache, inp.md, inp.scale), k_cache, v_cache
 
     args = [mx.array(a).astype(dt) for a in (inp.q, inp.keys, inp.values, inp.k_pool, inp.v_pool)]
     ours = {g.source for g in rec.variants}
@@ -73,8 +74,8 @@ def test_signatures_match_mlx(requests, dtype, capfd, tmp_path) -> None:
         with ops.force_backend("metal", _verbose_factory, config):
             theirs |= _mlx_sources(forward, args, capfd, tmp_path / f"f{i}.mlxfn")
     assert theirs == ours
-    # write_kv, decode or both prefill kernels, split-K's two
-    assert len(ours) == (4 if requests == decode_requests(16) else 5)
+    # decode or both prefill kernels, split-K's two
+    assert len(ours) == (3 if requests == decode_requests(16) else 4)
 
 
 def test_signature_edge_cases_match_mlx(capfd, tmp_path) -> None:
@@ -220,8 +221,7 @@ def test_every_kernel_compiles_with_gxx_and_clang_address_spaces() -> None:
     variants = _recorded_variants()
     names = {g.kernel_name.split("__")[0] for g in variants}
     assert names == {
-        "custom_kernel_write_kv",
-        "custom_kernel_write_kv_q8",
+        "custom_kernel_quantize_kv",
         "custom_kernel_paged_decode",
         "custom_kernel_paged_decode_split",
         "custom_kernel_paged_decode_reduce",
@@ -232,7 +232,7 @@ def test_every_kernel_compiles_with_gxx_and_clang_address_spaces() -> None:
     # is, real sinks are `device`; metadata is padded, so always `device`
     sigs = "".join(g.signature for g in variants)
     assert "const constant float* sinks" in sigs and "const device float* sinks" in sigs
-    for meta in ("context_lens", "query_start_loc", "block_tables", "slot_mapping"):
+    for meta in ("context_lens", "query_start_loc", "block_tables"):
         assert f"const device int32_t* {meta}" in sigs
         assert f"const constant int32_t* {meta}" not in sigs
     build.static_check(variants, modes=("emulate",))
@@ -245,34 +245,35 @@ def _mutated_variant(file: str, old: str, new: str):
     text = read_source(file)
     assert text.count(old) == 1
     kernel = rec.metal_kernel(
-        "write_kv",
-        ["keys", "values", "slot_mapping", "k_cache", "v_cache"],
-        ["written"],
-        text.replace(old, new),
+        "quantize_kv", ["keys", "values"], ["k_rows", "v_rows"], text.replace(old, new)
     )
     kv = mx.zeros((4, 2, 8))
     kernel(
-        inputs=[kv, kv, mx.zeros((4,), mx.int32), mx.zeros((8, 8, 2, 8)), mx.zeros((8, 8, 2, 8))],
-        output_shapes=[(1,)],
-        output_dtypes=[mx.int32],
-        grid=(16, 4, 1),
-        threadgroup=(16, 1, 1),
-        template=[("T", mx.float32)],
+        inputs=[kv, kv],
+        output_shapes=[(4, 2, 12), (4, 2, 12)],
+        output_dtypes=[mx.int8, mx.int8],
+        grid=(64, 4, 1),
+        threadgroup=(32, 1, 1),
+        template=[("T", mx.float32), ("HEAD_DIM", 8)],
     )
     return rec.variants
 
 
+QUANTIZE_K = "quantize_row<HEAD_DIM>(keys + row * HEAD_DIM, k_rows + "
+
+
 def test_clang_rejects_an_address_space_error() -> None:
-    """Dropping `device` from a pointer into the pool is an error for Apple's compiler; g++
-    alone would accept it, the clang address-space mode does not."""
+    """Dropping `device` from a pointer into an output is an error for Apple's compiler;
+    g++ alone would accept it, the clang address-space mode does not."""
     require_clang()
     variants = _mutated_variant(
-        "write_kv.metal", "device T* k_pool = const_cast<device T*>", "T* k_pool = const_cast<T*>"
+        "quantize_kv.metal",
+        QUANTIZE_K,
+        "int8_t* k_out = k_rows; quantize_row<HEAD_DIM>(keys + row * HEAD_DIM, k_out + ",
     )
     with pytest.raises(
         build.CompileError,
-        match=r"metal/write_kv\.metal \(edited copy\):\d+:\d+: error: "
-        r"const_cast from 'device float const \*' to 'float \*'",
+        match=r"metal/quantize_kv\.metal \(edited copy\):\d+:\d+: error: ",
     ):
         build.static_check(variants)
 
@@ -281,13 +282,13 @@ def test_clang_rejects_an_address_space_error() -> None:
     "old,new,message",
     [
         (
-            "const int64_t slot = slot_mapping[t];",
-            "const int64_t slot = slot_mapping[t]",
-            r"metal/write_kv\.metal \(edited copy\):\d+:\d+: error: expected",
+            "const int num_kv_heads = keys_shape[1];",
+            "const int num_kv_heads = keys_shape[1]",
+            r"metal/quantize_kv\.metal \(edited copy\):\d+:\d+: error: expected",
         ),
         (
-            "const int64_t slot = slot_mapping[t];",
-            "const double slot = slot_mapping[t];",
+            "const int num_kv_heads = keys_shape[1];",
+            "const double num_kv_heads = keys_shape[1];",
             "mlxs_metal_has_no_double_type",
         ),
     ],
@@ -297,7 +298,7 @@ def test_static_check_reports_the_kernel_line(old, new, message, mode) -> None:
     if mode == "as_check":
         require_clang()
     with pytest.raises(build.CompileError, match=message):
-        build.static_check(_mutated_variant("write_kv.metal", old, new), modes=(mode,))
+        build.static_check(_mutated_variant("quantize_kv.metal", old, new), modes=(mode,))
 
 
 # ---- emulator semantics ------------------------------------------------------------------
@@ -358,22 +359,17 @@ def test_emulator_poisons_unwritten_outputs_and_honours_init_value() -> None:
     assert out.tolist() == [1, 3] * 4
 
 
-def test_emulator_kernels_write_their_inputs_buffers() -> None:
-    """As on Metal, writing through an input pointer changes that array (no copy)."""
-    src = "const_cast<device float*>(x)[thread_position_in_grid.x] += 1.0f; token[0] = 0;"
-    emu = Emulator()
-    k = emu.metal_kernel("inplace", ["x"], ["token"], src)
+def test_emulator_refuses_a_kernel_that_writes_an_input() -> None:
+    """Inputs are read-only in MLX's contract (it tracks only outputs): a kernel writing
+    through an input pointer is reported, and the array is left as it was."""
+    src = "const_cast<device float*>(x)[thread_position_in_grid.x] += 1.0f; out[0] = 0;"
+    k = Emulator().metal_kernel("writes_input", ["x"], ["out"], src)
     x = mx.arange(8, dtype=mx.float32)
     mx.eval(x)
-    k(
-        inputs=[x],
-        output_shapes=[(1,)],
-        output_dtypes=[mx.int32],
-        grid=(8, 1, 1),
-        threadgroup=(8, 1, 1),
-    )
-    assert np.array(x).tolist() == list(range(1, 9))
-    assert emu.launches[-1]["written_inputs"] == ["x"]
+    args = {"output_shapes": [(1,)], "output_dtypes": [mx.int32], "grid": (8, 1, 1)}
+    with pytest.raises(KernelError, match=r"writes its input `x`; inputs are read-only"):
+        k(inputs=[x], threadgroup=(8, 1, 1), **args)
+    assert np.array(x).tolist() == list(range(8))
 
 
 def test_emulator_thread_ids_on_partial_threadgroups() -> None:

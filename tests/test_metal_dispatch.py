@@ -92,7 +92,7 @@ def test_kernel_objects_are_built_once() -> None:
         for _ in range(3):
             run_case(inp, "float32", contextlib.nullcontext)
         assert kernels is not None and kernels.factory is counting
-    assert sorted(built) == ["paged_decode", "write_kv"]
+    assert built == ["paged_decode"]
 
 
 @pytest.mark.skipif(ON_METAL, reason="checks the error where Metal is missing")
@@ -162,7 +162,8 @@ def _layer(md: AttentionMetadata):
         q = (x @ wq).reshape(n, 4, 64)
         k = (x @ wk).reshape(n, 2, 64)
         v = (x @ wv).reshape(n, 2, 64)
-        out, k_cache, v_cache = ops.write_kv_and_attend(q, k, v, k_cache, v_cache, md, 0.125)
+        k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, md, 0.125)
         return out.reshape(n, 4 * 64), k_cache, v_cache
 
     return forward
@@ -171,17 +172,16 @@ def _layer(md: AttentionMetadata):
 @pytest.mark.parametrize(
     "query_lens,context_lens,kernels",
     [
-        ([1, 1, 5], [7, 16, 9], [b"custom_kernel_write_kv", b"custom_kernel_paged_prefill_tiled"]),
+        ([1, 1, 5], [7, 16, 9], [b"custom_kernel_paged_prefill_tiled"]),
         (
             [1, 1],
             [7, 1500],
             [
-                b"custom_kernel_write_kv",
                 b"custom_kernel_paged_decode_split",
                 b"custom_kernel_paged_decode_reduce",
             ],
         ),
-        ([1, 1], [7, 16], [b"custom_kernel_write_kv", b"custom_kernel_paged_decode"]),
+        ([1, 1], [7, 16], [b"custom_kernel_paged_decode"]),
     ],
 )
 def test_export_a_forward_through_the_metal_path(tmp_path, query_lens, context_lens, kernels):
@@ -312,6 +312,6 @@ def test_a_kernel_name_always_means_one_source(split: bool) -> None:
     for g in rec.variants:
         name = g.kernel_name.split("__")[0]  # MLX < 0.32's name: no input types
         sources.setdefault((name, g.template_def), set()).add(g.source)
-    assert len(sources) == (4 if split else 3)  # write, prefill, decode (+ split, reduce)
+    assert len(sources) == (3 if split else 2)  # prefill, decode (+ split, reduce)
     flips = {key: len(v) for key, v in sources.items() if len(v) > 1}
     assert not flips, flips

@@ -27,7 +27,9 @@ from metal.checker.cases import (
 )
 from metal.checker.emulator import Emulator
 from metal.checker.record import Recorder
+from mlxserve.ops.kv_quant import quantize as kv_quant_rows
 from mlxserve.ops.metal import MetalConfig
+from mlxserve.worker.pool_watch import buffer_address
 
 DTYPES = ["float16", "bfloat16", "float32"]
 HEAD_DIMS = [64, 80, 96, 128]
@@ -67,25 +69,25 @@ def paths(
             "decode",
             Case(dec, block_size, gqa, head_dim, dtype, pad_tokens=1, seed=seed, **variant),
             None,
-            {"write_kv", "paged_decode"},
+            {"paged_decode"},
         ),
         (
             "split",
             Case(dec, block_size, gqa, head_dim, dtype, pad_tokens=1, seed=seed + 1, **variant),
             split_config(block_size),
-            {"write_kv", "paged_decode_split", "paged_decode_reduce"},
+            {"paged_decode_split", "paged_decode_reduce"},
         ),
         (
             "prefill",
             Case(mixed, block_size, gqa, head_dim, dtype, pad_tokens=2, seed=seed + 2, **variant),
             None,
-            {"write_kv", "paged_prefill_tiled"},
+            {"paged_prefill_tiled"},
         ),
         (
             "prefill-simt",
             Case(mixed, block_size, gqa, head_dim, dtype, pad_tokens=2, seed=seed + 3, **variant),
             SIMT,
-            {"write_kv", "paged_prefill"},
+            {"paged_prefill"},
         ),
     ]
 
@@ -120,7 +122,7 @@ def extended_cases() -> list[tuple[str, Case, MetalConfig | None, set[str]]]:
             "20-decodes",
             Case(many, 16, 4, 64, "float16", pad_tokens=3),
             TEN_CORES,
-            {"write_kv", "paged_decode"},
+            {"paged_decode"},
         )
     )
     mixed = many[:16] + ((17, 40), (5, 70), (16, 16))
@@ -129,14 +131,14 @@ def extended_cases() -> list[tuple[str, Case, MetalConfig | None, set[str]]]:
             "16-decodes-3-prefills",
             Case(mixed, 16, 4, 64, "bfloat16", pad_tokens=2),
             TEN_CORES,
-            {"write_kv", "paged_prefill_tiled"},
+            {"paged_prefill_tiled"},
         )
     )
-    split = {"write_kv", "paged_decode_split", "paged_decode_reduce"}
+    split = {"paged_decode_split", "paged_decode_reduce"}
     for name, window, ran in (
         ("long-decodes", None, split),
         ("long-decodes-window-600", 600, split),  # attends 600 >= 512: split, skips partitions
-        ("long-decodes-window-300", 300, {"write_kv", "paged_decode"}),  # attends 300 only
+        ("long-decodes-window-300", 300, {"paged_decode"}),  # attends 300 only
     ):
         case = Case(LONG_DECODES, 16, 4, 128, "float16", pad_tokens=1, window=window, sinks=True)
         out.append((name, case, TEN_CORES, ran))
@@ -145,7 +147,7 @@ def extended_cases() -> list[tuple[str, Case, MetalConfig | None, set[str]]]:
     out.append(("long-decodes-in-mixed-step", case, TEN_CORES, split | {"paged_prefill_tiled"}))
     # head_dim not a multiple of 8: the SIMT prefill, chosen automatically.
     case = Case(mixed_requests(8), 8, 2, 36, "float32", pad_tokens=1, seed=36)
-    out.append(("hd36-prefill-is-simt", case, None, {"write_kv", "paged_prefill"}))
+    out.append(("hd36-prefill-is-simt", case, None, {"paged_prefill"}))
     # The SIMT prefill stays selectable: every mixed shape above runs on it too.
     for name, case, config, ran in list(out):
         if "paged_prefill_tiled" in ran and not name.endswith("prefill"):
@@ -226,12 +228,12 @@ def test_8bit_pools_match_fallback(kernels, dtype, head_dim, block_size, gqa, wi
     for name, case, config, expected in paths(dtype, head_dim, block_size, gqa, seed, window):
         case = dataclasses.replace(case, kv_quant=True, sinks=sinks)
         if name == "prefill" and head_dim % 8:
-            expected = {"write_kv", "paged_prefill"}  # the tiled kernel needs head_dim % 8 == 0
+            expected = {"paged_prefill"}  # the tiled kernel needs head_dim % 8 == 0
         before = len(emu.launches) if emu else 0
         check(case, metal_backend(factory, config))
         if emu:
             ran = {launch["name"] for launch in emu.launches[before:]}
-            assert ran == (expected - {"write_kv"}) | {"write_kv_q8"}, (name, ran)
+            assert ran == expected | {"quantize_kv"}, (name, ran)
 
 
 @pytest.mark.parametrize("name,case,config,expected", EXTENDED, ids=[c[0] for c in EXTENDED])
@@ -244,53 +246,43 @@ def test_extended_shapes_match_fallback(kernels, name, case, config, expected) -
         assert ran == expected, (name, ran)
 
 
-def test_write_kv_updates_the_pool_in_place(kernels) -> None:
-    """The write kernel changes exactly the new tokens' slots, in the pool's own buffer."""
+@pytest.mark.parametrize("kv_quant", [False, True], ids=["float16", "int8"])
+def test_the_pool_write_is_in_place_on_the_metal_path(kernels, kv_quant) -> None:
+    """The Metal path writes the pool with MLX's scatter into the old pool's own buffer
+    (donated): exactly the new tokens' slots change, to the fallback's bytes. (The write
+    is evaluated on its own: the emulator runs kernels eagerly, while the caller still
+    holds the old pools, which a real lazy graph would not.)"""
     factory, emu = kernels
     case = Case(mixed_requests(8), 8, 2, 64, "float16", pad_tokens=0, seed=7)
     inp = make_inputs(case)
     k_cache = mx.array(inp.k_pool).astype(mx.float16)
     v_cache = mx.array(inp.v_pool).astype(mx.float16)
+    if kv_quant:
+        k_cache, v_cache = kv_quant_rows(k_cache), kv_quant_rows(v_cache)
     mx.eval(k_cache, v_cache)
     k_before, v_before = np.array(k_cache), np.array(v_cache)
-    address = np.asarray(k_cache).__array_interface__["data"][0]
+    addresses = [buffer_address(k_cache), buffer_address(v_cache)]
+    keys = mx.array(inp.keys).astype(mx.float16)
+    values = mx.array(inp.values).astype(mx.float16)
     from mlxserve import ops
 
-    with ops.force_backend("metal", factory):
-        out, k_new, v_new = ops.write_kv_and_attend(
-            mx.array(inp.q).astype(mx.float16),
-            mx.array(inp.keys).astype(mx.float16),
-            mx.array(inp.values).astype(mx.float16),
-            k_cache,
-            v_cache,
-            inp.md,
-            inp.scale,
-        )
-        mx.eval(out, k_new, v_new)
-    if emu:
-        launches = emu.launches[-2:]
-        assert [x["name"] for x in launches] == ["write_kv", "paged_prefill_tiled"]
-        assert launches[0]["written_inputs"] == ["k_cache", "v_cache"]
-        assert launches[1]["written_inputs"] == []
-    # Same buffer: no copy of the pool was made.
-    assert np.asarray(k_new).__array_interface__["data"][0] == address
-    # Expected pool: the old one with the new rows at their slots, nothing else touched.
+    before = len(emu.launches) if emu else 0
+    with ops.force_backend("metal", factory, self_test="raise"):
+        k_cache, v_cache = ops.write_kv(k_cache, v_cache, keys, values, inp.md.slot_mapping)
+        mx.eval(k_cache, v_cache)
+    if emu:  # the self-test's launch, then the step's
+        assert [x["name"] for x in emu.launches[before:]] == ["quantize_kv"] * 2 * kv_quant
+    assert [buffer_address(k_cache), buffer_address(v_cache)] == addresses  # no copy made
     slots = np.array(inp.md.slot_mapping)
-    rows = k_before.reshape(-1, *k_before.shape[2:]).copy()
-    rows[slots] = np.array(mx.array(inp.keys).astype(mx.float16))
-    np.testing.assert_array_equal(np.array(k_new).reshape(rows.shape), rows)
-    written = np.zeros(rows.shape[0], bool)
-    written[slots] = True
-    v_rows_new = np.array(v_new).reshape(rows.shape)
-    v_rows_old = v_before.reshape(rows.shape)
-    np.testing.assert_array_equal(v_rows_new[~written], v_rows_old[~written])
-    np.testing.assert_array_equal(
-        v_rows_new[slots], np.array(mx.array(inp.values).astype(mx.float16))
-    )
+    for got, old, new in ((k_cache, k_before, keys), (v_cache, v_before, values)):
+        rows = old.reshape(-1, *old.shape[2:]).copy()
+        rows[slots] = np.array(kv_quant_rows(new) if kv_quant else new)  # the fallback's bytes
+        np.testing.assert_array_equal(np.array(got).reshape(rows.shape), rows)
 
 
-def test_attention_waits_for_the_write() -> None:
-    """The attention kernel takes write_kv's token as an input: MLX's GPU ordering."""
+def test_attention_reads_the_pools_the_write_returned() -> None:
+    """Each attention kernel takes as its pools the scatter's outputs, so MLX orders it after
+    the write (and after anything else that wrote them), on the GPU as in the graph."""
     from mlxserve import ops
 
     seen: dict[str, list] = {}
@@ -300,20 +292,23 @@ def test_attention_waits_for_the_write() -> None:
 
         def call(**call_kwargs):
             seen[name] = call_kwargs["inputs"]
-            outs = [
+            return [
                 mx.zeros(s, d)
                 for s, d in zip(
                     call_kwargs["output_shapes"], call_kwargs["output_dtypes"], strict=True
                 )
             ]
-            seen[name + ":out"] = outs
-            return outs
 
         return call
 
     for requests in (decode_requests(8), mixed_requests(8)):
         inp = make_inputs(Case(requests, 8, 2, 64))
-        run(inp, "float32", lambda: ops.force_backend("metal", spy))
-        (token,) = seen["write_kv:out"]
+        k_cache, v_cache = mx.array(inp.k_pool), mx.array(inp.v_pool)
+        with ops.force_backend("metal", spy):
+            k_new, v_new = ops.write_kv(
+                k_cache, v_cache, mx.array(inp.keys), mx.array(inp.values), inp.md.slot_mapping
+            )
+            ops.paged_attention(mx.array(inp.q), k_new, v_new, inp.md, inp.scale)
         reader = "paged_prefill_tiled" if requests == mixed_requests(8) else "paged_decode"
-        assert seen[reader][-1] is token
+        assert seen[reader][1] is k_new and seen[reader][2] is v_new
+        assert k_new.shape == k_cache.shape and k_new is not k_cache

@@ -50,31 +50,6 @@ HEADER = "attention_common.metal"
 ALL = ("decode", "split", "prefill")
 LANE_EXIT = "if (lane == 31) { return; }\n"
 MUTATIONS = [
-    # write_kv
-    Mutation(
-        "write_kv: off-by-one slot",
-        "write_kv.metal",
-        "k_pool[slot * row + e]",
-        "k_pool[(slot + 1) * row + e]",
-        ALL,
-        "mismatch",
-    ),
-    Mutation(
-        "write_kv: early exit drops each row's last element",
-        "write_kv.metal",
-        "if (int64_t(e) >= row) {",
-        "if (int64_t(e) >= row - 1) {",
-        ALL,
-        "mismatch",
-    ),
-    Mutation(
-        "write_kv: values never written",
-        "write_kv.metal",
-        "v_pool[slot * row + e] =",
-        "(void)v_pool; float unused_v =",
-        ALL,
-        "mismatch",
-    ),
     # shared attention helpers
     Mutation(
         "attention: barrier removed before the merge reads",
@@ -336,14 +311,23 @@ MUTATIONS = [
         ("prefill",),
         "fault",
     ),
-    # 8-bit pools (--kv-cache-dtype int8): the quantizing write and the dequantizing reads
+    # 8-bit pools (--kv-cache-dtype int8): the row quantization and the dequantizing reads
     Mutation(
-        "write_kv_q8: values written into the K pool",
-        "write_kv_q8.metal",
-        "const_cast<device int8_t*>(v_cache) + dst",
-        "const_cast<device int8_t*>(k_cache) + dst",
+        "quantize_kv: V rows quantized from the keys",
+        "quantize_kv.metal",
+        "quantize_row<HEAD_DIM>(values + row * HEAD_DIM",
+        "quantize_row<HEAD_DIM>(keys + row * HEAD_DIM",
         ("decode",),
         "mismatch",
+        kv_quant=True,
+    ),
+    Mutation(
+        "quantize_kv: K rows one token off",
+        "quantize_kv.metal",
+        "k_rows + row * MLXS_KV_ROW(HEAD_DIM, true)",
+        "k_rows + (row + 1) * MLXS_KV_ROW(HEAD_DIM, true)",
+        ("prefill",),
+        "fault",
         kv_quant=True,
     ),
     Mutation(
@@ -481,8 +465,7 @@ def test_mutation_is_caught(mutation: Mutation, path: str) -> None:
 def test_every_kernel_has_mutations() -> None:
     files = {m.file for m in MUTATIONS}
     assert files == {
-        "write_kv.metal",
-        "write_kv_q8.metal",
+        "quantize_kv.metal",
         HEADER,
         "paged_decode.metal",
         "paged_decode_split.metal",

@@ -1,11 +1,12 @@
 """Kernel self-test and fallback (ops/selftest.py), with failing kernels injected through the
-emulator's factory: a compile error, a wrong result, a lost pool write."""
+emulator's factory: a compile error, a wrong result, a wrong 8-bit row quantization."""
 
 from __future__ import annotations
 
 import logging
 import sys
 from contextlib import nullcontext
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +27,7 @@ from mlxserve.ops.selftest import KernelSelfTestError
 
 DECODE = Case(requests=((1, 5), (1, 11)), block_size=4, gqa=2, head_dim=32, seed=1)
 MIXED = Case(requests=mixed_requests(4), block_size=4, gqa=2, head_dim=32, seed=2)
+DECODE_Q8 = replace(DECODE, kv_quant=True)  # 8-bit pools: quantize_kv runs too
 
 
 def broken(emu, kernel: str, how: str):
@@ -37,15 +39,11 @@ def broken(emu, kernel: str, how: str):
         if kw["name"] == kernel and how == "wrong":  # a softmax temperature bug
             assert "* scale" in kw["source"]
             kw["source"] = kw["source"].replace("* scale", "* (2.0f * scale)")
-        inner = emu.metal_kernel(**kw)
-        if kw["name"] != kernel or how != "lost":
-            return inner
-
-        def lost(*, inputs, **call):  # as if MLX had copied the pools: writes go elsewhere
-            inputs = [*inputs[:3], *(mx.array(np.array(p)) for p in inputs[3:])]
-            return inner(inputs=inputs, **call)
-
-        return lost
+        if kw["name"] == kernel and how == "swap":  # V rows quantized from K
+            old = "quantize_row<HEAD_DIM>(values"
+            assert old in kw["source"]
+            kw["source"] = kw["source"].replace(old, "quantize_row<HEAD_DIM>(keys")
+        return emu.metal_kernel(**kw)
 
     return factory
 
@@ -85,7 +83,7 @@ def _check_twice(case: Case, factory, config: MetalConfig | None = None):
     [
         (DECODE, "paged_decode", "compile", "compile or launch error"),
         (MIXED, "paged_prefill_tiled", "wrong", "mismatch: max abs error"),
-        (DECODE, "write_kv", "lost", "lost write: k_cache slots"),
+        (DECODE_Q8, "quantize_kv", "swap", "mismatch: v_rows scales differ"),
     ],
 )
 def test_a_failing_kernel_falls_back_with_one_warning(
@@ -101,20 +99,22 @@ def test_a_failing_kernel_falls_back_with_one_warning(
     failed = [r.variant.split("<")[0] for r in kernels.self_tests.values() if not r.ok]
     assert failed == [kernel]
     names = [launch["name"] for launch in emu.launches]
-    if how == "wrong":  # launched by its self-test only, never for the batches
+    if how != "compile":  # launched by its self-test only, never for the batches
         assert names.count(kernel) == 1
-    if how == "lost":  # the write falls back, the attention kernel still runs
-        assert names.count(kernel) == 1 and names.count("paged_decode") == 3
+    if how == "swap":  # the rows are quantized by MLX ops, the attention kernel still runs
+        assert names.count("paged_decode") == 3
 
 
-def test_healthy_kernels_pass_and_run(emu, warnings) -> None:
-    kernels = _check_twice(MIXED, emu.metal_kernel)
+@pytest.mark.parametrize("kv_quant", [False, True], ids=["float32", "int8"])
+def test_healthy_kernels_pass_and_run(emu, warnings, kv_quant) -> None:
+    kernels = _check_twice(replace(MIXED, kv_quant=kv_quant), emu.metal_kernel)
     assert warnings() == []
     results = kernels.self_tests.values()
-    assert {r.variant.split("<")[0] for r in results} == {"write_kv", "paged_prefill_tiled"}
+    want = {"paged_prefill_tiled", "quantize_kv"} if kv_quant else {"paged_prefill_tiled"}
+    assert {r.variant.split("<")[0] for r in results} == want
     assert all(r.ok for r in results)
     names = [launch["name"] for launch in emu.launches]  # one self-test, then two batches
-    assert names.count("paged_prefill_tiled") == names.count("write_kv") == 3
+    assert [names.count(name) for name in want] == [3] * len(want)
 
 
 def test_split_decode_variant_is_self_tested(emu, warnings) -> None:
@@ -128,8 +128,8 @@ def test_split_decode_variant_is_self_tested(emu, warnings) -> None:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_real_metal_kernels_pass_their_self_tests(dtype) -> None:
     """On a Mac (CI): every variant these batches use passes, in raise mode."""
-    for case in (DECODE, MIXED):
-        case = Case(**{**case.__dict__, "dtype": dtype})
+    for case in (DECODE, MIXED, DECODE_Q8):
+        case = replace(case, dtype=dtype)
         inp = make_inputs(case)
         with ops.force_backend("metal", None, MetalConfig(), self_test="raise") as kernels:
             run_case(inp, dtype, nullcontext)
@@ -179,7 +179,7 @@ def test_a_request_completes_token_exact_despite_a_wrong_kernel(emu, warnings, t
     (message,) = warnings()
     assert "paged_decode<" in message and "mismatch" in message
     names = {launch["name"] for launch in emu.launches}
-    assert {"write_kv", "paged_prefill_tiled", "paged_decode"} <= names  # kernels really ran
+    assert {"paged_prefill_tiled", "paged_decode"} <= names  # kernels really ran
 
 
 @pytest.mark.parametrize("how", ["compile", "wrong"])
@@ -194,13 +194,12 @@ def test_a_failing_tiled_prefill_falls_back_to_the_simt_kernel(emu, warnings, ho
     assert "uses the SIMT prefill kernel (paged_prefill)" in message
     assert kernels.disabled == {"paged_prefill_tiled"}
     results = {r.variant.split("<")[0]: r.ok for r in kernels.self_tests.values()}
-    assert results == {"write_kv": True, "paged_prefill_tiled": False, "paged_prefill": True}
+    assert results == {"paged_prefill_tiled": False, "paged_prefill": True}
     names = [launch["name"] for launch in emu.launches]
     assert names.count("paged_prefill") == 3  # its self-test, then both batches
     fresh = MetalKernels(broken(emu, "paged_prefill_tiled", how))  # as `mlxserve doctor` runs
     listed = [r.variant.split("<")[0] for r in selftest.run_all(fresh, mx.float32, 32, 4, 2)]
     assert listed == [
-        "write_kv",
         "paged_decode",
         "paged_decode_split+paged_decode_reduce",
         "paged_prefill_tiled",

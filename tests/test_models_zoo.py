@@ -270,10 +270,10 @@ def test_sliding_window_cases_exercise_their_window(zoo, monkeypatch) -> None:
     dropping it, the same model is far from mlx-lm (checked on two families)."""
     from mlxserve import ops
 
-    attend = ops.write_kv_and_attend
+    attend = ops.paged_attention
 
-    def without_window(q, k, v, k_cache, v_cache, md, scale, window=None, sinks=None):
-        return attend(q, k, v, k_cache, v_cache, md, scale, None, sinks)
+    def without_window(q, k_cache, v_cache, md, scale, window=None, sinks=None):
+        return attend(q, k_cache, v_cache, md, scale, None, sinks)
 
     for name in ("gemma3_text", "gpt_oss"):
         z = zoo(name)
@@ -281,7 +281,7 @@ def test_sliding_window_cases_exercise_their_window(zoo, monkeypatch) -> None:
         assert kinds == {"full_attention": None, "sliding_window": WINDOW}
         want = z.want["r5"][1][0]  # mlx-lm's log-probs after the 30-token prompt
         with monkeypatch.context() as patch:
-            patch.setattr(ops, "write_kv_and_attend", without_window)
+            patch.setattr(ops, "paged_attention", without_window)
             run = BlockPoolRunner(z.model, num_blocks=32, block_size=BLOCK_SIZE)
             got = log_softmax(run.step([("r5", z.prompts["r5"])])["r5"])
         assert np.abs(got - want).max() > 1e-2, name

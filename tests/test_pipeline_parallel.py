@@ -189,6 +189,9 @@ def test_pp2_equals_one_process_then_a_stuck_rank_is_stopped(
     assert len(one["tokens"]) == 6 and all(len(t) == 24 for t in one["tokens"])
     assert two["accepted"] > 0  # drafts were verified
     assert two["tokens"] == one["tokens"]
+    # Every step wrote the pools in place: none was copied (each was before the runner
+    # dropped its saved pool arrays ahead of starting the other ranks' evaluation).
+    assert two["pool_copied_steps"] == one["pool_copied_steps"] == 0
     for counter in ("num_preemptions", "prefix_cache_hits", "accepted"):
         assert two[counter] == one_spec[counter], counter
     # Hidden states cross ranks unchanged (no sum), but the micro-batches multiply fewer

@@ -133,6 +133,9 @@ def test_tp2_under_mlx_launch_with_speculation_equals_one_process(
     assert two["accepted"] > 0  # drafts were verified
     assert len(one["tokens"]) == 6 and all(len(t) == 24 for t in one["tokens"])
     assert two["tokens"] == one["tokens"]
+    # Every step wrote the pools in place: none was copied (each was before the runner
+    # dropped its saved pool arrays ahead of starting the other ranks' evaluation).
+    assert two["pool_copied_steps"] == one["pool_copied_steps"] == 0
     assert two["num_preemptions"] == one_spec["num_preemptions"]
     assert two["prefix_cache_hits"] == one_spec["prefix_cache_hits"]
     assert two["accepted"] == one_spec["accepted"]

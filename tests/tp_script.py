@@ -59,6 +59,8 @@ def run_scenario(llm: LLM) -> dict[str, Any]:
         "num_preemptions": stats.num_preemptions,
         "prefix_cache_hits": stats.prefix_cache_hits,
         "accepted": stats.spec_decode_num_accepted_tokens,  # drafts (0 without speculation)
+        # Steps that copied a KV pool array instead of writing it in place (should be none).
+        "pool_copied_steps": llm.engine.runner.pool_watch.num_copied_steps,
     }
 
 

@@ -124,8 +124,8 @@ def to_numpy(a: mx.array) -> np.ndarray:
 def run(
     inp: Inputs, dtype: str, backend: Callable[[], AbstractContextManager]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ops.write_kv_and_attend under `backend`; returns (out, k_pool, v_pool) as float32
-    (8-bit pools: their bytes)."""
+    """ops.write_kv then ops.paged_attention under `backend`, as a layer calls them; returns
+    (out, k_pool, v_pool) as float32 (8-bit pools: their bytes)."""
     dt = DTYPES[dtype]
     k_cache = mx.array(inp.k_pool).astype(dt)
     v_cache = mx.array(inp.v_pool).astype(dt)
@@ -133,10 +133,10 @@ def run(
         k_cache, v_cache = kv_quant.quantize(k_cache), kv_quant.quantize(v_cache)
     mx.eval(k_cache, v_cache)
     with backend():
-        out, k_cache, v_cache = ops.write_kv_and_attend(
+        keys, values = mx.array(inp.keys).astype(dt), mx.array(inp.values).astype(dt)
+        k_cache, v_cache = ops.write_kv(k_cache, v_cache, keys, values, inp.md.slot_mapping)
+        out = ops.paged_attention(
             mx.array(inp.q).astype(dt),
-            mx.array(inp.keys).astype(dt),
-            mx.array(inp.values).astype(dt),
             k_cache,
             v_cache,
             inp.md,

@@ -6,8 +6,9 @@ threadgroup, template, init_value, verbose, stream``), so mlxserve's ops code ru
 against it. Calls are eager: inputs are evaluated, the kernel runs, outputs come back as
 evaluated arrays.
 
-Like Metal, the kernel sees its inputs' own buffers: a kernel that writes through an input
-pointer changes that array (this is how write_kv updates the pool in place). Outputs start
+Inputs are read-only, as MLX's contract has them (``const device``, and MLX tracks only
+outputs): a kernel that writes through an input pointer anyway (a ``const_cast``) is
+reported as a KernelError, never propagated to the array. Outputs start
 as NaN (all bits set) unless ``init_value`` is given, so elements a kernel forgets to write
 show up. Every buffer ends at a guard page, so reading or writing past its end is reported.
 """
@@ -218,7 +219,7 @@ class EmulatedKernel:
     ) -> list[mx.array]:
         emu = self.emulator
         views = [_np_view(a) for a in inputs]
-        # MLX copies non-row-contiguous inputs first; writes to such copies are lost, as on GPU.
+        # MLX copies non-row-contiguous inputs first (ensure_row_contiguous).
         originals = [v if v.flags.c_contiguous else np.ascontiguousarray(v) for v in views]
         if not self.ensure_row_contiguous and any(not v.flags.c_contiguous for v in views):
             raise NotImplementedError("the emulator needs row-contiguous inputs")
@@ -279,20 +280,16 @@ class EmulatedKernel:
                             f"{schedule} thread schedules: a race (missing barrier?)"
                         )
             final = results[0]
-            written = []
             for k, (_, src) in enumerate(in_bufs):
-                new = final[len(out_bufs) + k]
-                if new.tobytes() != src.reshape(-1).tobytes():
-                    name = self.input_names[k]
-                    written.append(name)
-                    view = views[k]
-                    if view.flags.c_contiguous:  # the kernel wrote the array's own buffer
-                        view.reshape(-1)[:] = new
+                if final[len(out_bufs) + k].tobytes() != src.reshape(-1).tobytes():
+                    raise KernelError(
+                        f"{g.kernel_name}: writes its input `{self.input_names[k]}`; inputs "
+                        "are read-only (MLX tracks only a kernel's outputs)"
+                    )
             emu.launches.append(
                 {
                     "kernel": g.kernel_name,
                     "name": self.name,
-                    "written_inputs": written,
                     "grid": tuple(grid),
                     "threadgroup": tuple(threadgroup),
                 }

@@ -363,13 +363,14 @@ def cached_attention(
 ) -> mx.array:  # (num_tokens, num_heads, head_dim)
     """Write this step's K/V into layer ``layer_idx``'s pool, then attend over the context.
 
-    One fused op, so the Metal path can write the pool in place and order the attention
-    kernel after the write (see mlxserve/ops).
+    The cache's entries are replaced by the written pools before anything reads them: the
+    old pools must have no holder left for the write to be in place (ops/metal.py).
     """
-    out, cache.keys[layer_idx], cache.values[layer_idx] = ops.write_kv_and_attend(
-        q, k, v, cache.keys[layer_idx], cache.values[layer_idx], md, scale
+    keys, values = cache.keys, cache.values
+    keys[layer_idx], values[layer_idx] = ops.write_kv(
+        keys[layer_idx], values[layer_idx], k, v, md.slot_mapping
     )
-    return out
+    return ops.paged_attention(q, keys[layer_idx], values[layer_idx], md, scale)
 
 
 def select_rows(

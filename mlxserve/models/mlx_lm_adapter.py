@@ -16,8 +16,8 @@ The interception surface (all of it)
    returns None (a row of length 1 needs no mask).
 2. **``scaled_dot_product_attention``**, the name mlx-lm's model modules import from
    ``mlx_lm.models.base``, is rebound in those modules' namespaces to :func:`paged_sdpa`:
-   with a PagedLayerCache it writes the recorded K/V into the block pool and runs
-   ``ops.write_kv_and_attend`` (with the layer's sliding window and ``sinks=``); with any
+   with a PagedLayerCache it writes the recorded K/V into the block pool (``ops.write_kv``)
+   and runs ``ops.paged_attention`` (with the layer's sliding window and ``sinks=``); with any
    other cache it calls mlx-lm's own function, so mlx-lm keeps working in the same process.
    Layers that attend to another layer's K/V (Gemma 4's KV sharing: ``cache=None``, keys
    returned by an earlier layer's ``update_and_fetch``) read that layer's pool.
@@ -79,7 +79,6 @@ class _Step:
     group_mds: tuple[AttentionMetadata, ...]  # one per KV cache group (block tables)
     kv_cache: KVCache
     logits_indices: mx.array | None
-    write_then_read: bool  # KV-shared layers read pools: write with ordered scatter
     kv_cast_after_fetch: bool  # the layers cast K/V (dtype only) after update_and_fetch
     owners: dict[int, PagedLayerCache]  # id(keys returned by update_and_fetch) -> view
     state_md: StateMetadata | None = None
@@ -157,17 +156,11 @@ class PagedLayerCache:
         q = queries[:, :, 0, :]  # (num_tokens, num_heads, k_head_dim)
         k, v = keys[:, :, 0, :], values[:, :, 0, :]  # (num_tokens, kv_heads, k/v_head_dim)
         args = (md, scale, self.spec.window, sinks)
-        if self.attended:  # a KV-shared layer: this step's K/V are already in the pool
-            out = ops.paged_attention(q, pools.keys[i], pools.values[i], *args)
-        elif step.write_then_read:  # others read this pool later: an ordered (scatter) write
+        if not self.attended:  # else a KV-shared layer: this step's K/V are in the pool
             pools.keys[i], pools.values[i] = ops.write_kv(
                 pools.keys[i], pools.values[i], k, v, md.slot_mapping
             )
-            out = ops.paged_attention(q, pools.keys[i], pools.values[i], *args)
-        else:
-            out, pools.keys[i], pools.values[i] = ops.write_kv_and_attend(
-                q, k, v, pools.keys[i], pools.values[i], *args
-            )
+        out = ops.paged_attention(q, pools.keys[i], pools.values[i], *args)
         self.attended = True
         return out[:, :, None, :]
 
@@ -242,7 +235,6 @@ class MlxLmModel(nn.Module):
         specs: list[LayerCacheSpec],
         vocab_size: int,
         max_position_embeddings: int | None,
-        shares_kv: bool = False,
         kv_cast_after_fetch: bool = False,
     ) -> None:
         super().__init__()
@@ -252,7 +244,6 @@ class MlxLmModel(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self._cache_specs = tuple(specs)
         self._layout = make_layout(self._cache_specs)
-        self._shares_kv = shares_kv
         self._kv_cast_after_fetch = kv_cast_after_fetch
         self._selects_rows = _hook_row_selection(model)
         if self._layout.state_layers:
@@ -312,7 +303,6 @@ class MlxLmModel(nn.Module):
             tuple(mds),
             kv_cache,
             logits_indices,
-            self._shares_kv,
             self._kv_cast_after_fetch,
             {},
             state_md=state_metadata,

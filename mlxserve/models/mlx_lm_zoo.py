@@ -191,14 +191,13 @@ def build(
     quantize_like_mlx_lm(model, config, weights)
     (load_weights or _load_weights)(model, weights, dtype)
     model.eval()
-    specs, shares_kv, vocab_size = cache_specs(model, model_type)
+    specs, _, vocab_size = cache_specs(model, model_type)
     adapted = MlxLmModel(
         model,
         model_type,
         specs,
         vocab_size,
         config.get("max_position_embeddings"),
-        shares_kv=shares_kv,
         kv_cast_after_fetch=model_type in KV_CAST_AFTER_FETCH,
     )
     check_paged_forward(adapted)

@@ -1,14 +1,15 @@
 """The single dispatch point for attention kernels.
 
-``write_kv``, ``paged_attention`` and ``write_kv_and_attend`` run mlxserve's Metal kernels
-(``mlxserve.ops.metal``) when Metal is available and the default stream is on the GPU, and
-the pure-MLX fallback otherwise. ``use_kernels(choice)`` ("auto", "metal" or "fallback",
-the engine's ``kernels`` setting) scopes a choice; ``check_kernels`` says at start-up
-whether a choice can run here. Each kernel variant is self-tested on first use
-(ops/selftest.py): on failure "auto" falls back for that op, "metal" raises.
-``kernel_backend()`` says which implementation is in use and why. Models should call
-``write_kv_and_attend``: it is the only entry that can write the pool in place with a Metal
-kernel (see ops/metal.py).
+``paged_attention`` runs mlxserve's Metal kernels (``mlxserve.ops.metal``) when Metal is
+available and the default stream is on the GPU, and the pure-MLX fallback otherwise.
+``write_kv`` is MLX's scatter on every backend (in place when the old pools can be
+donated; why: ops/metal.py); on Metal, rows for 8-bit pools are quantized by a kernel
+first. ``use_kernels(choice)`` ("auto", "metal" or "fallback", the engine's ``kernels``
+setting) scopes a choice; ``check_kernels`` says at start-up whether a choice can run here.
+Each kernel variant is self-tested on first use (ops/selftest.py): on failure "auto" falls
+back for that op, "metal" raises. ``kernel_backend()`` says which implementation is in use
+and why. An attention layer calls ``write_kv``, replaces its pool entries with the result
+(the old ones must go for the write to be in place), then calls ``paged_attention``.
 
 Per-layer variants: ``window`` (sliding-window attention) and ``sinks`` (gpt-oss's per-head
 sink logits) run in both implementations; layers the kernels cannot take (K and V head sizes
@@ -40,7 +41,6 @@ __all__ = [
     "paged_attention",
     "use_kernels",
     "write_kv",
-    "write_kv_and_attend",
 ]
 
 logger = logging.getLogger("mlxserve")
@@ -140,19 +140,25 @@ def force_backend(
 
 
 def write_kv(
-    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, k_head_dim)
     v_cache: mx.array,
-    keys: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+    keys: mx.array,  # (num_tokens, num_kv_heads, k_head_dim)
     values: mx.array,
     slot_mapping: mx.array,  # (num_tokens,) int32
 ) -> tuple[mx.array, mx.array]:
     """Scatter new K/V rows into the pool; returns the updated (k_cache, v_cache).
 
-    Always MLX's scatter (in place when the old pools can be donated): a Metal kernel that
-    writes the pool in place needs its reader to wait on it, which only
-    write_kv_and_attend arranges.
+    MLX's scatter, in place when the old pools can be donated: the pools passed in are
+    consumed, keep only the returned ones. 8-bit pools get their rows quantized first (on
+    Metal by the quantize_kv kernel once it passed its self-test).
     """
-    return fallback.write_kv(k_cache, v_cache, keys, values, slot_mapping)
+    kernels = _metal()
+    if kernels is None or not kv_quant.is_quantized(k_cache) or keys.shape != values.shape:
+        return fallback.write_kv(k_cache, v_cache, keys, values, slot_mapping)
+    if not selftest.quantize_ok(kernels, keys.dtype, keys.shape[-1], _self_test_mode()):
+        return fallback.write_kv(k_cache, v_cache, keys, values, slot_mapping)
+    k_rows, v_rows = kernels.quantize_kv(keys, values)
+    return fallback.scatter_rows(k_cache, v_cache, k_rows, v_rows, slot_mapping)
 
 
 def _kernels_for(q: mx.array, k_cache: mx.array, v_cache: mx.array) -> MetalKernels | None:
@@ -192,44 +198,6 @@ def paged_attention(
     if kernels is None or not selftest.attention_ok(kernels, q, k_cache, md, window, sinks, mode):
         return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
     return kernels.paged_attention(q, k_cache, v_cache, md, scale, window=window, sinks=sinks)
-
-
-def write_kv_and_attend(
-    q: mx.array,  # (num_tokens, num_heads, k_head_dim)
-    keys: mx.array,  # (num_tokens, num_kv_heads, k_head_dim)
-    values: mx.array,  # (num_tokens, num_kv_heads, v_head_dim)
-    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, k_head_dim)
-    v_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, v_head_dim)
-    md: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-    sinks: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """One attention layer's cache work: write this step's K/V, then attend.
-
-    Returns (out, k_cache, v_cache). The pools passed in are consumed: keep only the
-    returned ones. ``window`` and ``sinks`` as in :func:`paged_attention`.
-    """
-    _check_window(window)
-    kernels = _kernels_for(q, k_cache, v_cache)
-    mode = _self_test_mode()
-    if kernels is None or not selftest.attention_ok(kernels, q, k_cache, md, window, sinks, mode):
-        # Both ops: MLX would not order a fallback reader after the in-place write.
-        k_cache, v_cache = fallback.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
-        out = fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
-        return out, k_cache, v_cache
-    quant_head_dim = keys.shape[-1] if kv_quant.is_quantized(k_cache) else None
-    write_dtype = keys.dtype if quant_head_dim else k_cache.dtype
-    if not selftest.write_ok(kernels, write_dtype, mode, quant_head_dim):
-        # The scatter outputs the new pools, so MLX orders the kernel reading them after it.
-        k_cache, v_cache = fallback.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, md, scale, window=window, sinks=sinks)
-        return out, k_cache, v_cache
-    k_cache, v_cache, token = kernels.write_kv(k_cache, v_cache, keys, values, md.slot_mapping)
-    out = kernels.paged_attention(
-        q, k_cache, v_cache, md, scale, window=window, sinks=sinks, token=token
-    )
-    return out, k_cache, v_cache
 
 
 def _self_test_mode() -> str | None:

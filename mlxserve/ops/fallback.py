@@ -30,16 +30,29 @@ def write_kv(
     values: mx.array,  # (num_tokens, num_kv_heads, v_head_dim)
     slot_mapping: mx.array,  # (num_tokens,) int32
 ) -> tuple[mx.array, mx.array]:
-    """Scatter new K/V rows into their slots; returns the updated pools.
-
-    The caller must drop its reference to the old pools so MLX can update them in place.
-    """
-    k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # (num_slots, num_kv_heads, k_head_dim)
-    v_flat = v_cache.reshape(-1, *v_cache.shape[2:])  # (num_slots, num_kv_heads, v_head_dim)
+    """Scatter new K/V rows into their slots (8-bit pools: quantized first); returns the
+    updated pools. The caller must drop the old pools so MLX can update them in place."""
     if kv_quant.is_quantized(k_cache):
         keys, values = kv_quant.quantize(keys), kv_quant.quantize(values)
-    k_flat[slot_mapping] = keys.astype(k_cache.dtype)
-    v_flat[slot_mapping] = values.astype(v_cache.dtype)
+    return scatter_rows(k_cache, v_cache, keys, values, slot_mapping)
+
+
+def scatter_rows(
+    k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, k_width)
+    v_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, v_width)
+    k_rows: mx.array,  # (num_tokens, num_kv_heads, k_width), pool rows as stored
+    v_rows: mx.array,  # (num_tokens, num_kv_heads, v_width)
+    slot_mapping: mx.array,  # (num_tokens,) int32
+) -> tuple[mx.array, mx.array]:
+    """MLX's scatter of pool rows into their slots: the one pool write on every backend.
+
+    In place when the old pools can be donated (see ops/metal.py): nothing but this call may
+    hold them, and they must be row-contiguous (the reshapes below are then views).
+    """
+    k_flat = k_cache.reshape(-1, *k_cache.shape[2:])  # (num_slots, num_kv_heads, k_width)
+    v_flat = v_cache.reshape(-1, *v_cache.shape[2:])  # (num_slots, num_kv_heads, v_width)
+    k_flat[slot_mapping] = k_rows.astype(k_cache.dtype)
+    v_flat[slot_mapping] = v_rows.astype(v_cache.dtype)
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
 
 

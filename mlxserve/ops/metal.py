@@ -1,25 +1,52 @@
-"""Metal kernels for write_kv and paged attention, launched through mx.fast.metal_kernel.
+"""Metal kernels for paged attention and 8-bit row quantization, via mx.fast.metal_kernel.
 
 Kernel bodies live in ``metal/*.metal`` (shipped as ``mlxserve._metal``). ``MetalKernels``
 builds each kernel object once, from a factory with mx.fast.metal_kernel's signature: the real
 one on a Mac, the CPU emulator of ``metal/checker`` in Linux tests.
 
-Writing the pool without copying it
------------------------------------
-A custom kernel's outputs are always fresh buffers in MLX 0.32 (no donation, no aliasing), so
-a write_kv kernel that *outputs* the pool would copy it for every layer and step. Our write
-kernel instead takes the pools as inputs and writes their buffers in place; its one output is
-a 1-element token. The pools are returned as ``mx.depends(pools, [token])``: the same buffers,
-ordered after the write in the graph. MLX's Metal encoder orders dispatches by the buffers a
-kernel *outputs*, and the pool is never an output, so the GPU would not know the attention
-kernel must wait for the write. Every attention kernel therefore binds the token as an extra
-(unread) input, which makes MLX put a barrier (same encoder) or a fence (across encoders)
-between the two. That is why the in-place write is only offered fused with the attention
-that reads it (``write_kv_and_attend``); a bare ``write_kv`` uses MLX's scatter, which is in
-place whenever the old pool can be donated.
+The pool write is MLX's scatter, on Metal as on the CPU
+-------------------------------------------------------
+``ops.write_kv`` puts the new K/V rows into the pools with MLX's own scatter (what mlx-lm's
+KV cache does with a slice update). Its output *is* the new pool, so MLX's graph orders every
+later reader after the write -- the attention kernels here, and anything else: the next
+step's write, pool growth by ``mx.concatenate`` -- and the Metal encoder sees the pool as the
+scatter's output buffer (a barrier within an encoder, a fence across encoders).
 
-Contract: the pools passed in are consumed (their buffers are rewritten); use only the
-returned arrays. Pools must be row-contiguous (mx.zeros is) with at least 8 elements.
+It is in place whenever the old pool can be donated. MLX 0.32's ``Scatter::eval_gpu`` (like
+``eval_cpu``) first copies its input into its output with ``copy_gpu(in, out, Vector)`` for a
+row-contiguous input, and ``set_copy_output_data`` (backend/common/copy.h) then hands the
+input's buffer to the output instead of allocating, when ``is_donatable(in, out)``: no other
+array references the input or shares its buffer (both use counts 1), the item sizes match
+and the buffer is at most 16 KiB larger than the output. The reshapes around the scatter
+share the buffer and are released before it runs. Two consequences:
+
+* The caller must drop its old pool arrays before the step is evaluated (KVCache keeps one
+  reference, which the layer replaces; the runner lets go of its saved copy first).
+* MLX also keeps each kernel's input buffers until that kernel has *finished* (cpu/eval.cpp,
+  metal/eval.cpp: released when the task or command buffer completes), so the write is in
+  place only if the pool's previous readers are done. Between steps they are: the runner
+  waits for a step's results before it builds the next, and each step writes each pool
+  once. A second write of a pool within one evaluation may copy it instead (a step re-run
+  in parts after a failure; on Metal possibly the draft model's passes) -- correct, slower.
+
+The engine warns once if a step copied a pool (worker/pool_watch.py). Contiguity no longer
+decides correctness (the attention kernels get a row-contiguous copy of anything else): a
+non-row-contiguous pool costs one copy, as the scatter's output is row-contiguous, and the
+pools come from mx.zeros, mx.concatenate and the scatter, all row-contiguous (the engine
+test checks each step's pools).
+
+Why not a kernel that writes the pool: mx.fast.metal_kernel gives every output a fresh
+buffer (no donation or aliasing in MLX 0.32), so a kernel that *outputs* the pool copies it
+per layer and step, and one that writes it through a ``const`` input (this module's earlier
+design) is outside MLX's contract and invisible to its dependency tracking: only the kernels
+that took its ordering token waited for it. A C++ extension primitive whose output aliases
+the pool (vllm-metal's paged_ops.cpp) would also be sound, but needs an extension built
+against each user's MLX on every Mac, and its Metal half can be neither compiled nor run
+where this project is tested. The scatter's price: two dispatches per layer (K and V;
+independent, no barrier between them) where the fused write had one; 8-bit pools add one
+``quantize_kv`` launch (K and V rows into fresh, small outputs) before them.
+
+Pools must have at least 8 elements (smaller inputs are bound as ``constant``).
 """
 
 from __future__ import annotations
@@ -113,45 +140,27 @@ class MetalKernels:
             last = self._bound[kind] = (key, make())
         return last[1]
 
-    # ---- write_kv ---------------------------------------------------------------------
-    def write_kv(
+    # ---- 8-bit rows --------------------------------------------------------------------
+    def quantize_kv(
         self,
-        k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, head_dim)
-        v_cache: mx.array,
         keys: mx.array,  # (num_tokens, num_kv_heads, head_dim)
-        values: mx.array,
-        slot_mapping: mx.array,  # (num_tokens,) int32
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """Write rows into the pools in place; returns (k_cache, v_cache, token).
-
-        The returned pools share the input buffers. Any kernel that reads them in the same
-        evaluation must take `token` as an input (see the module docstring).
-        """
-        _check_pool(k_cache, v_cache)
+        values: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+    ) -> tuple[mx.array, mx.array]:  # 2 x (num_tokens, num_kv_heads, head_dim + 4) int8
+        """K and V as 8-bit pool rows with their scales (ops/kv_quant.py's format), in fresh
+        arrays: what ops.write_kv scatters into 8-bit pools."""
         num_tokens, num_kv_heads, head_dim = keys.shape
-        row = num_kv_heads * head_dim
-        (slots,) = self._device_bound("slots", slot_mapping, lambda: (_at_least_8(slot_mapping),))
-        if kv_quant.is_quantized(k_cache):  # one simdgroup quantizes each (token, head) row
-            (token,) = self.kernel("write_kv_q8")(
-                inputs=[keys, values.astype(keys.dtype), slots, k_cache, v_cache],
-                output_shapes=[(1,)],
-                output_dtypes=[mx.int32],
-                grid=(32 * num_kv_heads, num_tokens, 1),
-                threadgroup=(32, 1, 1),
-                template=[("T", keys.dtype), ("HEAD_DIM", head_dim)],
-            )
-            k_cache, v_cache = mx.depends([k_cache, v_cache], [token])
-            return k_cache, v_cache, token
-        (token,) = self.kernel("write_kv")(
-            inputs=[keys, values, slots, k_cache, v_cache],
-            output_shapes=[(1,)],
-            output_dtypes=[mx.int32],
-            grid=(row, num_tokens, 1),
-            threadgroup=(min(row, 256), 1, 1),
-            template=[("T", k_cache.dtype)],
+        if values.shape != keys.shape:
+            raise ValueError(f"quantize_kv: keys {keys.shape} and values {values.shape} differ")
+        row_shape = (num_tokens, num_kv_heads, head_dim + kv_quant.KV_SCALE_BYTES)
+        k_rows, v_rows = self.kernel("quantize_kv")(
+            inputs=[keys, values.astype(keys.dtype)],
+            output_shapes=[row_shape, row_shape],
+            output_dtypes=[kv_quant.QUANT_DTYPE, kv_quant.QUANT_DTYPE],
+            grid=(32 * num_kv_heads, num_tokens, 1),
+            threadgroup=(32, 1, 1),
+            template=[("T", keys.dtype), ("HEAD_DIM", head_dim)],
         )
-        k_cache, v_cache = mx.depends([k_cache, v_cache], [token])
-        return k_cache, v_cache, token
+        return k_rows, v_rows
 
     # ---- attention --------------------------------------------------------------------
     def paged_attention(
@@ -163,13 +172,11 @@ class MetalKernels:
         scale: float,
         window: int | None = None,
         sinks: mx.array | None = None,  # (num_heads,)
-        token: mx.array | None = None,
         paths: tuple[str, ...] | None = None,
     ) -> mx.array:  # (num_tokens, num_heads, head_dim)
         """Decode-only batches use the decode kernel (split-K for few long contexts), mixed
-        ones the varlen prefill kernel (its decodes split-K'd too when that pays);
-        `token` is write_kv's ordering token, if the pools were just written. `window` and
-        `sinks` as in ops.paged_attention. `paths` forces attention_paths()'s choice (the
+        ones the varlen prefill kernel (its decodes split-K'd too when that pays). `window`
+        and `sinks` as in ops.paged_attention. `paths` forces attention_paths()'s choice (the
         self-test)."""
         _check_pool(k_cache, v_cache)
         reason = unsupported_reason(q, k_cache, v_cache)
@@ -184,7 +191,6 @@ class MetalKernels:
         dtype = q.dtype
         gqa = num_heads // num_kv_heads
         num_simd = max(self.config.num_simd, -(-head_dim // 32))
-        token = token if token is not None else self._constant(0, mx.int32, vector=True)
         scale_arr = self._constant(float(scale), mx.float32)
         use_sinks = sinks is not None
         if sinks is None:  # never read (USE_SINKS false); one element, bound as constant
@@ -211,10 +217,10 @@ class MetalKernels:
         decoded = None
         if split:  # the decodes (rows 0 .. num_decodes - 1), or every row of a decode batch
             rows = md.num_decodes if "prefill" in paths else num_tokens
-            decoded = self._split_decode(common, scale_arr, sinks, use_sinks, token, base, md, rows)
+            decoded = self._split_decode(common, scale_arr, sinks, use_sinks, base, md, rows)
         elif "decode" in paths:
             (decoded,) = self.kernel("paged_decode")(
-                inputs=[*common, scale_arr, sinks, token],
+                inputs=[*common, scale_arr, sinks],
                 output_shapes=[q.shape],
                 output_dtypes=[dtype],
                 grid=(width, num_tokens, 1),
@@ -240,7 +246,6 @@ class MetalKernels:
                     self._constant(req_begin, mx.int32),
                     scale_arr,
                     sinks,
-                    token,
                 ],
                 output_shapes=[q.shape],
                 output_dtypes=[dtype],
@@ -319,7 +324,7 @@ class MetalKernels:
             args.append(f"PARTITION_SIZE={self.config.partition_size}")
         return f"{kernel}<{', '.join(args)}>"
 
-    def _split_decode(self, common, scale_arr, sinks, use_sinks, token, base, md, rows) -> mx.array:
+    def _split_decode(self, common, scale_arr, sinks, use_sinks, base, md, rows) -> mx.array:
         """Split-K decode attention of q's first `rows` rows: (rows, num_heads, head_dim)."""
         q = common[0]
         _, num_heads, head_dim = q.shape
@@ -333,7 +338,7 @@ class MetalKernels:
         # Unused rows keep the partials >= 8 elements: the reduce binds them as `device`.
         buf_rows = max(rows, -(-MIN_DEVICE_ELEMENTS // (num_heads * num_parts)))
         partial_out, partial_max, partial_sum = self.kernel("paged_decode_split")(
-            inputs=[*common, scale_arr, token],
+            inputs=[*common, scale_arr],
             output_shapes=[
                 (buf_rows, num_heads, num_parts, head_dim),
                 (buf_rows, num_heads, num_parts),
@@ -378,12 +383,9 @@ def _metadata_inputs(md: AttentionMetadata) -> tuple[mx.array, mx.array, mx.arra
     return tables, _at_least_8(md.context_lens), _at_least_8(md.query_start_loc, fill=None)
 
 
-def write_variant(dtype: mx.Dtype, quant_head_dim: int | None = None) -> str:
-    """The write kernel's variant for pools of `dtype`, or with `quant_head_dim` the
-    quantizing write of rows of that size and dtype into 8-bit pools."""
-    if quant_head_dim is not None:
-        return f"write_kv_q8<T={_dtype_name(dtype)}, HEAD_DIM={quant_head_dim}>"
-    return f"write_kv<T={_dtype_name(dtype)}>"
+def quantize_variant(dtype: mx.Dtype, head_dim: int) -> str:
+    """The 8-bit row quantization kernel's variant for new rows of `dtype` and `head_dim`."""
+    return f"quantize_kv<T={_dtype_name(dtype)}, HEAD_DIM={head_dim}>"
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

@@ -27,19 +27,13 @@ PREFILL_INPUTS = [
     "req_begin",
     "scale",
     "sinks",
-    "kv_written",
 ]
 # name -> (source file, input names, output names)
 KERNELS = {
-    "write_kv": (
-        "write_kv.metal",
-        ["keys", "values", "slot_mapping", "k_cache", "v_cache"],
-        ["written"],
-    ),
-    "write_kv_q8": (
-        "write_kv_q8.metal",
-        ["keys", "values", "slot_mapping", "k_cache", "v_cache"],
-        ["written"],
+    "quantize_kv": (
+        "quantize_kv.metal",
+        ["keys", "values"],
+        ["k_rows", "v_rows"],
     ),
     "paged_decode": (
         "paged_decode.metal",
@@ -51,13 +45,12 @@ KERNELS = {
             "context_lens",
             "scale",
             "sinks",
-            "kv_written",
         ],
         ["out"],
     ),
     "paged_decode_split": (
         "paged_decode_split.metal",
-        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "kv_written"],
+        ["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale"],
         ["partial_out", "partial_max", "partial_sum"],
     ),
     "paged_decode_reduce": (

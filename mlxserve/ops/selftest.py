@@ -3,8 +3,8 @@
 The kernels are compiled by Apple's compiler only on the user's machine, so a variant (a
 kernel with its template arguments: dtype, head_dim, block size, GQA ratio, window, ...) is
 not trusted until it has run once here: the first time the dispatcher is about to use it, it
-runs on a small input of the same variant and is compared with the MLX fallback; the pool
-write is read back slot by slot. A compile or launch error, a mismatch or a lost write is
+runs on a small input of the same variant and is compared with the MLX fallback (the pool
+write itself is MLX's scatter: nothing to test). A compile or launch error or a mismatch is
 logged once, with the kernel, the variant and the MLX and OS versions, and that op uses the
 fallback from then on. Mode "raise" (``kernels='metal'``, for CI) raises instead.
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from mlxserve.ops import fallback, kv_quant
 from mlxserve.ops.metadata import AttentionMetadata
-from mlxserve.ops.metal import PATH_KERNELS, MetalKernels, write_variant
+from mlxserve.ops.metal import PATH_KERNELS, MetalKernels, quantize_variant
 
 TILED, SIMT = "paged_prefill_tiled", "paged_prefill"
 
@@ -113,15 +113,13 @@ def _verify_path(
         kernels.disabled.add(TILED)  # prefill_kernel() now picks the SIMT kernel
 
 
-def write_ok(
-    kernels: MetalKernels, dtype: mx.Dtype, mode: str | None, quant_head_dim: int | None = None
-) -> bool:
-    """Whether the in-place pool write for `dtype` passed its self-test (run on first use);
-    with `quant_head_dim`, the quantizing write of `dtype` rows of that size (8-bit pools)."""
+def quantize_ok(kernels: MetalKernels, dtype: mx.Dtype, head_dim: int, mode: str | None) -> bool:
+    """Whether the 8-bit row quantization of `dtype` rows of `head_dim` passed its
+    self-test (run on first use)."""
     if mode is None:
         return True
-    variant = write_variant(dtype, quant_head_dim)
-    return _verified(kernels, variant, lambda: _test_write(kernels, dtype, quant_head_dim), mode)
+    variant = quantize_variant(dtype, head_dim)
+    return _verified(kernels, variant, lambda: _test_quantize(kernels, dtype, head_dim), mode)
 
 
 def run_all(
@@ -134,13 +132,14 @@ def run_all(
     use_sinks: bool = False,
     quant: bool = False,
 ) -> list[SelfTestResult]:
-    """Self-test (or recall) every variant a model of these shapes uses: the write and each
-    attention path, and the SIMT prefill where the tiled one failed (``mlxserve doctor``).
-    `quant`: over 8-bit pools (kv_cache_dtype int8). Failures are logged as on first use."""
-    quant_head_dim = head_dim if quant else None
-    write = write_variant(dtype, quant_head_dim)
-    _verified(kernels, write, lambda: _test_write(kernels, dtype, quant_head_dim), "fallback")
-    results = [kernels.self_tests[write]]
+    """Self-test (or recall) every variant a model of these shapes uses: each attention
+    path, the SIMT prefill where the tiled one failed, and with `quant` (8-bit pools,
+    kv_cache_dtype int8) the row quantization first (``mlxserve doctor``). Failures are
+    logged as on first use."""
+    results = []
+    if quant:
+        quantize_ok(kernels, dtype, head_dim, "fallback")
+        results.append(kernels.self_tests[quantize_variant(dtype, head_dim)])
     for path in PATH_KERNELS:
         results += _verify_path(
             kernels, path, dtype, head_dim, block_size, gqa, window, use_sinks, "fallback", quant
@@ -189,64 +188,28 @@ def _dtype_key(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
-def _test_write(kernels: MetalKernels, dtype: mx.Dtype, quant_head_dim: int | None = None) -> str:
-    """Write 4 rows into a 4-block pool; every slot must read back as written or untouched."""
-    if quant_head_dim is not None:
-        return _test_quantized_write(kernels, dtype, quant_head_dim)
+def _test_quantize(kernels: MetalKernels, dtype: mx.Dtype, head_dim: int) -> str:
+    """Quantize 4 tokens x 2 heads of K and V (V = 3 K, and one all-zero row): each row must
+    dequantize to the fallback's within one step (a division may round differently on the
+    GPU), with the same scale."""
     rng = np.random.default_rng(0)
-    shape = (4, 4, 2, 32)  # blocks, block size, kv heads, head_dim
-    slots = np.array([5, 6, 13, 2], dtype=np.int32)
-    pools = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
-    rows = [rng.standard_normal((len(slots), *shape[2:])).astype(np.float32) for _ in range(2)]
-    k_cache, v_cache = (mx.array(p).astype(dtype) for p in pools)
-    mx.eval(k_cache, v_cache)
-    before = [np.array(p.astype(mx.float32)) for p in (k_cache, v_cache)]
-    keys, values = (mx.array(r).astype(dtype) for r in rows)
-    k_new, v_new, token = kernels.write_kv(k_cache, v_cache, keys, values, mx.array(slots))
-    mx.eval(k_new, v_new, token)
-    for name, got, old, new in zip(
-        ("k_cache", "v_cache"), (k_new, v_new), before, (keys, values), strict=True
-    ):
-        got = np.array(got.astype(mx.float32)).reshape(-1, *shape[2:])
-        want = old.reshape(-1, *shape[2:]).copy()
-        want[slots] = np.array(new.astype(mx.float32))
-        if np.array_equal(got, want):
-            continue
-        if np.array_equal(got[slots], old.reshape(-1, *shape[2:])[slots]):
-            return f"lost write: {name} slots {slots.tolist()} kept their old contents"
-        bad = np.unique(np.nonzero((got != want).any(axis=(1, 2)))[0]).tolist()
-        return f"mismatch: {name} slots {bad} differ from the rows written"
-    return ""
-
-
-def _test_quantized_write(kernels: MetalKernels, dtype: mx.Dtype, head_dim: int) -> str:
-    """The quantizing write: written rows dequantize to the fallback's within one step
-    (a division may round differently on the GPU), other slots keep their bytes."""
-    rng = np.random.default_rng(0)
-    shape = (4, 4, 2, head_dim + kv_quant.KV_SCALE_BYTES)  # an 8-bit pool
-    slots = np.array([5, 6, 13, 2], dtype=np.int32)
-    before = [rng.integers(-127, 128, shape, dtype=np.int8) for _ in range(2)]
-    k_cache, v_cache = (mx.array(p) for p in before)
-    rows = [mx.array(rng.standard_normal((4, 2, head_dim)).astype(np.float32)).astype(dtype)]
-    rows.append(rows[0] * 3)
-    mx.eval(k_cache, v_cache, *rows)
-    k_new, v_new, token = kernels.write_kv(k_cache, v_cache, *rows, mx.array(slots))
-    mx.eval(k_new, v_new, token)
-    for name, got, old, new in zip(
-        ("k_cache", "v_cache"), (k_new, v_new), before, rows, strict=True
-    ):
-        got = np.array(got).reshape(-1, *shape[2:])
-        old = old.reshape(-1, *shape[2:])
-        others = np.setdiff1d(np.arange(len(got)), slots)
-        if not np.array_equal(got[others], old[others]):
-            return f"mismatch: {name} wrote slots other than {slots.tolist()}"
-        if np.array_equal(got[slots], old[slots]):
-            return f"lost write: {name} slots {slots.tolist()} kept their old contents"
+    keys = mx.array(rng.standard_normal((4, 2, head_dim)).astype(np.float32)).astype(dtype)
+    keys[1, 0] = 0  # the all-zero row: zeros and scale 0
+    values = keys * 3
+    mx.eval(keys, values)
+    got = kernels.quantize_kv(keys, values)
+    mx.eval(got)
+    for name, rows, new in zip(("k_rows", "v_rows"), got, (keys, values), strict=True):
         want = kv_quant.quantize(new)
-        _, step = kv_quant.split(want)
-        deq = [np.array(kv_quant.dequantize(mx.array(r), mx.float32)) for r in (got[slots], want)]
-        if not np.all(np.abs(deq[0] - deq[1]) <= 1.01 * np.array(step)[..., None]):
-            return f"mismatch: {name} rows differ from the fallback's quantization"
+        if rows.shape != want.shape or rows.dtype != want.dtype:
+            return f"mismatch: {name} is {rows.shape} {rows.dtype}, not {want.shape} {want.dtype}"
+        (_, got_scale), (_, step) = kv_quant.split(rows), kv_quant.split(want)
+        got_scale, step = np.array(got_scale), np.array(step)
+        if not np.allclose(got_scale, step, rtol=1e-6, atol=0):
+            return f"mismatch: {name} scales differ from the fallback's"
+        deq = [np.array(kv_quant.dequantize(r, mx.float32)) for r in (rows, want)]
+        if not np.all(np.abs(deq[0] - deq[1]) <= 1.01 * step[..., None]):
+            return f"mismatch: {name} values differ from the fallback's quantization"
     return ""
 
 

@@ -48,6 +48,7 @@ from mlxserve.worker.memory import (
     probe_activation_bytes,
     tree_bytes,
 )
+from mlxserve.worker.pool_watch import PoolWatch
 from mlxserve.worker.pooling import PoolingSums
 from mlxserve.worker.request_states import RequestStates
 from mlxserve.worker.spmd import ForwardInputs, StepChannel
@@ -99,6 +100,7 @@ class ModelRunner:
         dims = [d for _, k, v in self.layout.tensor_shapes for d in (k, v)]
         self.kv_dtype = kv_pool_dtype(kv_cache_dtype, dtype, dims)  # int8: 8-bit (kv_quant)
         self.kv_cache: KVCache | None = None  # made by the first ensure_blocks()
+        self.pool_watch = PoolWatch()  # warns if a step copied the pool (not in place)
         # Speculative decoding with a draft model: set by the engine before planning.
         self.drafter: Drafter | None = None
         mx.random.seed(seed)
@@ -295,6 +297,10 @@ class ModelRunner:
             else:
                 for read in reads:
                     commit(read, output, self._states, self._pool_sums)
+                if len(handle.parts) > 1:  # a part's write copies a pool an earlier part reads
+                    self.pool_watch.forget()
+                elif handle.parts and handle.parts[0].waited:  # else the pool may be in flight
+                    self.pool_watch.check(self._pool_arrays())
                 return output
         so = handle.scheduler_output
         logger.warning(
@@ -303,6 +309,7 @@ class ModelRunner:
             error,
         )
         handle.parts = []  # drop the failed graph before re-running
+        self.pool_watch.forget()  # the re-runs hold the old pool arrays: copies, on purpose
         self._settle_pool()
         live = [r for r in so.scheduled_requests if r.request_id not in output.failed]
         bisect(so.subset(live), error, output.failed, lambda sub: self._rerun(sub, output))
@@ -342,6 +349,7 @@ class ModelRunner:
                 self._check_lost(e)
                 pool.restore(self.kv_cache, self.drafter)
                 return describe(e)
+            del pool  # before evaluating: the old pool arrays would be copied, not donated
             if self.channel is not None and part.inputs is not None:
                 # Tensor parallel: the other ranks run this forward too, in this order.
                 self.channel.start(part.inputs, [self.kv_cache.arrays(), part.arrays()])

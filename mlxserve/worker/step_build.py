@@ -67,6 +67,11 @@ class StepPart:
     follow: Callable[[SamplerOutput | None], list[mx.array]] | None = None
     followed: list[mx.array] = field(default_factory=list)  # its arrays to evaluate
 
+    @property
+    def waited(self) -> bool:
+        """Whether reading this part waited for its forward pass (it has host results)."""
+        return any(a is not None for a in (self.result, self.prompt_logprobs, self.pooled))
+
     def arrays(self) -> list[mx.array]:
         """The part's lazy results, to evaluate with the pool."""
         out = list(self.prompt_logprobs or ()) + self.followed
