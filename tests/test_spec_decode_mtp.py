@@ -63,7 +63,9 @@ def mtp_llm(model_dir, k: int = 3, **kwargs) -> LLM:
 def test_greedy_with_mtp_equals_without_speculation(models, references, model_type, kwargs):
     _, model_dir, _ = models[model_type]
     llm = mtp_llm(model_dir, **kwargs)
+    llm.engine.runner.pool_watch.every = 1  # every step's pool writes checked: in place
     assert greedy(llm, prompts()) == references[model_type]
+    assert llm.engine.runner.pool_watch.num_copied_steps == 0
     stats = llm.engine.get_stats()
     assert stats.spec_decode_num_draft_tokens > 100
     if kwargs["num_blocks"] < 512:
@@ -258,6 +260,7 @@ def test_speculating_plain_and_constrained_requests_share_steps(models, kv_cache
     _, model_dir, _ = models["glm4_moe"]
     base = LLM(str(model_dir), num_blocks=512, kv_cache_dtype=kv_cache_dtype)
     llm = mtp_llm(model_dir, num_blocks=512, kv_cache_dtype=kv_cache_dtype)
+    llm.engine.runner.pool_watch.every = 1
     ps = prompts(6)
     free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     params = [
@@ -273,6 +276,7 @@ def test_speculating_plain_and_constrained_requests_share_steps(models, kv_cache
     got = llm.generate(ps, params, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     assert llm.engine.get_stats().spec_decode_num_draft_tokens > 20
+    assert llm.engine.runner.pool_watch.num_copied_steps == 0  # the MTP pool in place too
     if kv_cache_dtype == "int8":
         runner = llm.engine.runner
         assert runner.drafter.kv_cache.keys[0].dtype == runner.kv_cache.keys[0].dtype == mx.int8

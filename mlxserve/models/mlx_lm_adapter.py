@@ -443,7 +443,16 @@ def run_paged_layer(
 ) -> mx.array:  # (num_tokens, hidden)
     """One mlx-lm decoder layer (``layer(x, mask, cache)``) over flat rows, its attention
     on K/V tensor 0 of ``kv_cache`` (an MTP layer's block: models/mtp.py)."""
-    step = _Step(model_type, positions, md, (md,), kv_cache, None, False, False, {})
+    step = _Step(
+        model_type,
+        positions,
+        md,
+        group_mds=(md,),
+        kv_cache=kv_cache,
+        logits_indices=None,
+        kv_cast_after_fetch=False,
+        owners={},
+    )
     view = PagedLayerCache(step, 0, spec, 0, 0)
     token = _STEP.set(step)
     try:

@@ -136,8 +136,8 @@ class MtpDrafter(Drafter):
         result: SamplerOutput | None,
     ) -> list[mx.array]:
         """Run the MTP layer over every row the target computed (see the module
-        docstring); keep g at each sampling request's last verified row. Returns the
-        arrays the step must evaluate."""
+        docstring); keep g at each request's last verified row. Returns the arrays the
+        step must evaluate besides the pool."""
         for rid in so.finished_request_ids:
             self._last.pop(rid, None)
         assert len(captured) == 1, "one target forward per step"
@@ -176,7 +176,9 @@ class MtpDrafter(Drafter):
         g = self.model.forward(
             next_ids, mx.array(positions, dtype=mx.int32), hidden, md, self.kv_cache
         )  # (T, hidden)
-        out = self.kv_cache.arrays()
+        # Not the pool arrays: the runner evaluates those, and a step's part must not hold
+        # them (it outlives the step, and the next step's write could not be in place).
+        out: list[mx.array] = []
         if carried:
             index = []
             for _, first_row, first_sample, k in carried:
