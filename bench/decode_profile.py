@@ -18,7 +18,8 @@ Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
    all its layers (so the per-``eval`` cost is paid once), best of ``--repeats``. And
    MLX's dispatch cost per op: a chain of 1,000 adds on a (B, hidden) array.
 3. **Verification rows.** A forward pass over 1, 2, 5, 8 decode rows of one request (as a
-   speculative verification is laid out), best of ``--repeats``, relative to one row.
+   speculative verification is laid out) after ``--verify-context`` cached tokens, and
+   its attention alone, best of ``--repeats`` (wall and CPU time), relative to one row.
 
 On a busy machine wall times mean little; the step's CPU time (every thread of the
 process, ``time.process_time``) does, with ``MLXSERVE_CPU_THREADS=1`` (no spinning
@@ -252,9 +253,12 @@ def profile_parts(model, batch: int, repeats: int, context: int = 48) -> dict[st
 
 
 def profile_verification(model, rows: list[int], repeats: int, context: int = 60) -> dict:
-    """Best-of-``repeats`` ms of a forward pass over n decode rows of one request (how the
-    runner lays out a speculative verification: each row attends up to its own position),
-    for each n in ``rows``, interleaved; and the cost relative to one row."""
+    """Best-of-``repeats`` wall and CPU ms of a forward pass over n decode rows of one
+    request (how the runner lays out a speculative verification: the rows' positions
+    follow ``context`` tokens already cached, each row attends up to its own position),
+    for each n in ``rows``, interleaved; the forward's attention alone (every layer's
+    K/V write and paged attention at the same shapes); each relative to one row."""
+    from mlxserve import ops
     from mlxserve.models.base import KVCache
     from mlxserve.ops import AttentionMetadata
 
@@ -263,36 +267,62 @@ def profile_verification(model, rows: list[int], repeats: int, context: int = 60
     cache = KVCache.allocate_for(model, 1 + nblk, bs, mx.float32)
     mx.eval(cache.arrays())
     table = list(range(1, 1 + nblk))
+    layers = model.model.layers
+    attn = layers[0].self_attn
+    nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = {n: mx.random.normal((n, nh, hd)) for n in rows}
+    k = {n: mx.random.normal((n, nkv, hd)) for n in rows}
+    mx.eval(list(q.values()), list(k.values()))
+
+    def metadata(n: int) -> AttentionMetadata:
+        ctx = list(range(context + 1, context + 1 + n))
+        return AttentionMetadata.build([1] * n, ctx, [table] * n, bs)
 
     def forward(n: int) -> None:
-        md = AttentionMetadata.build(
-            [1] * n, list(range(context + 1, context + 1 + n)), [table] * n, bs
-        )
         logits = model(
             mx.array([5] * n, dtype=mx.int32),
             mx.arange(context, context + n, dtype=mx.int32),
-            md,
+            metadata(n),
             cache,
             logits_indices=mx.arange(n, dtype=mx.int32),
         )
         mx.eval(logits, cache.arrays())
 
-    best = dict.fromkeys(rows, float("inf"))
-    for _ in range(2):
+    def attention(n: int) -> None:
+        md, outs = metadata(n), []
+        for i in range(len(layers)):
+            o, cache.keys[i], cache.values[i] = ops.write_kv_and_attend(
+                q[n], k[n], k[n], cache.keys[i], cache.values[i], md, attn.scale
+            )
+            outs.append(o)
+        mx.eval(outs, cache.arrays())
+
+    results: dict = {}
+    for name, fn in (("forward", forward), ("attention", attention)):
+        wall = dict.fromkeys(rows, float("inf"))
+        cpu = dict.fromkeys(rows, float("inf"))
+        for _ in range(2):
+            for n in rows:
+                fn(n)
+        for _ in range(repeats):
+            for n in rows:
+                t, c = time.perf_counter(), time.process_time()
+                fn(n)
+                wall[n] = min(wall[n], time.perf_counter() - t)
+                cpu[n] = min(cpu[n], time.process_time() - c)
         for n in rows:
-            forward(n)
-    for _ in range(repeats):
-        for n in rows:
-            t = time.perf_counter()
-            forward(n)
-            best[n] = min(best[n], time.perf_counter() - t)
-    return {n: {"ms": v * 1000, "vs_1_row": v / best[rows[0]]} for n, v in best.items()}
+            results.setdefault(n, {})[name] = {
+                "ms": wall[n] * 1000,
+                "cpu_ms": cpu[n] * 1000,
+                "vs_1_row": wall[n] / wall[rows[0]],
+            }
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", default=None)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 8], help="none: skip")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", default=None)
@@ -304,9 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         help="forward passes over this many decode rows of one request (speculative "
         "verification); none: skip",
     )
+    ap.add_argument(
+        "--verify-context", type=int, default=60, help="tokens cached before the verified rows"
+    )
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
-    engine = make_engine(args.model, max_num_seqs=max(64, *args.batch))
+    engine = make_engine(args.model, max_num_seqs=max(64, *args.batch, 1))
     results: dict[str, object] = {"load_start": load, "steps": {}, "parts": {}}
     for b in args.batch:
         ms = profile_engine(engine, b, args.steps)
@@ -325,11 +358,20 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in parts.items():
             print(f"  {k:36s} {v:7.2f}")
     if args.verify_rows:
-        verify = profile_verification(engine.runner.model, args.verify_rows, args.repeats)
+        verify = profile_verification(
+            engine.runner.model, args.verify_rows, args.repeats, args.verify_context
+        )
         results["verification"] = verify
-        print("\nforward over n decode rows of one request (speculative verification):")
+        print(
+            f"\nn decode rows of one request after {args.verify_context} cached tokens "
+            "(speculative verification), best wall ms (x one row) / CPU ms:"
+        )
         for n, v in verify.items():
-            print(f"  {n} rows: {v['ms']:.1f} ms = {v['vs_1_row']:.2f}x one row")
+            f, a = v["forward"], v["attention"]
+            print(
+                f"  {n} rows: forward {f['ms']:.1f} ({f['vs_1_row']:.2f}x) / {f['cpu_ms']:.1f}"
+                f"  attention {a['ms']:.1f} ({a['vs_1_row']:.2f}x) / {a['cpu_ms']:.1f}"
+            )
     results["load_end"] = os.getloadavg()[0]
     print(f"\nload average: {load:.2f} at start, {results['load_end']:.2f} at end")
     if args.json:

@@ -37,7 +37,9 @@ from bench.report import print_report, write_chart  # noqa: E402
 from mlxserve.cli.bench import OfflineSpec, make_prompts  # noqa: E402
 
 SECTIONS = ("offline", "serving", "mixed", "busy", "prefix", "memory")
-PEERS = ("mlxserve", "mlx-lm", "llama.cpp")
+PEERS = ("mlxserve", "mlxserve-int8", "mlx-lm", "llama.cpp")
+# mlxserve with int8 activations (MLXSERVE_CPU_INT8=on): the offline section only.
+MLXSERVE_VARIANTS = {"mlxserve": {}, "mlxserve-int8": {"MLXSERVE_CPU_INT8": "on"}}
 
 
 def conditions() -> dict[str, object]:
@@ -48,8 +50,10 @@ def conditions() -> dict[str, object]:
 
 def offline(args, spec: OfflineSpec, tok, gguf: Path, work: Path) -> dict[str, dict]:
     res: dict[str, dict] = {}
-    if "mlxserve" in args.peers:
-        out = work / "mlxserve-offline.json"
+    for name, extra_env in MLXSERVE_VARIANTS.items():
+        if name not in args.peers:
+            continue
+        out = work / f"{name}-offline.json"
         cmd = [sys.executable, "-m", "mlxserve.cli", "bench", str(gguf), "--json", str(out)]
         cmd += [
             "--decode-tokens",
@@ -64,9 +68,9 @@ def offline(args, spec: OfflineSpec, tok, gguf: Path, work: Path) -> dict[str, d
             str(spec.prompt_tokens),
         ]
         cmd += ["--batch-sizes", *map(str, spec.batch_sizes)]
-        data = run_json(cmd, child_env(), out)
-        res["mlxserve"] = data["offline"]
-        res["mlxserve"]["profile"] = data.get("profile")
+        data = run_json(cmd, child_env(extra_env), out)
+        res[name] = data["offline"]
+        res[name]["profile"] = data.get("profile")
     if "mlx-lm" in args.peers:
         payload = {
             "decode_prompt": make_prompts(tok, 1, spec.prompt_tokens)[0],

@@ -17,6 +17,8 @@ Workloads (greedy, one stream each unless --batch):
 - edit: a ~1,500-token Python file (mlxserve's own block pool, cut at a line boundary)
   and the instruction to return it with one function renamed. A model that follows it
   copies most of its prompt, which n-gram drafts predict.
+- copy: the edit's file and "repeat this file exactly" (an upper bound, labelled as
+  such: what n-gram drafts give at the edit's context when the model does copy).
 - repeat: "repeat this text exactly" with ~400 tokens of prose (the README's opening):
   the best case, for a model too small to follow the edit instruction.
 - chat: a short question with nothing to copy.
@@ -24,10 +26,13 @@ Workloads (greedy, one stream each unless --batch):
   back-off (``disable_by_batch_size``) should turn speculation off.
 
 With --repeat N the engines run alternately N times each and the best run of each is
-reported (the machine's load drifts). Reported per workload and engine: output tokens,
-decode tok/s (tokens after the first / time after the first), end-to-end seconds, engine
-steps, drafted and accepted tokens and the acceptance rate, and whether the speculative
-output equals the plain one token for token (it must: greedy verification).
+reported (the machine's load drifts). ``ngram`` runs with the cost back-off (the default:
+drafts only while they make tokens cheaper, core/spec_cost.py); ``--always`` adds
+``ngram:always`` without it. Reported per workload and engine: output tokens, decode
+tok/s (tokens after the first / time after the first), end-to-end seconds, engine steps,
+drafted and accepted tokens and the acceptance rate, the cost back-off's switches, and
+whether the speculative output equals the plain one token for token (it must: greedy
+verification).
 """
 
 from __future__ import annotations
@@ -53,18 +58,30 @@ CHAT = [
 ]
 
 
-def edit_prompt(tokenizer) -> str:
-    """The code-editing request: ~EDIT_TOKENS tokens of source, one rename asked."""
+def edit_source(tokenizer) -> str:
+    """~EDIT_TOKENS tokens of mlxserve's block pool, cut at a line boundary."""
     lines, text = EDIT_SOURCE.read_text().splitlines(keepends=True), ""
     for line in lines:
         if len(tokenizer.encode(text + line)) > EDIT_TOKENS:
             break
         text += line
+    return text
+
+
+def edit_prompt(tokenizer) -> str:
+    """The code-editing request: ~EDIT_TOKENS tokens of source, one rename asked."""
     ask = (
         "Here is a Python file. Return the whole file unchanged, except rename the method "
         "`get_new_blocks` to `allocate_blocks` everywhere. Output only the code.\n\n"
     )
-    return chat(tokenizer, ask + "```python\n" + text + "```")
+    return chat(tokenizer, ask + "```python\n" + edit_source(tokenizer) + "```")
+
+
+def copy_prompt(tokenizer) -> str:
+    """The edit's file, to be repeated verbatim: the upper bound of n-gram drafts at the
+    edit's context length (what a model that follows the edit instruction would copy)."""
+    ask = "Repeat this Python file exactly, from its first line. Output only the code.\n\n"
+    return chat(tokenizer, ask + "```python\n" + edit_source(tokenizer) + "```")
 
 
 def repeat_prompt(tokenizer) -> str:
@@ -168,7 +185,9 @@ def run(llm, prompts: list[str], params) -> dict:
     last = max(o.metrics.last_token_time for o in outs)
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    switches = after.spec_decode_cost_switches - before.spec_decode_cost_switches
     return {
+        "cost_switches": switches,
         "output_tokens": tokens,
         "decode_tok_s": (tokens - len(outs)) / max(last - first, 1e-9),
         "seconds": wall,
@@ -189,6 +208,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--batch", type=int, default=0, help="also a batch of N chat prompts")
+    ap.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculative_config.disable_by_batch_size (default: the config's, 8); a large "
+        "value leaves the batch to the cost back-off",
+    )
+    ap.add_argument(
+        "--always",
+        action="store_true",
+        help="also n-gram without the cost back-off (disable_by_cost false): what drafts "
+        "cost or save when they always run",
+    )
     ap.add_argument("--workloads", default="edit,chat")
     ap.add_argument("--draft", default="self", help="draft models: self, layers:N, a path")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-server's modes")
@@ -207,7 +239,12 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
     }
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     engines = {"plain": LLM(args.model), "ngram": LLM(args.model, speculative_config=spec)}
+    if args.always:
+        always = spec | {"disable_by_cost": False}
+        engines["ngram:always"] = LLM(args.model, speculative_config=always)
     for name in args.draft.split(","):
         if name and name != "none":
             draft = {"model": draft_path(args.model, name), "num_speculative_tokens": k}
@@ -217,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.workloads.split(","):
         if name == "edit":
             workloads["edit"] = [edit_prompt(tok)]
+        elif name == "copy":
+            workloads["copy"] = [copy_prompt(tok)]
         elif name == "repeat":
             workloads["repeat"] = [repeat_prompt(tok)]
         elif name == "chat":
@@ -253,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"  {name:22s} {r['output_tokens']:5d} tokens  decode {r['decode_tok_s']:6.1f}"
                 f" tok/s ({r['speedup']:.2f}x)  {r['seconds']:6.1f} s  {r['steps']:4d} steps"
                 f"  drafted {r['drafted']:5d}  accepted {r['accepted']:5d} ({acc})"
+                f"  cost switches {r.get('cost_switches', '-')}"
             )
         print(f"  same tokens (mlxserve engines): {same}")
         print(f"  output starts: {plain['text'][:160]!r}")

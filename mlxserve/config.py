@@ -142,6 +142,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
     # A request whose recent drafts were accepted at less than this rate pauses proposing.
     min_acceptance_rate: float = 0.2
+    # Measure seconds per emitted token with and without drafts and speculate only while
+    # drafts cost less (core/spec_cost.py).
+    disable_by_cost: bool = True
 
     def __post_init__(self) -> None:
         field_ = "speculative_config."
@@ -183,6 +186,12 @@ class SpeculativeConfig:
             field_ + "prompt_lookup_min",
             self.prompt_lookup_min,
             f"<= prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+        _require(
+            isinstance(self.disable_by_cost, bool),
+            field_ + "disable_by_cost",
+            self.disable_by_cost,
+            "true or false",
         )
         rate = self.min_acceptance_rate
         _require(

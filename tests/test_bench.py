@@ -186,12 +186,14 @@ def test_spec_decode_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
     from bench import spec_decode
 
     _, model_dir = make_tiny_model_dir(tmp_path / "m")
-    argv = [str(model_dir), "--max-tokens", "6", "--workloads", "edit,repeat", "--batch", "2"]
+    argv = [str(model_dir), "--max-tokens", "6", "--workloads", "edit,copy,repeat"]
+    argv += ["--batch", "2", "--always", "--disable-by-batch-size", "4"]
     results = spec_decode.main(argv)
-    assert set(results) == {"edit", "repeat", "batch2"}
+    assert set(results) == {"edit", "copy", "repeat", "batch2"}
     for row in results.values():
         assert row["same_tokens"]  # greedy: speculation never changes the tokens
         assert row["plain"]["drafted"] == 0 and row["ngram"]["output_tokens"] > 0
+        assert row["ngram:always"]["cost_switches"] == 0  # no cost back-off there
         # The model drafting for itself: its greedy drafts are the target's own tokens.
         assert row["draft:self"]["accepted"] == row["draft:self"]["drafted"]
 

@@ -27,6 +27,13 @@ def kernels() -> None:
         pytest.skip(cpu.status())
 
 
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the float path: layers made here keep x as given (the int8
+    path, MLXSERVE_CPU_INT8, is tested in tests/test_cpu_int8.py)."""
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "off")
+
+
 @pytest.fixture(params=ISAS)
 def isa(request):
     name = request.param

@@ -44,7 +44,9 @@ def test_doctor_reports_this_machine_and_the_embedded_model() -> None:
     if not mx.metal.is_available():  # the quantized-matmul kernels, built here by the tests
         qmm = next(line for line in lines if line.startswith("cpu-qmm:"))
         assert re.fullmatch(
-            r"cpu-qmm: +CPU kernels: (avx512|avx2|neon|scalar), \d+ threads .*", qmm
+            r"cpu-qmm: +CPU kernels: (avx512|avx2|neon|scalar), (float activations|int8 "
+            r"activations \((avx512vnni|avxvnni|avx2|neon|scalar)\)), \d+ threads .*",
+            qmm,
         )
     # SmolLM2-135M: 30 layers, 9 heads, 3 KV heads of 64; float32 KV on the CPU is
     # 2 x 30 x 3 x 64 x 4 B = 45 KiB per token, 720 KiB per 16-token block (float16 on

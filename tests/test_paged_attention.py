@@ -212,3 +212,51 @@ def test_window_must_be_positive() -> None:
     md = AttentionMetadata.build([1], [1], [[1]], 4)
     with pytest.raises(ValueError, match="window must be >= 1 token, got 0"):
         ops.paged_attention(mx.zeros((1, 1, 8)), k, k, md, 1.0, window=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 1, 3, 9])
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["nosinks", "sinks"])
+def test_verification_rows_match_dense(block_size: int, window: int | None, use_sinks) -> None:
+    """Decode rows of one request at consecutive positions (a speculative verification:
+    the last token and its drafts) are one group that gathers the keys once; each row
+    still sees exactly the keys up to its own position, as the causal dense reference."""
+    rng = np.random.default_rng(block_size * 10 + (window or 0) + 100 * use_sinks)
+    num_kv_heads, gqa, head_dim = 2, 3, 16
+    num_heads = num_kv_heads * gqa
+    # (rows, context length after the last row): groups of 1, 5, 3 and 2 rows.
+    groups = [(1, 7), (5, 3 * block_size + 4), (3, 2 * block_size + 1), (2, 3)]
+    requests, tables, ks, vs, qs, want = [], [], [], [], [], []
+    blocks = rng.permutation(np.arange(1, 200)).tolist()
+    for rows, ctx in groups:
+        table = [blocks.pop() for _ in range(-(-ctx // block_size))]
+        k = rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32)
+        v = rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32)
+        q = rng.standard_normal((rows, num_heads, head_dim)).astype(np.float32)
+        for t in range(rows):  # one decode entry per row, all on the request's table
+            end = ctx - rows + 1 + t
+            requests.append((1, end))
+            tables.append(table)
+            ks.append(k[:end])
+            vs.append(v[:end])
+            qs.append(q[t : t + 1])
+        want.append((q, k, v))
+    md = AttentionMetadata.build(
+        [q for q, _ in requests], [c for _, c in requests], tables, block_size
+    )
+    assert md.decode_group_sizes == (1, 5, 3, 2)
+    sinks = (2 * rng.standard_normal(num_heads)).astype(np.float32) if use_sinks else None
+    variant = {"window": window, "sinks": None if sinks is None else mx.array(sinks)}
+    got = run_paged(requests, tables, 200, ks, vs, qs, block_size, mx.float32, 0.25, **variant)
+    expected = np.concatenate([dense_attention(q, k, v, 0.25, window, sinks) for q, k, v in want])
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_groups_need_one_table_and_consecutive_positions() -> None:
+    """Rows are grouped only when they are one request's consecutive positions."""
+    build = AttentionMetadata.build
+    assert build([1, 1, 1], [5, 6, 7], [[1, 2]] * 3, 4).decode_group_sizes == (3,)
+    assert build([1, 1], [5, 7], [[1, 2]] * 2, 4).decode_group_sizes == ()  # a gap
+    assert build([1, 1], [5, 6], [[1, 2], [1, 3]], 4).decode_group_sizes == ()  # two tables
+    md = build([1, 1, 1, 4], [3, 4, 9, 4], [[1], [1], [2, 3, 4], [5]], 4)
+    assert md.decode_group_sizes == (2, 1)  # the prefill chunk is not a decode

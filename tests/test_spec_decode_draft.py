@@ -42,6 +42,7 @@ def reference(models) -> list[list[int]]:
 
 def draft_llm(target, draft, k: int = 3, **kwargs) -> LLM:
     spec = {"model": str(draft), "num_speculative_tokens": k, "disable_by_batch_size": 64}
+    spec["disable_by_cost"] = False  # wall-clock decisions would move the counts asserted
     return LLM(str(target), speculative_config=spec, **kwargs)
 
 
@@ -149,6 +150,7 @@ def test_sampled_tokens_keep_the_target_distribution(models, tmp_path) -> None:
     # A noisier draft than the others': q far enough from p for many rejections.
     noisier = perturb_weights(target, tmp_path / "noisier", 0.4)
     spec = {"model": str(noisier), "num_speculative_tokens": 1, "disable_by_batch_size": 256}
+    spec["disable_by_cost"] = False  # every 2nd token drafted: no wall-clock decisions
     llm = LLM(str(target), max_num_seqs=256, seed=0, speculative_config=spec)
     # max_tokens 3: the 2nd token is drafted (the 3rd is the bonus token).
     params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mlxserve import LLM, SamplingParams
+from mlxserve.core.spec_cost import MIN_STEPS, PROBE_INTERVAL, PROBE_STEPS
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import StructuredOutputsParams
 from tests.chi_square import assert_fits
@@ -19,7 +20,14 @@ from tests.engine_helpers import VOCAB_SIZE, make_tiny_model_dir
 from tests.model_helpers import mlx_lm_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+# No cost back-off (it decides from wall-clock step times): the draft counts asserted
+# below are then the same in every run; test_cost_backoff_* turns it on with a fake clock.
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "disable_by_batch_size": 64,
+    "disable_by_cost": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +200,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny) -> None:
             "num_speculative_tokens": 1,
             "prompt_lookup_min": 1,
             "disable_by_batch_size": 256,
+            "disable_by_cost": False,
         },
     )
     params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
@@ -207,6 +216,49 @@ def test_sampled_tokens_keep_the_target_distribution(tiny) -> None:
 
 
 @pytest.mark.parametrize(
+    ("draft_cost", "pays"),
+    [(2.0, False), (-0.1, True)],
+    ids=["drafts-cost-more", "drafts-pay"],
+)
+def test_cost_backoff_follows_the_cost_per_token(tiny, draft_cost: float, pays: bool) -> None:
+    """With a made-up clock (a step costs 1 s plus ``draft_cost`` s per draft), the engine
+    keeps speculating where drafts make tokens cheaper and stops where they make them
+    dearer, probing now and then; greedy output is the same either way."""
+    _, model_dir = tiny
+    llm = LLM(str(model_dir), speculative_config=SPEC | {"disable_by_cost": True}, num_blocks=512)
+    sched = llm.engine.scheduler
+    now = [0.0]
+    sched.spec.clock = lambda: now[0]
+    schedule = sched.schedule
+
+    def schedule_and_charge():
+        so = schedule()
+        now[0] += 1.0 + draft_cost * sum(len(d) for d in so.draft_token_ids.values())
+        return so
+
+    sched.schedule = schedule_and_charge
+    cost = sched.spec.cost
+    observe, seen = cost.observe, []  # (step verified drafts, speculation on after it)
+
+    def record(batch: int, speculated: bool, seconds: float, tokens: int, context: int) -> None:
+        observe(batch, speculated, seconds, tokens, context)
+        seen.append((speculated, cost.is_on(batch, context)))
+
+    cost.observe = record
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    ps = [prompts()[0]]
+    assert greedy(llm, ps, params) == greedy(LLM(str(model_dir), num_blocks=512), ps, params)
+    assert sum(s for s, _ in seen) >= MIN_STEPS  # it did speculate, at first at least
+    assert [state.is_on for state in cost.buckets.values()] == [pays]  # batch 1, < 512
+    assert cost.num_switches == (0 if pays else 1)
+    if not pays:  # after the switch, drafts only in probes: short runs, far apart
+        after = [s for s, _ in seen[[on for _, on in seen].index(False) :]]
+        text = "".join("s" if s else "." for s in after)
+        assert all(len(run) <= PROBE_STEPS for run in text.split(".") if run), text
+        assert text.count("s") <= PROBE_STEPS * (1 + len(after) // PROBE_INTERVAL), text
+
+
+@pytest.mark.parametrize(
     ("config", "field"),
     [
         ({"method": "eagle"}, "speculative_config.method"),
@@ -219,6 +271,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny) -> None:
             "speculative_config.prompt_lookup_min",
         ),
         ({"method": "ngram", "typo": 1}, "speculative_config.typo"),
+        ({"method": "ngram", "disable_by_cost": "yes"}, "speculative_config.disable_by_cost"),
         ({"num_speculative_tokens": 3}, "speculative_config.method"),
         ('{"method": ', "speculative_config"),
         ([1, 2], "speculative_config"),

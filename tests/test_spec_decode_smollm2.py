@@ -12,7 +12,7 @@ PASSAGE = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
     "with a single step. All that glitters is not gold."
 )
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_cost": False}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 
 

@@ -46,7 +46,7 @@ With a draft model the drafts are placeholders the runner fills in the same step
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from mlxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from mlxserve.core.kv_cache_manager import KVCacheManager
@@ -71,7 +71,9 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         speculative_config: SpeculativeConfig | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``clock``: seconds, for speculation's cost back-off (None: no cost back-off)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -101,7 +103,7 @@ class Scheduler:
         self.num_preemptions = 0
         # A recurrent state cannot roll back past rejected drafts: the engine turns it off.
         assert speculative_config is None or not cache_config.num_state_slots
-        self.spec = None if speculative_config is None else SpecDecoder(speculative_config)
+        self.spec = None if speculative_config is None else SpecDecoder(speculative_config, clock)
         if self.spec is not None and speculative_config.method == "mtp":
             # An MTP layer's K/V at a block's last position depends on the next block's
             # first token: a hit's last block is recomputed (worker/mtp.py).
@@ -175,7 +177,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}
         preempted: list[str] = []
-        speculate = self.spec is not None and self.spec.begin_step(len(self.running), budget)
+        speculate = self.spec is not None and self._begin_spec_step(budget)
 
         # 1. Running requests, oldest first: a decode token or the next prompt chunk.
         index = 0
@@ -226,6 +228,11 @@ class Scheduler:
             prefill_budget -= num_new
 
         return self._make_output(scheduled, num_scheduled, preempted, drafts)
+
+    def _begin_spec_step(self, budget: int) -> bool:
+        assert self.spec is not None
+        longest = max((r.num_tokens for r in self.running), default=0)
+        return self.spec.begin_step(len(self.running), budget, longest)
 
     def _schedule_drafts(self, request: Request, budget: int) -> list[int]:
         """Propose drafts for a decoding request and allocate room for them; [] when there
@@ -359,6 +366,8 @@ class Scheduler:
                 self.kv_cache_manager.free_excess_blocks(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        if self.spec is not None:
+            self.spec.end_step(scheduler_output, sum(len(t) for t in sampled.values()))
         return updated
 
     def _check_stop(self, request: Request) -> bool:
@@ -406,4 +415,6 @@ class Scheduler:
             spec_decode_num_drafts=self.spec.num_drafts if self.spec else 0,
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
+            spec_decode_enabled=self.spec.is_on if self.spec else False,
+            spec_decode_cost_switches=self.spec.cost.num_switches if self.spec else 0,
         )

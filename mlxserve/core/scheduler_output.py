@@ -125,3 +125,7 @@ class SchedulerStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # Whether the last step could propose drafts (the batch-size and cost back-offs), and
+    # how often the cost back-off has switched speculation on or off (core/spec_cost.py).
+    spec_decode_enabled: bool = False
+    spec_decode_cost_switches: int = 0

@@ -36,15 +36,22 @@ Back-off, so speculation does not cost more than it saves:
   proposed (a big batch already keeps the device busy; drafts only add compute);
 - by request: each verification updates a moving average of the fraction of drafts
   accepted (half old, half new); below ``min_acceptance_rate`` the request proposes
-  nothing for its next ``PAUSE_TOKENS`` tokens, then tries again from a fresh average.
+  nothing for its next ``PAUSE_TOKENS`` tokens, then tries again from a fresh average;
+- by cost (``disable_by_cost``, core/spec_cost.py): the wall time per emitted token of
+  steps with and without drafts, per batch size; nothing is proposed while drafts cost
+  more per token, with a few probe steps now and then to notice when that changes.
+  The clock is the scheduler's caller's (``clock``; None: no cost back-off).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mlxserve.config import SpeculativeConfig
 from mlxserve.core.ngram_proposer import NgramProposer
 from mlxserve.core.request import Request
-from mlxserve.core.scheduler_output import DRAFTER_TOKEN
+from mlxserve.core.scheduler_output import DRAFTER_TOKEN, SchedulerOutput
+from mlxserve.core.spec_cost import CostBackoff
 
 PAUSE_TOKENS = 16  # output tokens a request with poor acceptance goes without drafts
 
@@ -64,8 +71,13 @@ def can_speculate(request: Request) -> bool:
 class SpecDecoder:
     """Proposes drafts for decoding requests and keeps the acceptance counters."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, clock: Callable[[], float] | None = None) -> None:
         self.config = config
+        # The cost back-off measures steps with this clock (None: acceptance and batch only).
+        self.clock = clock if config.disable_by_cost else None
+        self.cost = CostBackoff()
+        self._step_start: float | None = None  # clock() when the step in flight was scheduled
+        self._step_batch = self._step_context = 0
         self.uses_drafter = config.method == "draft_model"
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_drafts = 0  # verifications (a request's drafts in one step)
@@ -74,11 +86,33 @@ class SpecDecoder:
         self.is_on = False  # this step speculates (begin_step)
         self.catchup_left = 0  # draft model: catch-up tokens left in this step
 
-    def begin_step(self, num_running: int, budget: int) -> bool:
-        """Start a step; whether it speculates at all (the batch-size back-off)."""
+    def begin_step(self, num_running: int, budget: int, context_len: int = 0) -> bool:
+        """Start a step; whether it speculates at all (the batch-size and cost back-offs).
+        ``context_len``: the longest running request's tokens."""
         self.is_on = num_running <= self.config.disable_by_batch_size
+        if self.is_on and self.clock is not None:
+            self.is_on = self.cost.should_speculate(num_running, context_len)
         self.catchup_left = budget
+        self._step_batch, self._step_context = num_running, context_len
+        self._step_start = None if self.clock is None else self.clock()
         return self.is_on
+
+    def end_step(self, so: SchedulerOutput, num_tokens: int) -> None:
+        """The step scheduled last has been updated: it emitted ``num_tokens`` tokens.
+        Decode-only steps (plain or verifying) feed the cost back-off."""
+        if self._step_start is None or self.clock is None:
+            return
+        seconds, self._step_start = self.clock() - self._step_start, None
+        num_requests = len(so.scheduled_requests)
+        is_decode_only = (
+            num_requests > 0
+            and so.num_decodes + len(so.draft_token_ids) == num_requests
+            and not so.preempted_request_ids
+            and num_requests == self._step_batch
+        )
+        if is_decode_only and self._step_batch <= self.config.disable_by_batch_size:
+            speculated = bool(so.draft_token_ids)
+            self.cost.observe(self._step_batch, speculated, seconds, num_tokens, self._step_context)
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         """Drafts for a request about to decode (at most ``max_drafts``, which the caller

@@ -17,6 +17,10 @@ which.
     MLXSERVE_CPU_KERNELS=auto (default)  build (once) and use them for quantized layers
     MLXSERVE_CPU_KERNELS=off             never (MLX's quantized_matmul or dequantized)
     MLXSERVE_CPU_THREADS=N               threads per matmul (default: this process's CPUs)
+    MLXSERVE_CPU_INT8=off (default)|on|auto  round activations to int8 per block of 32
+                                         and use integer dot products (qmm.h), as llama.cpp
+                                         does; auto: on when this CPU has an integer SIMD
+                                         path (not the scalar one)
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mlxserve.cpu import build
+from mlxserve.exceptions import ParameterError
 
 logger = logging.getLogger(__name__)
 
 _state: dict[str, object] = {"module": None, "reason": "not attempted", "path": None}
 _OFF = ("off", "0", "no", "false", "none")
+_ON = ("on", "1", "yes", "true")
 BITS = (2, 3, 4, 5, 6, 8)  # every affine width MLX quantizes to
 
 
@@ -77,12 +83,30 @@ def available() -> bool:
     return _module() is not None
 
 
+def int8_activations() -> bool:
+    """Whether quantized layers round activations to int8 (``MLXSERVE_CPU_INT8``)."""
+    module = _module()
+    if module is None:
+        return False
+    setting = os.environ.get("MLXSERVE_CPU_INT8", "off").strip().lower()
+    if setting in _OFF:
+        return False
+    if setting in _ON:
+        return True
+    if setting != "auto":
+        raise ParameterError(
+            f"MLXSERVE_CPU_INT8 must be auto, on or off, got {setting!r}", "MLXSERVE_CPU_INT8"
+        )
+    return module.q8_isa() != "scalar"  # the portable integer path is slower than float's
+
+
 def status() -> str:
-    """One line: the kernels in use (instruction set, threads) or why not."""
+    """One line: the kernels in use (instruction sets, threads) or why not."""
     module = _module()
     if module is None:
         return str(_state["reason"])
-    return f"CPU kernels: {module.isa()}, {module.threads()} threads ({_state['path']})"
+    acts = f"int8 activations ({module.q8_isa()})" if int8_activations() else "float activations"
+    return f"CPU kernels: {module.isa()}, {acts}, {module.threads()} threads ({_state['path']})"
 
 
 def info() -> dict[str, object]:
@@ -91,6 +115,7 @@ def info() -> dict[str, object]:
     return {
         "available": module is not None,
         "isa": module.isa() if module else None,
+        "int8_isa": module.q8_isa() if module and int8_activations() else None,
         "threads": module.threads() if module else None,
         "path": _state["path"],
         "reason": _state["reason"],
@@ -98,13 +123,22 @@ def info() -> dict[str, object]:
 
 
 def quantized_matmul(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    act_bits: int = 0,
 ) -> mx.array:
-    """``x @ dequantize(w, scales, biases).T`` with the kernels (a lazy mx.array)."""
+    """``x @ dequantize(w, scales, biases).T`` with the kernels (a lazy mx.array).
+
+    ``act_bits=8``: x rounded to int8 per block of 32 values first (qmm.h says how).
+    """
     module = _module()
     if module is None:
         raise RuntimeError(str(_state["reason"]))
-    return module.quantized_matmul(x, w, scales, biases, group_size, bits)
+    return module.quantized_matmul(x, w, scales, biases, group_size, bits, act_bits)
 
 
 def force_isa(name: str) -> bool:
@@ -119,12 +153,26 @@ def isa_supported(name: str) -> bool:
     return bool(module is not None and module.isa_supported(name))
 
 
+def force_int8_isa(name: str) -> bool:
+    """Use int8 instruction set ``name`` (scalar, avx2, avxvnni, avx512vnni, neon; auto)."""
+    module = _module()
+    return bool(module is not None and module.q8_force_isa(name))
+
+
 class CpuQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose matmul runs in the CPU kernels."""
 
+    act_bits: int = 0  # 8: activations rounded to int8 (use_kernels decides)
+
     def __call__(self, x: mx.array) -> mx.array:
         y = quantized_matmul(
-            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.group_size,
+            self.bits,
+            self.act_bits,
         )
         return y + self["bias"] if "bias" in self else y
 
@@ -138,6 +186,7 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
     """
 
     out_dtype: mx.Dtype = mx.float32
+    act_bits: int = 0
 
     def __call__(self, x: mx.array) -> mx.array:
         # The gathered rows' scales in float32: MLX dequantizes in the scales' dtype.
@@ -151,7 +200,13 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_matmul(
-            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.group_size,
+            self.bits,
+            self.act_bits,
         )
 
 
@@ -184,7 +239,8 @@ def _float32_scales(module: nn.Module) -> None:
 def use_kernels(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
     """Route ``model``'s supported quantized layers through the kernels; how many.
 
-    ``dtype``: the activations' (what embedding lookups return).
+    ``dtype``: the activations' (what embedding lookups return). Their matmuls round
+    activations to int8 when :func:`int8_activations` says so.
 
     Quantized layers the kernels cannot run (other modes, MoE experts' switch layers)
     get float32 scales and biases: MLX's CPU quantized ops are ~10x slower with 16-bit
@@ -192,6 +248,7 @@ def use_kernels(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
     """
     if not available():
         return 0
+    act_bits = 8 if int8_activations() else 0
     swapped = []
     for path, m in model.named_modules():
         if isinstance(m, (CpuQuantizedLinear, CpuQuantizedEmbedding)):
@@ -205,6 +262,7 @@ def use_kernels(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
         new.__dict__.update(m.__dict__)
         if cls is CpuQuantizedEmbedding:
             new.out_dtype = dtype
+        new.act_bits = act_bits
         swapped.append((path, new))
     if swapped:
         model.update_modules(tree_unflatten(swapped))

@@ -26,12 +26,20 @@ from types import ModuleType
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ["qmm.c", "qmm_scalar.c", "qmm_avx2.c", "qmm_avx512.c", "qmm_neon.c"]
-HEADERS = ["qmm.h", "qmm_impl.h", "qmm_ext.cpp"]
+SOURCES += ["q8_scalar.c", "q8_avx2.c", "q8_avxvnni.c", "q8_avx512vnni.c", "q8_neon.c"]
+HEADERS = ["qmm.h", "qmm_common.h", "qmm_impl.h", "q8_impl.h", "q8_x86.h", "qmm_ext.cpp"]
 # Per-file flags: each instruction set in its own file, chosen at run time (qmm.c).
 X86_FLAGS = {
     "qmm_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "qmm_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "q8_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "q8_avxvnni.c": ["-mavxvnni", "-mavx2", "-mfma", "-mf16c"],
+    "q8_avx512vnni.c": ["-mavx512f", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"]
+    + ["-mprefer-vector-width=256"],  # 256-bit like the others: no 512-bit frequency drop
 }
+ARM_FLAGS = {"q8_neon.c": ["-march=armv8.2-a+dotprod"]}
+# The activations' rounding (qmm.c) must round x * id before adding: no fused multiply-add.
+COMMON_FLAGS = {"qmm.c": ["-ffp-contract=off"]}
 
 
 class BuildError(RuntimeError):
@@ -76,6 +84,7 @@ def _inputs() -> tuple[str, dict[str, str]]:
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update((CSRC / name).read_bytes())
+    digest.update(repr((X86_FLAGS, ARM_FLAGS, COMMON_FLAGS)).encode())  # flags change code
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     for part in (
         mx.__version__,
@@ -100,12 +109,14 @@ def _compilers() -> tuple[str, str]:
 def _compile_all(paths: dict[str, str], name: str, work: Path, out: Path) -> None:
     cc, cxx = _compilers()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
+    arm = platform.machine().lower() in ("arm64", "aarch64")
     nb = Path(paths["nanobind"])
     jobs: list[list[str]] = []
     objects = []
     for src in SOURCES:
         obj = work / (src + ".o")
-        flags = X86_FLAGS.get(src, []) if x86 else []
+        flags = (X86_FLAGS if x86 else ARM_FLAGS if arm else {}).get(src, [])
+        flags = flags + COMMON_FLAGS.get(src, [])
         jobs.append(
             [cc, "-O3", "-fPIC", "-std=gnu11", *flags, "-c", str(CSRC / src), "-o", str(obj)]
         )

@@ -2,11 +2,13 @@
 #define _GNU_SOURCE
 #include "qmm.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -77,12 +79,7 @@ const char *mlxserve_qmm_isa_name(int isa) {
     return isa >= 0 && isa < QMM_NUM_ISAS ? ISA_NAMES[isa] : "unknown";
 }
 
-int mlxserve_qmm(const qmm_problem *p) {
-    if (p->bits < 2 || p->bits > 8 || p->bits == 7 || p->group_size < 32 || p->group_size % 32 ||
-        p->K % p->group_size || p->M < 0 || p->N < 0 || p->scale_type < QMM_F32 ||
-        p->scale_type > QMM_BF16)
-        return -1;
-    if (p->M == 0 || p->N == 0) return 0;
+static void qmm_float(const qmm_problem *p) {
     switch (mlxserve_qmm_isa()) {
     case QMM_AVX512:
         mlxserve_qmm_avx512(p);
@@ -96,6 +93,173 @@ int mlxserve_qmm(const qmm_problem *p) {
     default:
         mlxserve_qmm_scalar(p);
     }
+}
+
+/* ------------------------------------------------------------ int8 activations */
+
+static const char *const Q8_NAMES[Q8_NUM_ISAS] = {"scalar", "avx2", "avxvnni", "avx512vnni",
+                                                  "neon"};
+static int forced_q8 = -1;
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
+
+int mlxserve_q8_isa_supported(int isa) {
+    switch (isa) {
+    case Q8_SCALAR:
+        return 1;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    case Q8_AVX2:
+        return mlxserve_q8_built_avx2 && mlxserve_qmm_isa_supported(QMM_AVX2);
+    case Q8_AVXVNNI:
+        __builtin_cpu_init();
+        return mlxserve_q8_built_avxvnni && mlxserve_qmm_isa_supported(QMM_AVX2) &&
+               __builtin_cpu_supports("avxvnni");
+    case Q8_AVX512VNNI:
+        __builtin_cpu_init();
+        return mlxserve_q8_built_avx512vnni && mlxserve_qmm_isa_supported(QMM_AVX2) &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+#if defined(__aarch64__)
+    case Q8_NEON:
+#if defined(__APPLE__)
+        return mlxserve_q8_built_neon; /* every Apple arm64 CPU has the dot product */
+#elif defined(__linux__)
+        return mlxserve_q8_built_neon && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#else
+        return 0;
+#endif
+#endif
+    default:
+        return 0;
+    }
+}
+
+static int best_q8(void) {
+    static int best = -1;
+    if (best < 0) {
+        best = Q8_SCALAR;
+        const int order[] = {Q8_AVX512VNNI, Q8_AVXVNNI, Q8_AVX2, Q8_NEON};
+        for (int i = 0; i < 4; i++)
+            if (mlxserve_q8_isa_supported(order[i])) {
+                best = order[i];
+                break;
+            }
+    }
+    return best;
+}
+
+int mlxserve_q8_isa(void) { return forced_q8 >= 0 ? forced_q8 : best_q8(); }
+
+int mlxserve_q8_force_isa(int isa) {
+    if (isa == Q8_NUM_ISAS) {
+        forced_q8 = -1;
+        return 0;
+    }
+    if (isa < 0 || isa >= Q8_NUM_ISAS || !mlxserve_q8_isa_supported(isa)) return -1;
+    forced_q8 = isa;
+    return 0;
+}
+
+const char *mlxserve_q8_isa_name(int isa) {
+    return isa >= 0 && isa < Q8_NUM_ISAS ? Q8_NAMES[isa] : "unknown";
+}
+
+/* rint(v) for |v| < 2^22 in float32 arithmetic (the sum rounds to an integer, ties to
+ * even); qmm.c is compiled with -ffp-contract=off, so x * id is rounded before. */
+#define Q8_RINT(v) (((v) + 12582912.0f) - 12582912.0f)
+
+void mlxserve_q8_quantize(const float *x, int64_t M, int64_t K, int perm4, int8_t *q, float *d,
+                          float *dsum) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * K + b * 32;
+            int8_t *qb = q + m * K + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(xb[i]);
+                amax = a > amax || a != a ? a : amax; /* NaN wins */
+            }
+            const float dm = amax / 127.0f;
+            int32_t v[32], sum = 0;
+            if (amax == 0.0f || !isfinite(amax)) {
+                memset(v, 0, sizeof(v));
+            } else {
+                const float id = 127.0f / amax;
+                for (int i = 0; i < 32; i++) {
+                    const float r = Q8_RINT(xb[i] * id);
+                    v[i] = (int32_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+                }
+            }
+            for (int i = 0; i < 32; i++) {
+                sum += v[i];
+                qb[perm4 ? (i & 1) * 16 + i / 2 : i] = (int8_t)v[i]; /* value i's place */
+            }
+            d[m * nb + b] = dm;
+            dsum[m * nb + b] = dm * (float)sum;
+        }
+}
+
+/* Thread-local buffers of the int8 path, grown as needed. */
+static __thread void *q8_buf;
+static __thread size_t q8_cap;
+
+/* x rounded once, then the integer GEMV over chunks of up to Q8_MAX_ROWS rows: a row's
+ * result is the same bits whatever the number of rows around it (q8_impl.h), so a
+ * request's logits do not depend on its batch, drafts or prompt chunking. */
+static int qmm_int8(const qmm_problem *p) {
+    const int64_t M = p->M, K = p->K, nb = K / 32;
+    const size_t need = (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * nb); /* q, d, dsum */
+    if (need > q8_cap) {
+        free(q8_buf);
+        q8_buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        q8_cap = q8_buf ? need : 0;
+        if (!q8_buf) return -2;
+    }
+    float *d = (float *)q8_buf, *dsum = d + M * nb;
+    int8_t *q = (int8_t *)(dsum + M * nb);
+    mlxserve_q8_quantize(p->x, M, K, p->bits == 4, q, d, dsum);
+    void (*kernel)(const q8_problem *);
+    switch (mlxserve_q8_isa()) {
+    case Q8_AVX512VNNI:
+        kernel = mlxserve_q8_avx512vnni;
+        break;
+    case Q8_AVXVNNI:
+        kernel = mlxserve_q8_avxvnni;
+        break;
+    case Q8_AVX2:
+        kernel = mlxserve_q8_avx2;
+        break;
+    case Q8_NEON:
+        kernel = mlxserve_q8_neon;
+        break;
+    default:
+        kernel = mlxserve_q8_scalar;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += Q8_MAX_ROWS) {
+        qmm_problem chunk = *p;
+        chunk.M = M - m0 < Q8_MAX_ROWS ? M - m0 : Q8_MAX_ROWS;
+        chunk.x = p->x + m0 * K;
+        chunk.y = p->y + m0 * p->N;
+        const q8_problem qp = {&chunk, q + m0 * K, d + m0 * nb, dsum + m0 * nb};
+        kernel(&qp);
+    }
+    return 0;
+}
+
+int mlxserve_qmm(const qmm_problem *p) {
+    if (p->bits < 2 || p->bits > 8 || p->bits == 7 || p->group_size < 32 || p->group_size % 32 ||
+        p->K % p->group_size || p->M < 0 || p->N < 0 || p->scale_type < QMM_F32 ||
+        p->scale_type > QMM_BF16 || (p->act_bits != 0 && p->act_bits != 8))
+        return -1;
+    if (p->M == 0 || p->N == 0) return 0;
+    if (p->act_bits == 8) return qmm_int8(p);
+    qmm_float(p);
     return 0;
 }
 

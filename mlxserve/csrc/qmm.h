@@ -32,10 +32,11 @@ typedef struct {
     float *y;            /* (M, N) row-major */
     int64_t M, N, K;
     int group_size, bits, scale_type;
+    int act_bits; /* 0: x as given (float32); 8: x rounded to int8 per block, see below */
 } qmm_problem;
 
 /* 0 on success; -1 for an unsupported problem (bits not 2, 3, 4, 5, 6 or 8, group size
- * not a multiple of 32, K not a multiple of the group size). */
+ * not a multiple of 32, K not a multiple of the group size, act_bits not 0 or 8). */
 int mlxserve_qmm(const qmm_problem *p);
 
 /* The instruction set in use; force one (returns 0, or -1 if this CPU/build lacks it);
@@ -53,6 +54,48 @@ int mlxserve_qmm_threads(void);
 /* Work spread over the pool (used by the per-instruction-set files). */
 typedef void (*qmm_work_fn)(void *ctx, int64_t item);
 void mlxserve_qmm_parallel_for(int64_t n_items, qmm_work_fn fn, void *ctx);
+
+/* ---------------------------------------------------------------- int8 activations
+ *
+ * With act_bits == 8 the result is x' @ dequantize(w)^T, where x' is x rounded to 8 bits
+ * per block of 32 values (llama.cpp's Q8_0 rounding, in spirit). For row m and block b
+ * (values k = 32 b .. 32 b + 31 of the row), all in float32:
+ *     amax = max |x_k|;  id = 127 / amax;  q_k = rint(x_k * id) (nearest, ties to even,
+ *     clamped to [-127, 127]);  d_b = amax / 127;  x'_k = d_b * q_k
+ * (amax == 0: d_b = 0 and q = 0; a non-finite amax: q = 0 and d_b = amax / 127, so the
+ * outputs become NaN as a float matmul's would). An integer GEMV computes it (q8_impl.h:
+ * int8 x weight-byte dot products per block, then one float scale per block) over chunks
+ * of up to Q8_MAX_ROWS rows, each row in the same order whatever the rows around it: a
+ * row gets the same bits alone, in a batch, or in a prompt's chunk. */
+#define Q8_MAX_ROWS 8
+enum { Q8_SCALAR = 0, Q8_AVX2 = 1, Q8_AVXVNNI = 2, Q8_AVX512VNNI = 3, Q8_NEON = 4, Q8_NUM_ISAS = 5 };
+
+/* Rounds the rows of x (M, K) as above: q (M, K) int8, d (M, K / 32) and dsum (M, K / 32)
+ * = d_b * sum_k q_k (float32). perm4: store each block's q in the 4-bit kernels' order
+ * (the block's even values, then its odd values) instead of in order. */
+void mlxserve_q8_quantize(const float *x, int64_t M, int64_t K, int perm4, int8_t *q, float *d,
+                          float *dsum);
+
+/* The integer GEMV's instruction set: in use, supported, forced (Q8_NUM_ISAS: automatic),
+ * named; as for the float kernels. */
+int mlxserve_q8_isa(void);
+int mlxserve_q8_isa_supported(int isa);
+int mlxserve_q8_force_isa(int isa);
+const char *mlxserve_q8_isa_name(int isa);
+
+typedef struct {
+    const qmm_problem *p; /* M <= Q8_MAX_ROWS */
+    const int8_t *q;      /* x rounded (mlxserve_q8_quantize), perm4 when bits == 4 */
+    const float *d, *dsum;
+} q8_problem;
+
+void mlxserve_q8_scalar(const q8_problem *q);
+void mlxserve_q8_avx2(const q8_problem *q);
+void mlxserve_q8_avxvnni(const q8_problem *q);
+void mlxserve_q8_avx512vnni(const q8_problem *q);
+void mlxserve_q8_neon(const q8_problem *q);
+extern const int mlxserve_q8_built_avx2, mlxserve_q8_built_avxvnni, mlxserve_q8_built_avx512vnni,
+    mlxserve_q8_built_neon;
 
 /* Per-instruction-set entry points (qmm_impl.h instantiated in qmm_<isa>.c). */
 void mlxserve_qmm_scalar(const qmm_problem *p);

@@ -34,13 +34,7 @@ static inline void deq8(const uint8_t *p, vf *q) {
     for (int i = 0; i < 4; i++) q[i] = u8x8(_mm_loadl_epi64((const __m128i *)(p + 8 * i)));
 }
 
-static void cvt_f16(const uint16_t *s, int64_t n, float *d) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
-    for (; i < n; i++) d[i] = _cvtsh_ss(s[i]);
-}
-
+#define cvt_f16 cvt_f16_f16c
 #define QMM_ENTRY mlxserve_qmm_avx2
 #define MV_ROWS 4
 #define MR 6

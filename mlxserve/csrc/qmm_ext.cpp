@@ -4,6 +4,7 @@
 // mx.quantized_matmul(..., transpose=True): evaluation runs the kernel as a task on the
 // CPU stream, in order with MLX's own tasks. Built on first use by mlxserve/cpu/build.py.
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -62,8 +63,8 @@ const void* dense(const mx::array& a, std::vector<char>& keep) {
 
 class CpuQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  CpuQuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  CpuQuantizedMatmul(mx::Stream stream, int group_size, int bits, int act_bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), act_bits_(act_bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -74,8 +75,8 @@ class CpuQuantizedMatmul : public mx::UnaryPrimitive {
                       w = mx::array::unsafe_weak_copy(inputs[1]),
                       s = mx::array::unsafe_weak_copy(inputs[2]),
                       b = mx::array::unsafe_weak_copy(inputs[3]),
-                      y = mx::array::unsafe_weak_copy(out), gs = group_size_,
-                      bits = bits_]() mutable {
+                      y = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_,
+                      act_bits = act_bits_]() mutable {
       std::vector<char> kx, kw, ks, kb;
       qmm_problem p;
       p.x = static_cast<const float*>(dense(x, kx));
@@ -89,7 +90,10 @@ class CpuQuantizedMatmul : public mx::UnaryPrimitive {
       p.group_size = gs;
       p.bits = bits;
       p.scale_type = scale_type(s.dtype());
-      if (mlxserve_qmm(&p) != 0) throw std::runtime_error("mlxserve qmm: unsupported problem");
+      p.act_bits = act_bits;
+      const int err = mlxserve_qmm(&p);
+      if (err == -2) throw std::bad_alloc();
+      if (err != 0) throw std::runtime_error("mlxserve qmm: unsupported problem");
     });
   }
 
@@ -101,7 +105,7 @@ class CpuQuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CpuQuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && act_bits_ == o.act_bits_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -111,7 +115,7 @@ class CpuQuantizedMatmul : public mx::UnaryPrimitive {
   }
 
  private:
-  int group_size_, bits_;
+  int group_size_, bits_, act_bits_;
 };
 
 void check(bool ok, const std::string& what) {
@@ -119,9 +123,11 @@ void check(bool ok, const std::string& what) {
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits) {
+                           const mx::array& biases, int group_size, int bits, int act_bits) {
   check(bits >= 2 && bits <= 8 && bits != 7,
         "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  check(act_bits == 0 || act_bits == 8,
+        "act_bits must be 0 (float activations) or 8, got " + std::to_string(act_bits));
   check(group_size >= 32 && group_size % 32 == 0,
         "group_size must be a multiple of 32, got " + std::to_string(group_size));
   check(w.dtype() == mx::uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
@@ -142,9 +148,16 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   auto x32 = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, s);
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  auto y = mx::array(shape, mx::float32, std::make_shared<CpuQuantizedMatmul>(s, group_size, bits),
+  auto y = mx::array(shape, mx::float32, std::make_shared<CpuQuantizedMatmul>(s, group_size, bits, act_bits),
                      {x32, w, scales, biases});
   return x.dtype() == mx::float32 ? y : mx::astype(y, x.dtype(), s);
+}
+
+int q8_isa_by_name(const std::string& name) {
+  for (int i = 0; i < Q8_NUM_ISAS; i++)
+    if (name == mlxserve_q8_isa_name(i)) return i;
+  if (name == "auto") return Q8_NUM_ISAS;
+  throw std::invalid_argument("unknown int8 instruction set '" + name + "'");
 }
 
 int isa_by_name(const std::string& name) {
@@ -159,14 +172,23 @@ int isa_by_name(const std::string& name) {
 NB_MODULE(MLXSERVE_EXT_NAME, m) {
   m.doc() = "mlxserve's CPU quantized matmul kernels as an MLX primitive";
   m.def("quantized_matmul", &quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a,
-        "x @ dequantize(w, scales, biases).T, lazily, with mlxserve's CPU kernels.");
+        "group_size"_a, "bits"_a, "act_bits"_a = 0,
+        "x @ dequantize(w, scales, biases).T, lazily, with mlxserve's CPU kernels; act_bits=8 "
+        "rounds x to int8 per block of 32 first (integer dot products).");
   m.def("isa", []() { return std::string(mlxserve_qmm_isa_name(mlxserve_qmm_isa())); },
         "The instruction set the kernels use now.");
   m.def("isa_supported", [](const std::string& n) { return mlxserve_qmm_isa_supported(isa_by_name(n)) != 0; },
         "Whether this CPU and build can run instruction set n.");
   m.def("force_isa", [](const std::string& n) { return mlxserve_qmm_force_isa(isa_by_name(n)) == 0; },
         "Use instruction set n ('auto': the best); False if unsupported.");
+  m.def("q8_isa", []() { return std::string(mlxserve_q8_isa_name(mlxserve_q8_isa())); },
+        "The instruction set of the int8-activation GEMV now.");
+  m.def("q8_isa_supported",
+        [](const std::string& n) { return mlxserve_q8_isa_supported(q8_isa_by_name(n)) != 0; },
+        "Whether this CPU and build can run int8 instruction set n.");
+  m.def("q8_force_isa",
+        [](const std::string& n) { return mlxserve_q8_force_isa(q8_isa_by_name(n)) == 0; },
+        "Use int8 instruction set n ('auto': the best); False if unsupported.");
   m.def("set_threads", &mlxserve_qmm_set_threads, "n"_a, "Threads per call (0: default).");
   m.def("threads", &mlxserve_qmm_threads, "Threads per call now.");
 }

@@ -15,8 +15,7 @@
  * Dot products are over k in any fixed order, so x is permuted once per call into the
  * order the dequantizer produces values in, instead of shuffling every weight.
  */
-#include <stdlib.h>
-#include <string.h>
+#include "qmm_common.h"
 
 #define BLOCK 32 /* values per dequantized block (the smallest group size) */
 #define VPB (BLOCK / VW)
@@ -37,17 +36,6 @@ static void block_order(int bits, int *idx) {
         for (int i = 0; i < BLOCK; i++) idx[i] = i;
 }
 
-/* 32 values of 2, 3, 5 or 6 bits (a little-endian bit stream: 8 values in every `bits`
- * bytes) -> 32 bytes, in order. */
-static inline void unpack_bits(const uint8_t *p, int bits, uint8_t *out) {
-    const uint64_t mask = (1u << bits) - 1;
-    for (int g = 0; g < 4; g++) {
-        uint64_t v = 0;
-        memcpy(&v, p + g * bits, (size_t)bits); /* little-endian hosts only (x86, arm64) */
-        for (int j = 0; j < 8; j++) out[g * 8 + j] = (uint8_t)((v >> (j * bits)) & mask);
-    }
-}
-
 static inline void deq(int bits, const uint8_t *p, vf *q) {
     if (bits == 4) {
         deq4(p, q);
@@ -59,35 +47,6 @@ static inline void deq(int bits, const uint8_t *p, vf *q) {
         deq8(u, q);
     }
 }
-
-/* `count` scales or biases from element `first` on, as float32: the weights' own array
- * when it is float32, else converted into buf. */
-static const float *params_f32(const qmm_problem *p, const void *src, int64_t first,
-                               int64_t count, float *buf) {
-    if (p->scale_type == QMM_F32) return (const float *)src + first;
-    const uint16_t *s = (const uint16_t *)src + first;
-    if (p->scale_type == QMM_F16) {
-        cvt_f16(s, count, buf);
-    } else { /* bfloat16: the high half of a float32 */
-        for (int64_t i = 0; i < count; i++) {
-            uint32_t u = (uint32_t)s[i] << 16;
-            memcpy(buf + i, &u, 4);
-        }
-    }
-    return buf;
-}
-
-/* Thread-local scratch that only grows. */
-static float *scratch(float **buf, size_t *cap, size_t n) {
-    if (n > *cap) {
-        free(*buf);
-        *buf = (float *)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64);
-        *cap = *buf ? n : 0;
-    }
-    return *buf;
-}
-static __thread float *tls_a, *tls_b, *tls_c;
-static __thread size_t tls_a_cap, tls_b_cap, tls_c_cap;
 
 /* ---------------------------------------------------------------- GEMV (few rows) */
 

@@ -34,16 +34,7 @@ static inline void deq8(const uint8_t *p, vf *q) {
     }
 }
 
-static void cvt_f16(const uint16_t *s, int64_t n, float *d) {
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) vst1q_f32(d + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s + i))));
-    for (; i < n; i++) {
-        __fp16 h;
-        __builtin_memcpy(&h, s + i, 2);
-        d[i] = (float)h;
-    }
-}
-
+#define cvt_f16 cvt_f16_neon
 #define QMM_ENTRY mlxserve_qmm_neon
 #define MV_ROWS 8
 #define MR 12

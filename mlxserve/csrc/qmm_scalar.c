@@ -23,26 +23,7 @@ static inline void deq8(const uint8_t *p, vf *q) {
     for (int i = 0; i < 32; i++) q[i] = (float)p[i];
 }
 
-/* IEEE half -> float, subnormals and infinities included. */
-static void cvt_f16(const uint16_t *s, int64_t n, float *d) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t h = s[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
-        uint32_t u;
-        if (exp == 31) {
-            u = sign | 0x7F800000u | (man << 13);
-        } else if (exp != 0) {
-            u = sign | ((exp + 112) << 23) | (man << 13);
-        } else if (man == 0) {
-            u = sign;
-        } else { /* subnormal: value = man * 2^-24 */
-            float f = (float)man * 5.9604644775390625e-8f;
-            memcpy(&u, &f, 4);
-            u |= sign;
-        }
-        memcpy(d + i, &u, 4);
-    }
-}
-
+#define cvt_f16 cvt_f16_portable
 #define QMM_ENTRY mlxserve_qmm_scalar
 #define MV_ROWS 4
 #define MR 4

@@ -170,7 +170,8 @@ class LLMEngine:
         elif self.speculative_config is not None:
             sc = self.speculative_config
             logger.info(
-                "speculative decoding: %s, %d draft tokens, %s, off above %d running requests",
+                "speculative decoding: %s, %d draft tokens, %s, off above %d running requests"
+                + (", and while drafts cost more per token" if sc.disable_by_cost else ""),
                 sc.method,
                 sc.num_speculative_tokens,
                 f"draft model {sc.model}"
@@ -194,6 +195,7 @@ class LLMEngine:
                 ),
             ),
             self.speculative_config,
+            clock=time.perf_counter,
         )
         self.block_pool = self.scheduler.kv_cache_manager.block_pool
         self.state_pool = self.scheduler.kv_cache_manager.state_pool

@@ -17,7 +17,10 @@ quantizes, the attention dequantizes the gathered rows to the query's dtype.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+import numpy as np
 
 from mlxserve.ops import kv_quant
 from mlxserve.ops.metadata import AttentionMetadata
@@ -101,16 +104,46 @@ def _gather_context(
     return kv_quant.dequantize(rows, dtype) if kv_quant.is_quantized(cache) else rows
 
 
+_LOG2_E = math.log2(math.e)
+
+
+def _exp(x: mx.array) -> mx.array:
+    """exp(x); on the CPU as 2^(x log2 e), within float32 rounding of it: MLX's CPU exp
+    costs ~20 ns an element, its power ~6, and a softmax over a long context is mostly
+    exps (one per query row per key)."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return mx.power(2.0, x * _LOG2_E)
+    return mx.exp(x)
+
+
 def _softmax(
     scores: mx.array,  # (..., L) float32
     sink: mx.array | None,  # broadcastable to (..., 1) float32
 ) -> mx.array:  # (..., L) float32
     """Softmax over the last axis; a sink logit joins the denominator only."""
-    if sink is None:
-        return mx.softmax(scores, axis=-1)
-    m = mx.maximum(scores.max(axis=-1, keepdims=True), sink)
-    e = mx.exp(scores - m)
-    return e / (e.sum(axis=-1, keepdims=True) + mx.exp(sink - m))
+    m = scores.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = mx.maximum(m, sink)
+    e = _exp(scores - m)
+    denom = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + _exp(sink - m)
+    return e / denom
+
+
+def _gather_rows(
+    cache: mx.array,  # (num_blocks, block_size, num_kv_heads, width)
+    rows: mx.array,  # (...) int32: flat row index, slot * num_kv_heads + kv head
+    dtype: mx.Dtype,
+) -> mx.array:  # (..., head_dim) dtype
+    """Pool rows (one token of one KV head each) by flat index, dequantized if needed.
+
+    Indexing rows rather than blocks lays the keys out head-major, (kvh, L, head_dim),
+    as the matmuls want them, without the transposing copy a block gather needs.
+    """
+    flat = cache.reshape(-1, cache.shape[-1])  # (num_slots * num_kv_heads, width)
+    out = flat[rows]
+    return kv_quant.dequantize(out, dtype) if kv_quant.is_quantized(cache) else out
 
 
 def _decode_attention(
@@ -122,51 +155,86 @@ def _decode_attention(
     window: int | None,
     sinks: mx.array | None,
 ) -> mx.array:  # (num_decodes, num_heads, v_head_dim)
+    """One query row per decode, attending up to its own position. A run of rows of one
+    request (``md.decode_group_sizes``: a speculative verification) is one group: its
+    keys are gathered once and its R rows are R more rows of one matmul::
+
+        group j:  keys of its table, gathered once      (kvh, L, head_dim)
+                  queries  r = 0..R-1, x GQA group       (kvh, R * group, head_dim)
+                  row r sees keys at positions < its own context length
+    """
     num_decodes, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    key = ("decode", block_size, window)
+    key = ("decode", block_size, num_kv_heads, window)
     if key not in md.derived:  # the same for every layer of the step: made once
-        md.derived[key] = _decode_context(md, block_size, window)
-    tables, valid = md.derived[key]
-    k = _gather_context(k_cache, tables, q.dtype).transpose(0, 2, 3, 1)  # (B, kvh, head_dim, L)
-    v = _gather_context(v_cache, tables, q.dtype).transpose(0, 2, 1, 3)  # (B, kvh, L, v_dim)
-    qg = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # (B, kvh, group, head_dim)
-    scores = (qg @ k).astype(mx.float32) * scale  # (B, kvh, group, L)
+        md.derived[key] = _decode_context(md, block_size, num_kv_heads, window)
+    rows, keys, valid, unpad = md.derived[key]
+    num_groups, _, num_keys = keys.shape
+    r = valid.shape[2]  # query rows per group (shorter groups padded)
+    qr = q if rows is None else q[rows]  # (G * R, num_heads, head_dim)
+    qg = qr.reshape(num_groups, r, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.reshape(num_groups, num_kv_heads, r * group, head_dim)  # row = t * group + g
+    k = _gather_rows(k_cache, keys, q.dtype)  # (G, kvh, L, head_dim)
+    v = _gather_rows(v_cache, keys, q.dtype)  # (G, kvh, L, v_head_dim)
+    v_head_dim = v.shape[-1]
+    scores = (qg @ k.swapaxes(-1, -2)).astype(mx.float32) * scale  # (G, kvh, R * group, L)
+    scores = scores.reshape(num_groups, num_kv_heads, r, group, num_keys)
     scores = mx.where(valid, scores, -mx.inf)
     sink = None
     if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, num_kv_heads, group, 1)
-    probs = _softmax(scores, sink).astype(v.dtype)  # (B, kvh, group, L)
-    out = probs @ v  # (B, kvh, group, v_head_dim)
-    return out.reshape(num_decodes, num_heads, v.shape[-1])
+        sink = sinks.astype(mx.float32).reshape(1, num_kv_heads, 1, group, 1)
+    probs = _softmax(scores, sink).astype(v.dtype)  # (G, kvh, R, group, L)
+    out = probs.reshape(num_groups, num_kv_heads, r * group, num_keys) @ v
+    out = out.reshape(num_groups, num_kv_heads, r, group, v_head_dim).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(num_groups * r, num_heads, v_head_dim)
+    return out if unpad is None else out[unpad]
 
 
 def _decode_context(
-    md: AttentionMetadata, block_size: int, window: int | None
-) -> tuple[mx.array, mx.array]:  # (B, num_ctx_blocks) int32, (B, 1, 1, L) bool
-    """The decode rows' gathered block tables, and which gathered key slots each sees."""
+    md: AttentionMetadata, block_size: int, num_kv_heads: int, window: int | None
+) -> tuple[mx.array | None, mx.array, mx.array, mx.array | None]:
+    """The decode groups' layout: each padded query row's decode row (None: one row per
+    group), the flat pool row of each gathered key (G, kvh, L), which keys each query row
+    sees (G, 1, R, 1, L), and each decode row's padded row (None: no padding)."""
     num_decodes = md.num_decodes
+    sizes = md.decode_group_sizes or (1,) * num_decodes
+    assert sum(sizes) == num_decodes, (sizes, num_decodes)
+    num_groups, r = len(sizes), max(sizes)
+    starts = np.cumsum((0, *sizes[:-1]))  # each group's first decode row
+    offsets = np.minimum(np.arange(r)[None], np.asarray(sizes)[:, None] - 1)  # (G, R)
+    padded = starts[:, None] + offsets  # (G, R): the decode row each query row repeats
+    ctx_host = np.asarray(md.context_lens_host[:num_decodes], dtype=np.int32)
+    ctx = mx.array(ctx_host[padded])  # (G, R) each query row's context length
+    first_ctx = ctx[:, 0]  # (G,)
+    tables = md.block_tables[mx.array(starts.astype(np.int32))]  # (G, max_blocks)
     num_ctx_blocks = -(-md.max_decode_context_len // block_size)
-    ctx = md.context_lens[:num_decodes]  # (B,)
-    tables = md.block_tables[:num_decodes]  # (B, max_blocks)
     if window is None or window >= md.max_decode_context_len:
-        first = mx.zeros((num_decodes,), dtype=mx.int32)  # first gathered block
+        first = mx.zeros((num_groups,), dtype=mx.int32)  # first gathered block
         tables = tables[:, :num_ctx_blocks]
     else:
-        # Keys (ctx - window, ctx] span at most (window - 1) // block_size + 2 blocks.
-        num_ctx_blocks = min(num_ctx_blocks, (window - 1) // block_size + 2)
-        first = mx.maximum(ctx - window, 0) // block_size
+        # Keys (first_ctx - window, last_ctx] span at most this many blocks.
+        span = window + r - 1
+        num_ctx_blocks = min(num_ctx_blocks, (span - 1) // block_size + 2)
+        first = mx.maximum(first_ctx - window, 0) // block_size
         # Stay inside the table; starting earlier still covers the window.
         first = mx.minimum(first, tables.shape[1] - num_ctx_blocks)
-        idx = first[:, None] + mx.arange(num_ctx_blocks)[None]  # (B, num_ctx_blocks)
+        idx = first[:, None] + mx.arange(num_ctx_blocks)[None]  # (G, num_ctx_blocks)
         tables = mx.take_along_axis(tables, idx, axis=1)
     num_keys = tables.shape[1] * block_size
-    pos = first[:, None] * block_size + mx.arange(num_keys)[None]  # (B, L) key positions
-    valid = pos < ctx[:, None]
+    offset = mx.arange(num_keys)  # (L,)
+    slots = tables[:, offset // block_size] * block_size + offset % block_size  # (G, L)
+    keys = slots[:, None, :] * num_kv_heads + mx.arange(num_kv_heads)[None, :, None]
+    pos = first[:, None] * block_size + offset[None]  # (G, L) key positions
+    valid = pos[:, None, :] < ctx[:, :, None]  # (G, R, L)
     if window is not None:
-        valid = valid & (pos >= ctx[:, None] - window)
-    return tables, valid[:, None, None, :]
+        valid = valid & (pos[:, None, :] >= ctx[:, :, None] - window)
+    rows = unpad = None
+    if r > 1:
+        rows = mx.array(padded.reshape(-1).astype(np.int32))
+        real = [j * r + t for j, n in enumerate(sizes) for t in range(n)]
+        unpad = mx.array(np.asarray(real, dtype=np.int32))
+    return rows, keys.astype(mx.int32), valid[:, None, :, None, :], unpad
 
 
 def _prefill_attention(

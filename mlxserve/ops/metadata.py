@@ -29,6 +29,10 @@ class AttentionMetadata:
     num_decodes: int  # requests [0, num_decodes) each have exactly one query token
     query_lens: tuple[int, ...]
     context_lens_host: tuple[int, ...]
+    # Runs of consecutive decode rows that share one block table at consecutive context
+    # lengths (a speculative verification: one request's rows), their sizes in order;
+    # () = every decode row alone. The fallback gathers such a run's keys once.
+    decode_group_sizes: tuple[int, ...] = ()
     # Arrays derived from these once per step and shared by every layer (the decode
     # attention's block tables and mask, see ops/fallback.py), by what they depend on.
     derived: dict[tuple, tuple[mx.array, ...]] = field(
@@ -82,6 +86,7 @@ class AttentionMetadata:
             tables[i, : len(table)] = table
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
         qsl[1:] = np.cumsum(query_lens)
+        groups = _decode_groups(context_lens[:num_decodes], block_tables[:num_decodes])
         return cls(
             slot_mapping=mx.array(slots),
             query_start_loc=mx.array(qsl),
@@ -90,6 +95,7 @@ class AttentionMetadata:
             num_decodes=num_decodes,
             query_lens=tuple(int(q) for q in query_lens),
             context_lens_host=tuple(int(c) for c in context_lens),
+            decode_group_sizes=groups if any(n > 1 for n in groups) else (),
         )
 
     def positions(self) -> list[int]:
@@ -98,6 +104,22 @@ class AttentionMetadata:
         for q, c in zip(self.query_lens, self.context_lens_host, strict=True):
             out.extend(range(c - q, c))
         return out
+
+
+def _decode_groups(context_lens: list[int], block_tables: list[list[int]]) -> tuple[int, ...]:
+    """Sizes of the runs of decode rows with the same table and context lengths c, c+1, ..."""
+    sizes: list[int] = []
+    for i, (ctx, table) in enumerate(zip(context_lens, block_tables, strict=True)):
+        prev = i - 1
+        if (
+            sizes
+            and context_lens[prev] + 1 == ctx
+            and (block_tables[prev] is table or list(block_tables[prev]) == list(table))
+        ):
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return tuple(sizes)
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,16 @@ class ServerMetrics:
             self.spec_decode_num_accepted_tokens = counter(
                 "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
             )
+            self.spec_decode_enabled = gauge(
+                "mlxserve:spec_decode_enabled",
+                "1 if the last step could propose drafts (not backed off by batch size or "
+                "by cost per token).",
+            )
+            self.spec_decode_cost_switches = counter(
+                "mlxserve:spec_decode_cost_switches",
+                "Times the cost back-off turned speculation on or off.",
+            )
+            self._cost_switches = 0
         self._spec = (0, 0, 0)  # cumulative drafts, draft tokens, accepted tokens
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
@@ -220,6 +230,10 @@ class ServerMetrics:
             self.spec_decode_num_drafts.inc(max(0, spec[0] - last_spec[0]))
             self.spec_decode_num_draft_tokens.inc(max(0, spec[1] - last_spec[1]))
             self.spec_decode_num_accepted_tokens.inc(max(0, spec[2] - last_spec[2]))
+            self.spec_decode_enabled.set(1 if stats.spec_decode_enabled else 0)
+            switches = stats.spec_decode_cost_switches
+            self.spec_decode_cost_switches.inc(max(0, switches - self._cost_switches))
+            self._cost_switches = switches
         computed = engine.num_prompt_tokens_computed
         with self._lock:
             w = self._window

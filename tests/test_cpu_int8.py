@@ -1,0 +1,230 @@
+"""The CPU kernels with int8 activations (act_bits=8; csrc/qmm.h, csrc/q8_impl.h).
+
+Two oracles: (1) the rounding written here by hand from qmm.h's specification (float32
+as numpy computes it), then exact integer dot products and the scales applied in
+float64, which the kernels must match to float32 rounding; (2) MLX's own dequantize +
+matmul on the unrounded x, within the bound the rounding allows (half a quantum per
+value times the weights' magnitudes). Every int8 instruction set is forced on in turn (a
+path this CPU or build lacks is skipped, saying so); rows beyond the GEMV's 8 run in
+chunks of 8, each row computed the same way whatever its neighbours. Speed:
+bench/q8_gemv.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxserve import cpu
+from tests.test_cpu_kernels import dequantize_np
+
+ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    if not cpu.available():
+        if os.environ.get("MLXSERVE_REQUIRE_CPU_KERNELS"):
+            pytest.fail(f"MLXSERVE_REQUIRE_CPU_KERNELS is set: {cpu.status()}")
+        pytest.skip(cpu.status())
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    name = request.param
+    if not cpu.force_int8_isa(name):
+        pytest.skip(f"this CPU (or this build) has no int8 {name} path")
+    yield name
+    cpu.force_int8_isa("auto")
+
+
+def round_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """qmm.h's rounding: per block of 32, amax = max |x|, id = 127 / amax, q = rint(x * id)
+    clamped to +-127 (float32 arithmetic, ties to even), d = amax / 127; zero blocks: 0."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(axis=-1)
+    safe = np.where(amax == 0, np.float32(1), amax)
+    inv = (np.float32(127) / safe).astype(np.float32)
+    q = np.rint((xb * inv[..., None]).astype(np.float32))
+    q = np.where(amax[..., None] == 0, 0, np.clip(q, -127, 127)).astype(np.int64)
+    return q, (amax / np.float32(127)).astype(np.float32)
+
+
+def integer_oracle(
+    x: np.ndarray, wq: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int
+):
+    """y by qmm.h's formula: integer dot products per block, scales and biases in float64.
+    Returns y and the sum of |terms| (the float32 rounding scale)."""
+    q, d = round_rows(x)  # (m, nb, 32), (m, nb)
+    raw = np.ascontiguousarray(np.array(wq).astype("<u4")).view(np.uint8)
+    stream = np.unpackbits(raw, axis=1, bitorder="little")
+    w = stream.reshape(raw.shape[0], -1, bits).astype(np.int64) @ (2 ** np.arange(bits))
+    n, k = w.shape
+    wb = w.reshape(n, k // 32, 32)
+    dots = np.einsum("mbi,nbi->mnb", q, wb)  # exact int64
+    s = np.repeat(np.array(scales.astype(mx.float32), np.float64), group // 32, axis=1)
+    b = np.repeat(np.array(biases.astype(mx.float32), np.float64), group // 32, axis=1)
+    d64 = d.astype(np.float64)
+    scaled = d64[:, None, :] * s[None] * dots  # (m, n, nb)
+    bias = d64[:, None, :] * q.sum(-1)[:, None, :] * b[None]
+    return scaled.sum(-1) + bias.sum(-1), np.abs(scaled).sum(-1) + np.abs(bias).sum(-1)
+
+
+def problem(m: int, k: int, n: int, bits: int, group: int, seed: int = 0, scale_dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1))
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    return x, wq, scales.astype(scale_dtype), biases.astype(scale_dtype)
+
+
+def run(x: np.ndarray, wq, s, b, group: int, bits: int) -> np.ndarray:
+    return np.array(cpu.quantized_matmul(mx.array(x), wq, s, b, group, bits, 8), np.float64)
+
+
+def assert_matches_oracle(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray) -> None:
+    err = np.abs(got - want)
+    assert (err <= 1e-5 * magnitude + 1e-6).all(), float((err / (magnitude + 1e-9)).max())
+
+
+def test_the_hand_rounding_is_what_its_docstring_says() -> None:
+    x = np.zeros((1, 64), np.float32)
+    x[0, :32] = np.linspace(-2.0, 1.0, 32)  # amax 2: d = 2 / 127, -2 -> -127
+    q, d = round_rows(x)
+    assert d[0, 0] == np.float32(2) / np.float32(127) and d[0, 1] == 0
+    assert q[0, 0, 0] == -127 and q[0, 0, -1] == 64  # 1 * 63.5 -> 64 (ties to even)
+    assert (q[0, 1] == 0).all()
+
+
+SHAPES = [(1, 96, 7), (2, 64, 33), (3, 160, 1), (4, 192, 29), (5, 128, 17), (6, 64, 50)]
+SHAPES += [(7, 96, 9), (8, 320, 21), (11, 64, 13), (20, 128, 3)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_integer_gemv_matches_the_integer_oracle_and_mlx(isa: str, bits: int, group: int) -> None:
+    for m, k, n in SHAPES:
+        k = k // group * group or group  # a multiple of the group size (odd ones included)
+        x, wq, s, b = problem(m, k, n, bits, group, seed=m * 7 + n)
+        got = run(x, wq, s, b, group, bits)
+        want, mag = integer_oracle(x, wq, s, b, group, bits)
+        assert_matches_oracle(got, want, mag)
+        # Against the unrounded x: each value moved by at most half its block's quantum.
+        dense = dequantize_np(wq, s, b, group, bits)
+        _, d = round_rows(x)
+        blocks = np.abs(dense).reshape(n, k // 32, 32).sum(-1)  # (n, nb)
+        bound = (d.astype(np.float64) / 2) @ blocks.T * 1.0001 + 1e-5 * mag + 1e-6
+        err = np.abs(got - x.astype(np.float64) @ dense.T)
+        assert (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_other_bit_widths(isa: str, bits: int) -> None:
+    for m, k, n, group in [(1, 96, 7, 32), (3, 128, 10, 64), (8, 256, 9, 128)]:
+        x, wq, s, b = problem(m, k, n, bits, group, seed=m + bits)
+        assert_matches_oracle(
+            run(x, wq, s, b, group, bits), *integer_oracle(x, wq, s, b, group, bits)
+        )
+
+
+def test_16_bit_scales_and_many_rows() -> None:
+    for m in (1, 3, 6, 9, 40):
+        for scale_dtype in (mx.float16, mx.bfloat16):
+            x, wq, s, b = problem(m, 128, 19, 4, 32, seed=m, scale_dtype=scale_dtype)
+            assert_matches_oracle(run(x, wq, s, b, 32, 4), *integer_oracle(x, wq, s, b, 32, 4))
+
+
+def test_a_row_gets_the_same_bits_alone_and_beside_other_rows(isa: str) -> None:
+    """Any number of rows (chunks of 8 beyond 8): a request's logits do not depend on its
+    batch, its drafts or how its prompt is chunked."""
+    x, wq, s, b = problem(20, 160, 37, 4, 32, seed=4, scale_dtype=mx.float16)
+    alone = [run(x[i : i + 1], wq, s, b, 32, 4) for i in range(20)]
+    for m in [*range(2, 10), 17, 20]:
+        together = run(x[:m], wq, s, b, 32, 4)
+        for i in range(m):
+            np.testing.assert_array_equal(together[i : i + 1], alone[i], err_msg=f"{isa} {m} {i}")
+
+
+def test_zero_blocks_and_non_finite_activations(isa: str) -> None:
+    x, wq, s, b = problem(3, 64, 5, 8, 32, seed=1)
+    x[0, :32] = 0.0  # a zero block: d = 0, contributes nothing
+    x[1, 40] = np.inf  # a float matmul gives inf/NaN: so must this, not a number
+    x[2, 3] = np.nan
+    got = run(x, wq, s, b, 32, 8)
+    want, mag = integer_oracle(x[:1], wq, s, b, 32, 8)
+    assert_matches_oracle(got[:1], want, mag)
+    assert np.isnan(got[1:]).all()
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    module = cpu._module()
+    x, wq, s, b = problem(8, 256, 301, 4, 64)
+    outs = []
+    for threads in (1, 3, 0):
+        module.set_threads(threads)
+        outs.append([run(x[:m], wq, s, b, 64, 4) for m in (1, 8)])
+    for one, eight in outs[1:]:
+        np.testing.assert_array_equal(one, outs[0][0])
+        np.testing.assert_array_equal(eight, outs[0][1])
+
+
+def test_act_bits_other_than_0_or_8_are_refused() -> None:
+    x, wq, s, b = problem(1, 64, 5, 4, 32)
+    with pytest.raises(ValueError, match="act_bits must be 0 .* or 8, got 4"):
+        cpu.quantized_matmul(mx.array(x), wq, s, b, 32, 4, 4)
+
+
+def test_the_setting_picks_the_layers_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx.nn as nn
+
+    from mlxserve.exceptions import ParameterError
+
+    def act_bits() -> int:
+        model = nn.Sequential(nn.Linear(64, 32))
+        nn.quantize(model, group_size=32, bits=4)
+        assert cpu.use_kernels(model) == 1
+        return model.layers[0].act_bits
+
+    monkeypatch.delenv("MLXSERVE_CPU_INT8", raising=False)  # opt-in (README: CPU performance)
+    assert act_bits() == 0 and "float activations" in cpu.status()
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "off")
+    assert act_bits() == 0
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "on")
+    assert act_bits() == 8 and "int8 activations" in cpu.status()
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "auto")  # on wherever a SIMD integer path exists
+    assert act_bits() == (0 if cpu._module().q8_isa() == "scalar" else 8)
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "sometimes")
+    with pytest.raises(ParameterError, match="MLXSERVE_CPU_INT8 must be auto, on or off") as e:
+        act_bits()
+    assert e.value.parameter == "MLXSERVE_CPU_INT8"
+
+
+def test_the_default_model_with_int8_activations_tracks_llamacpp(
+    monkeypatch: pytest.MonkeyPatch, llamacpp_oracle: dict
+) -> None:
+    """llama.cpp rounds activations the same way: teacher-forced over all its greedy
+    steps, its token is in our top 3 everywhere and our argmax wherever its choice is
+    clear (bench/int8_agreement.py measures how much closer than the float path)."""
+    from mlxserve.loader import load_model
+    from tests.model_helpers import BlockPoolRunner
+    from tests.paths import check_llamacpp_step
+
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "on")
+    model = load_model(skip_tokenizer_init=True).model
+    assert model.model.layers[0].mlp.up_proj.act_bits == 8
+    cases = llamacpp_oracle["greedy"]
+    work = [
+        (f"r{i}", (c["prompt_ids"] + [s["id"] for s in c["steps"]])[:-1])
+        for i, c in enumerate(cases)
+    ]
+    logits = BlockPoolRunner(model, num_blocks=32, block_size=16).step(work, all_logits=True)
+    num_clear = 0
+    for i, case in enumerate(cases):
+        rows = np.array(logits[f"r{i}"][len(case["prompt_ids"]) - 1 :])
+        for step, row in zip(case["steps"], rows, strict=True):
+            num_clear += check_llamacpp_step(step, row, case["prompt"])
+    assert num_clear >= 70  # most steps are clear: the check has teeth
