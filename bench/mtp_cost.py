@@ -108,6 +108,7 @@ def run(model: Path, k: int, prompt: list[int], max_tokens: int) -> dict:
     spec = None
     if k:
         spec = {"method": "mtp", "num_speculative_tokens": k, "min_acceptance_rate": 0.0}
+        spec["disable_by_cost"] = False  # every step pays (the cost back-off would stop it)
     llm = LLM(str(model), dtype="float32", num_blocks=128, speculative_config=spec)
     llm.generate([prompt[:8]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     before = llm.engine.get_stats()

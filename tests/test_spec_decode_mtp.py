@@ -46,6 +46,7 @@ def mtp_llm(model_dir, k: int = 3, **kwargs) -> LLM:
         "num_speculative_tokens": k,
         "disable_by_batch_size": 64,
         "min_acceptance_rate": 0.0,
+        "disable_by_cost": False,
     }
     return LLM(str(model_dir), speculative_config=spec, **kwargs)
 
@@ -168,7 +169,12 @@ def test_sampled_tokens_keep_the_target_distribution(models) -> None:
 
     p1 = softmax(oracle(mx.array([prompt]))[0, -1])  # (V,)
     p2 = softmax(oracle(mx.array([prompt + [t] for t in range(VOCAB_SIZE)]))[:, -1])  # (V, V)
-    spec = {"method": "mtp", "num_speculative_tokens": 1, "disable_by_batch_size": 256}
+    spec = {
+        "method": "mtp",
+        "num_speculative_tokens": 1,
+        "disable_by_batch_size": 256,
+        "disable_by_cost": False,
+    }
     llm = LLM(str(model_dir), max_num_seqs=256, seed=0, speculative_config=spec)
     params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
     outs = llm.generate([prompt] * num_samples, params, use_tqdm=False)
