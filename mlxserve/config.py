@@ -114,8 +114,10 @@ class SchedulerConfig:
         assert self.max_num_batched_tokens >= 1, self
 
 
-# Speculative decoding methods (vLLM's names); the MTP proposer is to come.
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Speculative decoding methods (vLLM's names).
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's per-architecture spellings of the MTP method (it maps them to "mtp" too).
+MTP_ALIASES = ("deepseek_mtp", "mimo_mtp", "glm4_moe_mtp")
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class SpeculativeConfig:
     occurrence of the sequence's last n tokens, n from ``prompt_lookup_max`` down to
     ``prompt_lookup_min``. ``draft_model``: a smaller model with the same tokenizer,
     ``model`` (a path, hub id or .gguf, as the engine's model), drafts autoregressively.
+    ``mtp``: the model's own multi-token-prediction layer (glm4_moe, mimo checkpoints).
     No speculation when more than ``disable_by_batch_size`` requests run (verifying drafts
     of a big batch costs more than it saves).
     """
@@ -224,6 +227,8 @@ class SpeculativeConfig:
                 f"known: {', '.join(sorted(known))}",
                 parameter=f"speculative_config.{unknown[0]}",
             )
+        if value.get("method") in MTP_ALIASES:
+            value = {**value, "method": "mtp"}
         if "method" not in value and value.get("model") is not None:
             value = {**value, "method": "draft_model"}  # vLLM infers it from the model
         if "method" not in value:
@@ -341,16 +346,17 @@ class EngineConfig:
             self.pipeline_micro_batch_tokens,
             ">= 1",
         )
-        if self.speculative_config is not None and self.speculative_config.model is not None:
-            # The draft model runs on rank 0 only; the SPMD step protocol carries host
-            # token ids, and a draft's tokens exist only on the device.
+        sc = self.speculative_config
+        if sc is not None and (sc.model is not None or sc.method == "mtp"):
+            # The draft model (or MTP layer) runs on rank 0 only; the SPMD step protocol
+            # carries host token ids, and a draft's tokens exist only on the device.
+            what = "an MTP layer (method mtp)" if sc.method == "mtp" else "a draft model"
             for name in ("tensor_parallel_size", "pipeline_parallel_size"):
                 _require(
                     getattr(self, name) == 1,
                     name,
                     getattr(self, name),
-                    "1 with a draft model (speculative_config.model): use method ngram, or "
-                    "one process",
+                    f"1 with {what} (speculative_config): use method ngram, or one process",
                 )
         _require(
             self.distributed_timeout_seconds > 0,

@@ -115,6 +115,8 @@ class KVCacheManager:
         self._step_state: dict[str, StateSlots] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # A hit stops a block short (MTP: the scheduler sets it).
+        self.drop_last_hit_block = False
 
     @property
     def usage(self) -> float:
@@ -189,12 +191,15 @@ class KVCacheManager:
             return request.get_token_ids(i * bs, (i + 1) * bs)
 
         num_blocks = (request.num_tokens - 1) // bs
+        dropped = not self.drop_last_hit_block
         while True:
             hits = [m.find_longest_cache_hit(hashes, token_ids, num_blocks) for m in self.managers]
             state_slot, state_blocks = self._find_snapshot(hashes, num_blocks)
             agreed = min([len(h) for h in hits] + [state_blocks])
-            if agreed == num_blocks:
+            if agreed == num_blocks and (dropped or num_blocks == 0):
                 break
+            if agreed == num_blocks:  # once agreed, one block less
+                agreed, dropped = num_blocks - 1, True
             num_blocks = agreed
         if num_blocks == 0:
             return self._empty(), 0

@@ -104,6 +104,10 @@ class Scheduler:
         # A recurrent state cannot roll back past rejected drafts: the engine turns it off.
         assert speculative_config is None or not cache_config.num_state_slots
         self.spec = None if speculative_config is None else SpecDecoder(speculative_config, clock)
+        if self.spec is not None and speculative_config.method == "mtp":
+            # An MTP layer's K/V at a block's last position depends on the next block's
+            # first token: a hit's last block is recomputed (worker/mtp.py).
+            self.kv_cache_manager.drop_last_hit_block = True
 
     # ------------------------------------------------------------------ lifecycle
 

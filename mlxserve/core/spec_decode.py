@@ -6,6 +6,8 @@ pass (worker/sampler.py, rejection sampling) and update_from_output keeps the ac
 prefix plus one token of the target model. Proposers:
 
 - ``ngram`` (core/ngram_proposer.py, host-only): the drafts are known when scheduling.
+- ``mtp``: as ``draft_model`` (k ``DRAFTER_TOKEN`` slots), with nothing to catch up on:
+  the runner's MTP layer follows every row the target computes (worker/mtp.py).
 - ``draft_model``: the scheduler decides how many drafts a request verifies (k slots,
   ``DRAFTER_TOKEN`` each) and what the draft model must catch up on first; the runner's
   drafter (worker/drafter.py) proposes the k tokens in the same step, on the device.
@@ -128,6 +130,9 @@ class SpecDecoder:
             if lag > self.catchup_left:
                 return []
             self.catchup_left -= lag
+            request.spec_token_ids = [DRAFTER_TOKEN] * k
+        elif self.config.method == "mtp":
+            # The runner's MTP layer is always caught up (worker/mtp.py): nothing to feed.
             request.spec_token_ids = [DRAFTER_TOKEN] * k
         else:
             request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)

@@ -35,6 +35,7 @@ from mlxserve.worker.isolation import describe
 from mlxserve.worker.launch import LaunchedRanks, LocalRanks, keep_this_ranks_part, start_ranks
 from mlxserve.worker.memory import tree_bytes
 from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
+from mlxserve.worker.mtp import load_mtp
 from mlxserve.worker.spmd import RankLostError, StepChannel
 
 logger = logging.getLogger("mlxserve")
@@ -143,7 +144,9 @@ class LLMEngine:
                 kv_cache_dtype=config.kv_cache_dtype,
             )
             sc = config.speculative_config
-            if sc is not None and sc.model is not None and not self.runner.layout.has_state:
+            if sc is not None and sc.method == "mtp":
+                self.runner.drafter = load_mtp(config, loaded, self.runner)
+            elif sc is not None and sc.model is not None and not self.runner.layout.has_state:
                 self.runner.drafter = load_drafter(config, loaded.tokenizer, self.runner)
             self.plan = self.runner.plan_kv_cache(**plan_args)
             if self.ranks is not None:
@@ -173,6 +176,8 @@ class LLMEngine:
                 sc.num_speculative_tokens,
                 f"draft model {sc.model}"
                 if sc.model
+                else "the model's MTP layer"
+                if sc.method == "mtp"
                 else f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}",
                 sc.disable_by_batch_size,
             )

@@ -430,3 +430,35 @@ def mlx_lm_classes(config: dict) -> tuple[type[nn.Module], type, types.ModuleTyp
 
     model_cls, args_cls = _get_classes(config)
     return model_cls, args_cls, importlib.import_module(model_cls.__module__)
+
+
+def run_paged_layer(
+    layer: nn.Module,
+    x: mx.array,  # (num_tokens, hidden)
+    positions: mx.array,  # (num_tokens,) int32
+    md: AttentionMetadata,
+    kv_cache: KVCache,
+    spec: LayerCacheSpec,
+    model_type: str,
+) -> mx.array:  # (num_tokens, hidden)
+    """One mlx-lm decoder layer (``layer(x, mask, cache)``) over flat rows, its attention
+    on K/V tensor 0 of ``kv_cache`` (an MTP layer's block: models/mtp.py)."""
+    step = _Step(
+        model_type,
+        positions,
+        md,
+        group_mds=(md,),
+        kv_cache=kv_cache,
+        logits_indices=None,
+        kv_cast_after_fetch=False,
+        owners={},
+    )
+    view = PagedLayerCache(step, 0, spec, 0, 0)
+    token = _STEP.set(step)
+    try:
+        out = layer(x[:, None, :], None, view)  # (num_tokens, 1, hidden)
+    finally:
+        _STEP.reset(token)
+    if not view.attended:
+        raise UnsupportedModelError(f"{model_type}: the MTP block did not attend")
+    return out[:, 0, :]

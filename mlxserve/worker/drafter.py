@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -140,6 +141,15 @@ class Drafter:
         self.kv_cache = None
 
     # ------------------------------------------------------------------ a step
+    def proposes(self, so: SchedulerOutput) -> bool:
+        """Whether this step runs the proposer before the target's forward."""
+        return bool(so.drafter_feeds)
+
+    def capture(self) -> AbstractContextManager[list[mx.array] | None]:
+        """Around the target's forward: what the proposer needs of it (MTP: its hidden
+        states, worker/mtp.py); a draft model needs nothing."""
+        return nullcontext()
+
     def propose(
         self, so: SchedulerOutput, sampling: Callable[[Request, int], SamplingState]
     ) -> Proposal | None:

@@ -43,7 +43,7 @@ class PoolSnapshot:
     keys: list[mx.array]
     values: list[mx.array]
     states: list[list[mx.array]]
-    drafter: tuple[list[mx.array], list[mx.array]] | None
+    drafter: tuple | None  # what drafter.save() returned
 
     @classmethod
     def take(cls, kv_cache: KVCache, drafter: Drafter | None) -> PoolSnapshot:

@@ -260,12 +260,14 @@ class ModelRunner:
             outs += part.arrays()
         try:
             mx.async_eval(*outs)  # the forward pass (and sampling, without grammars)
+            del outs  # an MTP layer writes its pool again below: in place only if unheld
             masked = [part for part in handle.parts if part.result is None and part.samplers]
             if masked:
                 # Grammar bitmasks on the host while the forward pass computes, then
                 # the sampler of those parts on top of it.
                 self._sample_masked(masked)
-                mx.async_eval(*(a for part in masked for a in part.arrays()))
+                # The pool too: an MTP layer writes it after those samplers (worker/mtp.py).
+                mx.async_eval(*self._pool_arrays(), *(a for p in masked for a in p.arrays()))
         except Exception as e:  # noqa: BLE001 -- collect() finds whose fault it was
             self._check_lost(e)
             handle.error = describe(e)

@@ -19,7 +19,10 @@ Nothing here evaluates: the runner starts the evaluation (worker/model_runner.py
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 
@@ -60,6 +63,9 @@ class StepPart:
     pooled: mx.array | None = None  # (len(poolers), hidden) float32
     inputs: ForwardInputs | None = None  # tensor parallel: what the other ranks run
     proposal: Proposal | None = None  # a draft model's drafts (worker/drafter.py)
+    # MTP (worker/mtp.py): its pass over the step's rows, given the sampler's result.
+    follow: Callable[[SamplerOutput | None], list[mx.array]] | None = None
+    followed: list[mx.array] = field(default_factory=list)  # its arrays to evaluate
 
     @property
     def waited(self) -> bool:
@@ -68,7 +74,7 @@ class StepPart:
 
     def arrays(self) -> list[mx.array]:
         """The part's lazy results, to evaluate with the pool."""
-        out = list(self.prompt_logprobs or ())
+        out = list(self.prompt_logprobs or ()) + self.followed
         if self.proposal is not None:
             out.append(self.proposal.token_ids)
         if self.pooled is not None:
@@ -113,7 +119,7 @@ def build_part(
     plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
     pooling = PoolingRows()  # embedding requests: hidden states, no logits
     proposal = None
-    if drafter is not None and so.drafter_feeds:
+    if drafter is not None and drafter.proposes(so):
         # The draft model's passes first: the drafts are this forward's inputs.
         proposal = drafter.propose(so, lambda r, j: request_states.get(r).sampling.ahead(j))
     proposed_rows: list[int] = []  # rows of input_ids that take the proposal's drafts
@@ -175,15 +181,16 @@ def build_part(
     ids = mx.array(input_ids, dtype=mx.int32)
     if proposal is not None:
         ids[mx.array(proposed_rows, dtype=mx.int32)] = proposal.token_ids
-    out = model(
-        ids,
-        mx.array(positions, dtype=mx.int32),
-        md,
-        kv_cache,
-        logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
-        **extra,
-        **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
-    )
+    with nullcontext() if drafter is None else drafter.capture() as captured:
+        out = model(
+            ids,
+            mx.array(positions, dtype=mx.int32),
+            md,
+            kv_cache,
+            logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
+            **extra,
+            **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
+        )
     logits, hidden = out if pooling.rows else (out, None)
     pooled = None if hidden is None else pooling.reduce(hidden)
     result = None
@@ -203,6 +210,10 @@ def build_part(
             max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
         )
     part.result, part.prompt_logprobs, part.inputs = result, plp, inputs
+    if captured is not None:  # MTP: after the sampler (a grammar's: sample_masked)
+        part.follow = partial(drafter.follow, so, ids, captured, md)
+        if result is not None or not samplers:
+            part.followed = part.follow(result)
     return part
 
 
@@ -246,4 +257,6 @@ def sample_masked(parts: list[StepPart], request_states: RequestStates) -> float
         batch = make_sampling_batch(states, part.logits.shape[-1])
         batch.bitmask = mx.array(bitmask)
         part.result = sample(part.logits, batch, draft_ids, draft_probs)
+        if part.follow is not None:
+            part.followed = part.follow(part.result)
     return seconds
