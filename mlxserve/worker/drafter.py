@@ -180,38 +180,18 @@ class Drafter:
         logits = self._forward(ids, positions, query_lens, context_lens, tables, last_rows)
         if not drafting:
             return None
-        # Pass j drafts the j-th token of the requests with more than j drafts.
-        num_drafts = [len(so.draft_token_ids[r.request_id]) for r in drafting]
-        rows = list(range(len(drafting)))  # which drafting requests the logits are for
-        drafted: list[list[mx.array]] = [[] for _ in drafting]
-        # q of each draft, when any request samples (a greedy request's rows: zeros, unread).
-        any_sampled = any(not r.sampling_params.is_greedy for r in drafting)
-        q_rows: list[list[mx.array]] = [[] for _ in drafting]
-        for j in range(max(num_drafts)):
-            states = [sampling(drafting[i], j) for i in rows]
-            batch = make_sampling_batch(states, self.vocab_size)
-            tokens, probs = sample_draft(logits, batch, self.vocab_size)
-            for n, i in enumerate(rows):
-                drafted[i].append(tokens[n : n + 1])
-                if any_sampled:
-                    q = mx.zeros((1, self.vocab_size)) if probs is None else probs[n : n + 1]
-                    q_rows[i].append(q)
-            rows = [i for i in rows if num_drafts[i] > j + 1]
-            if not rows:
-                break
-            feed = mx.concatenate([drafted[i][j] for i in rows])  # (len(rows),)
+        tables = [so.block_ids[r.request_id][0] for r in drafting]
+
+        def next_pass(rows: list[int], j: int, fed: mx.array) -> mx.array:
+            # Draft j + 1's input is draft j, at the position after the last token + j.
             ctx = [drafting[i].num_tokens + j + 1 for i in rows]
-            logits = self._forward(
-                feed,
-                [c - 1 for c in ctx],
-                [1] * len(rows),
-                ctx,
-                [so.block_ids[drafting[i].request_id][0] for i in rows],
-                list(range(len(rows))),
+            positions = [c - 1 for c in ctx]
+            picked = [tables[i] for i in rows]
+            return self._forward(
+                fed, positions, [1] * len(rows), ctx, picked, list(range(len(rows)))
             )
-        token_ids = mx.concatenate([t for per in drafted for t in per])
-        probs = mx.concatenate([q for per in q_rows for q in per]) if any_sampled else None
-        return Proposal(token_ids, probs)
+
+        return draft_passes(so, drafting, sampling, self.vocab_size, logits, next_pass)
 
     def _forward(
         self,
@@ -238,6 +218,43 @@ class Drafter:
 def _feed_len(so: SchedulerOutput, request: Request) -> int:
     start, end = so.drafter_feeds[request.request_id]
     return end - start
+
+
+def draft_passes(
+    so: SchedulerOutput,
+    drafting: list[Request],
+    sampling: Callable[[Request, int], SamplingState],
+    vocab_size: int,
+    logits: mx.array,  # (len(drafting), vocab): what predicts each request's first draft
+    next_pass: Callable[[list[int], int, mx.array], mx.array],
+) -> Proposal:
+    """Sample the drafts pass by pass: pass j drafts the j-th token of the requests with
+    more than j drafts; ``next_pass(rows, j, tokens)`` gives the logits of pass j + 1 for
+    ``rows`` (indices into ``drafting``) fed their pass-j ``tokens``. The draft model and
+    the MTP layer differ only there."""
+    num_drafts = [len(so.draft_token_ids[r.request_id]) for r in drafting]
+    rows = list(range(len(drafting)))  # which drafting requests the logits are for
+    drafted: list[list[mx.array]] = [[] for _ in drafting]
+    # q of each draft, when any request samples (a greedy request's rows: zeros, unread).
+    any_sampled = any(not r.sampling_params.is_greedy for r in drafting)
+    q_rows: list[list[mx.array]] = [[] for _ in drafting]
+    for j in range(max(num_drafts)):
+        states = [sampling(drafting[i], j) for i in rows]
+        batch = make_sampling_batch(states, vocab_size)
+        tokens, probs = sample_draft(logits, batch, vocab_size)
+        for n, i in enumerate(rows):
+            drafted[i].append(tokens[n : n + 1])
+            if any_sampled:
+                q = mx.zeros((1, vocab_size)) if probs is None else probs[n : n + 1]
+                q_rows[i].append(q)
+        keep = [n for n, i in enumerate(rows) if num_drafts[i] > j + 1]
+        if not keep:
+            break
+        rows = [rows[n] for n in keep]
+        logits = next_pass(rows, j, tokens[mx.array(keep, dtype=mx.int32)])
+    token_ids = mx.concatenate([t for per in drafted for t in per])
+    probs = mx.concatenate([q for per in q_rows for q in per]) if any_sampled else None
+    return Proposal(token_ids, probs)
 
 
 def sample_draft(

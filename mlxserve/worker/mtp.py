@@ -44,8 +44,8 @@ from mlxserve.models.mtp import (
     mtp_weight_names,
 )
 from mlxserve.ops import AttentionMetadata
-from mlxserve.worker.drafter import Drafter, Proposal, sample_draft
-from mlxserve.worker.sampler import SamplerOutput, SamplingState, make_sampling_batch
+from mlxserve.worker.drafter import Drafter, Proposal, draft_passes
+from mlxserve.worker.sampler import SamplerOutput, SamplingState
 
 logger = logging.getLogger("mlxserve")
 
@@ -91,28 +91,16 @@ class MtpDrafter(Drafter):
         if not drafting:
             return None
         layer = self.model
-        num_drafts = [len(so.draft_token_ids[r.request_id]) for r in drafting]
         zeros = mx.zeros((1, layer.hidden_size), dtype=layer.enorm.weight.dtype)
         g = mx.concatenate([self._last.get(r.request_id, zeros) for r in drafting])  # (R, H)
-        rows = list(range(len(drafting)))
-        drafted: list[list[mx.array]] = [[] for _ in drafting]
-        any_sampled = any(not r.sampling_params.is_greedy for r in drafting)
-        q_rows: list[list[mx.array]] = [[] for _ in drafting]
-        for j in range(max(num_drafts)):
-            states = [sampling(drafting[i], j) for i in rows]
-            batch = make_sampling_batch(states, self.vocab_size)
-            tokens, probs = sample_draft(layer.logits(g), batch, self.vocab_size)
-            for n, i in enumerate(rows):
-                drafted[i].append(tokens[n : n + 1])
-                if any_sampled:
-                    q = mx.zeros((1, self.vocab_size)) if probs is None else probs[n : n + 1]
-                    q_rows[i].append(q)
-            keep = [n for n, i in enumerate(rows) if num_drafts[i] > j + 1]
-            if not keep:
-                break
-            index = mx.array(keep, dtype=mx.int32)
-            rows = [rows[n] for n in keep]
-            # dj's input: d(j-1) at position T - 1 + j, with g of the position before.
+        kept = list(range(len(drafting)))  # the requests g's rows are for
+
+        def next_pass(rows: list[int], j: int, fed: mx.array) -> mx.array:
+            # Draft j + 1's input: draft j at position T - 1 + j, with g of the position
+            # before (the rows of g kept for these requests).
+            nonlocal g, kept
+            g = g[mx.array([kept.index(i) for i in rows], dtype=mx.int32)]
+            kept = rows
             positions = [drafting[i].num_tokens - 1 + j for i in rows]
             md = AttentionMetadata.build(
                 [1] * len(rows),
@@ -120,12 +108,10 @@ class MtpDrafter(Drafter):
                 [so.block_ids[drafting[i].request_id][0] for i in rows],
                 self.block_size,
             )
-            g = layer.forward(
-                tokens[index], mx.array(positions, dtype=mx.int32), g[index], md, self.kv_cache
-            )
-        token_ids = mx.concatenate([t for per in drafted for t in per])
-        probs = mx.concatenate([q for per in q_rows for q in per]) if any_sampled else None
-        return Proposal(token_ids, probs)
+            g = layer.forward(fed, mx.array(positions, dtype=mx.int32), g, md, self.kv_cache)
+            return layer.logits(g)
+
+        return draft_passes(so, drafting, sampling, self.vocab_size, layer.logits(g), next_pass)
 
     def follow(
         self,
