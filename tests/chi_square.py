@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx
 import numpy as np
 
 Z_999 = 3.0902  # the standard normal's 0.999 quantile
@@ -43,3 +44,32 @@ def assert_fits(counts: np.ndarray, probs: np.ndarray) -> None:
     assert df >= 1, "too few categories to test"
     limit = chi_square_critical(df)
     assert stat < limit, f"chi-square {stat:.1f} >= {limit:.1f} (df {df}): not distributed as p"
+
+
+def assert_second_tokens_fit(llm, oracle, prompt: list[int], temperature: float, num_samples: int):
+    """Sample ``num_samples`` 3-token continuations of ``prompt`` with ``llm`` (speculating
+    one draft, so every 2nd token is drafted and verified) and check the first two tokens
+    against the target's distribution from ``oracle`` (mlx-lm): P(t1), and P(t2) = sum
+    over t1 of P(t1) P(t2 | t1). Returns the engine's stats (acceptance counts)."""
+    from mlxserve import SamplingParams
+
+    def softmax(logits: mx.array) -> np.ndarray:
+        x = np.array(logits.astype(mx.float32)) / temperature
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p1 = softmax(oracle(mx.array([prompt]))[0, -1])  # (V,)
+    vocab = p1.shape[-1]
+    p2 = softmax(oracle(mx.array([prompt + [t] for t in range(vocab)]))[:, -1])  # (V, V)
+    # max_tokens 3: the 2nd token is drafted (the 3rd is the bonus token).
+    params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([prompt] * num_samples, params, use_tqdm=False)
+    first = np.array([o.outputs[0].token_ids[0] for o in outs])
+    second = np.array([o.outputs[0].token_ids[1] for o in outs])
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens == num_samples  # every 2nd token was drafted
+    # Drafts replaced many times (the resampling path ran).
+    assert stats.spec_decode_num_draft_tokens - stats.spec_decode_num_accepted_tokens > 150
+    assert_fits(np.bincount(first, minlength=vocab), p1)
+    assert_fits(np.bincount(second, minlength=vocab), p1 @ p2)
+    return stats

@@ -12,24 +12,17 @@ bench/q8_gemv.py.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlxserve import cpu
-from tests.test_cpu_kernels import dequantize_np
+from tests.test_cpu_kernels import (
+    dequantize_np,
+    kernels,  # noqa: F401 -- autouse: skip without the kernels
+)
 
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
-    if not cpu.available():
-        if os.environ.get("MLXSERVE_REQUIRE_CPU_KERNELS"):
-            pytest.fail(f"MLXSERVE_REQUIRE_CPU_KERNELS is set: {cpu.status()}")
-        pytest.skip(cpu.status())
 
 
 @pytest.fixture(params=ISAS)
