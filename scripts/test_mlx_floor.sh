@@ -14,6 +14,7 @@ PY
 extra=$([ "$(uname)" = Darwin ] && echo "" || echo "[cpu]")
 python -m pip install --quiet "mlx${extra}==${floor}"
 python -c "import mlx.core as mx; print('MLX floor', mx.__version__)"
-python -m pytest -q tests/test_metal_selftest.py tests/test_metal_dispatch.py \
-    tests/test_metal_kernels.py tests/test_paged_attention.py tests/test_loader_gguf.py \
-    tests/test_engine_smollm2.py "$@"
+# Two workers, as scripts/test.sh (MLXSERVE_TEST_WORKERS=0: in this process).
+python -m pytest -q -n "${MLXSERVE_TEST_WORKERS:-2}" --dist loadgroup \
+    tests/test_metal_selftest.py tests/test_metal_dispatch.py tests/test_metal_kernels.py \
+    tests/test_paged_attention.py tests/test_loader_gguf.py tests/test_engine_smollm2.py "$@"
