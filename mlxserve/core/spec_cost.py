@@ -155,9 +155,11 @@ class CostBackoff:
         s.probe_interval = PROBE_INTERVAL
         self.num_switches += 1
         logger.info(
-            "speculative decoding %s at batch %d: %.1f ms per token with drafts, %.1f ms without",
+            "speculative decoding %s at batch %d, context %d: %.1f ms per token with drafts, "
+            "%.1f ms without",
             "on" if want_on else "off",
             batch_size,
+            context_len,
             1000 * s.spec.per_token,
             1000 * s.plain.per_token,
         )
