@@ -291,10 +291,10 @@ def profile_verification(model, rows: list[int], repeats: int, context: int = 60
     def attention(n: int) -> None:
         md, outs = metadata(n), []
         for i in range(len(layers)):
-            o, cache.keys[i], cache.values[i] = ops.write_kv_and_attend(
-                q[n], k[n], k[n], cache.keys[i], cache.values[i], md, attn.scale
+            cache.keys[i], cache.values[i] = ops.write_kv(
+                cache.keys[i], cache.values[i], k[n], k[n], md.slot_mapping
             )
-            outs.append(o)
+            outs.append(ops.paged_attention(q[n], cache.keys[i], cache.values[i], md, attn.scale))
         mx.eval(outs, cache.arrays())
 
     results: dict = {}

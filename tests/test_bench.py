@@ -211,3 +211,19 @@ def test_kv_cache_dtype_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
     assert data["int8"]["blocks"] == 2**20 // data["int8"]["bytes_per_block"]
     assert data["int8"]["requests_that_fit"] == data["int8"]["blocks"] // 4
     assert 0 <= data["int8"]["agreement"] <= 1 and data["int8"]["decode_tok_s"] > 0
+
+
+def test_decode_profile_runs_a_step_and_the_verification_rows(tmp_path: Path) -> None:
+    """bench/decode_profile.py end to end on the tiny model (it reaches into the runner
+    and the ops, so a rename there breaks it: seen once, the removed write_kv_and_attend)."""
+    from bench import decode_profile
+
+    _, model_dir = make_tiny_model_dir(tmp_path / "m")
+    out = tmp_path / "profile.json"
+    argv = [str(model_dir), "--batch", "2", "--steps", "3", "--repeats", "1"]
+    argv += ["--verify-rows", "1", "3", "--verify-context", "20", "--json", str(out)]
+    assert decode_profile.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["steps"]["2"]["step"] > 0 and data["steps"]["2"]["ops"] > 0
+    assert set(data["verification"]) == {"1", "3"}
+    assert data["verification"]["1"]["forward"]["vs_1_row"] == 1.0
