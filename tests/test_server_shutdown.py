@@ -79,6 +79,9 @@ def test_sigterm_fails_what_outlives_the_timeout_then_exits(model_dir, tmp_path)
     stream, plain = Stream(server.url, LONG), Plain(server.url, LONG)
     stream.start(), plain.start()
     assert stream.started.wait(60) and stream.error is None
+    # Both in flight before the signal (else the plain one may arrive after it and be
+    # refused, not aborted: seen once under CI load).
+    assert wait_until(lambda: running(server.url) == 2, timeout=60)
     server.proc.send_signal(signal.SIGTERM)
     stream.join(60), plain.join(60)
     assert not stream.is_alive() and not plain.is_alive()
