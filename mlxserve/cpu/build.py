@@ -39,7 +39,8 @@ X86_FLAGS = {
 }
 ARM_FLAGS = {"q8_neon.c": ["-march=armv8.2-a+dotprod"]}
 # The activations' rounding (qmm.c) must round x * id before adding: no fused multiply-add.
-COMMON_FLAGS = {"qmm.c": ["-ffp-contract=off"]}
+# The int8 matmul's float sums are one fixed sequence of rounded operations (q8_impl.h).
+COMMON_FLAGS = {n: ["-ffp-contract=off"] for n in SOURCES if n == "qmm.c" or n.startswith("q8_")}
 
 
 class BuildError(RuntimeError):
