@@ -5,8 +5,8 @@
  *   Q8_RM, Q8_RN       the register tile: rows of x by vectors of columns
  *   q8_pack(...)       one vector of columns, every block, into the packed layout below
  *                      (q8_pack_generic does it in plain C)
- *   q8_tile(...)       the tile's float sums f over all blocks (below), for rm <= Q8_RM rows
- *                      and rn <= Q8_RN vectors, with weights of `kind` (Q8_SMALL, Q8_BYTE)
+ *   q8_tile(...)       the tile's y = f + e (below), for rm <= Q8_RM rows and rn <= Q8_RN
+ *                      vectors, with weights of `kind` (Q8_SMALL, Q8_BYTE)
  *   Q8_ENTRY           the exported function's name
  *
  * The math. Row m of x is rounded per block b of 32 values: x_k ~ x'_k = d_b q_k, q_k in
@@ -91,11 +91,13 @@ static inline void q8_pack_generic(const uint8_t *w0, int64_t row_bytes, int nco
 #define Q8_TILE(RM, RN)                                                                   \
     case (RM) * 16 + (RN):                                                                \
         if (kind == Q8_SMALL)                                                             \
-            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC, subs,         \
+            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC,                \
+                    bi + c0 * Q8_VC, xs, g, subs,                                 \
                     f + c0 * Q8_VC, RM, \
                     RN, Q8_SMALL);                                                        \
         else                                                                              \
-            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC, subs,         \
+            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC,                \
+                    bi + c0 * Q8_VC, xs, g, subs,                                 \
                     f + c0 * Q8_VC, RM, \
                     RN, Q8_BYTE);                                                         \
         break;
@@ -111,13 +113,12 @@ static void q8_item(void *vctx, int64_t item) {
     const int nv = (ncols + Q8_VC - 1) / Q8_VC;
     const int64_t row_bytes = K * bits / 8;
     /* Scratch: packed weights, transposed scales and biases ((g, Q8_PANEL)), their float32
-     * copies before transposing, the tile's sums and a row's bias terms. */
+     * copies before transposing, and the tile's results. */
     const size_t packed_floats = (size_t)(nb * 8 * nv * Q8_VC), pg = (size_t)(g * Q8_PANEL);
     float *buf = scratch(&tls_c, &tls_c_cap,
-                         packed_floats + 4 * pg + (Q8_RM + 1) * (size_t)Q8_PANEL);
+                         packed_floats + 4 * pg + Q8_RM * (size_t)Q8_PANEL);
     uint8_t *pw = (uint8_t *)buf;
     float *sc = buf + packed_floats, *bi = sc + pg, *tmp = bi + pg, *f = tmp + 2 * pg;
-    float *e = f + Q8_RM * Q8_PANEL;
     for (int v = 0; v < nv; v++) {
         const int cols = ncols - v * Q8_VC < Q8_VC ? ncols - v * Q8_VC : Q8_VC;
         q8_pack((const uint8_t *)p->w + (n0 + v * Q8_VC) * row_bytes, row_bytes, cols, nb, bits,
@@ -134,7 +135,7 @@ static void q8_item(void *vctx, int64_t item) {
     for (int64_t m0 = 0; m0 < M; m0 += Q8_RM) {
         const int rm = (int)(M - m0 < Q8_RM ? M - m0 : Q8_RM);
         const int8_t *qm = c->q->q + m0 * K;
-        const float *dm = c->q->d + m0 * nb;
+        const float *dm = c->q->d + m0 * nb, *xs = c->xs + m0 * g;
         for (int c0 = 0; c0 < nv; c0 += Q8_RN) {
             const int rn = nv - c0 < Q8_RN ? nv - c0 : Q8_RN;
             switch (rm * 16 + rn) {
@@ -156,14 +157,9 @@ static void q8_item(void *vctx, int64_t item) {
 #endif
             }
             const int j0 = c0 * Q8_VC, j1 = (c0 + rn) * Q8_VC < ncols ? (c0 + rn) * Q8_VC : ncols;
-            for (int m = 0; m < rm; m++) {
-                const float *xs = c->xs + (m0 + m) * g;
-                for (int j = j0; j < j1; j++) e[j] = 0.0f;
-                for (int64_t gi = 0; gi < g; gi++)
-                    for (int j = j0; j < j1; j++) e[j] = e[j] + bi[gi * Q8_PANEL + j] * xs[gi];
-                float *y = p->y + (m0 + m) * N + n0;
-                for (int j = j0; j < j1; j++) y[j] = f[m * Q8_PANEL + j] + e[j];
-            }
+            for (int m = 0; m < rm; m++)
+                memcpy(p->y + (m0 + m) * N + n0 + j0, f + m * Q8_PANEL + j0,
+                       (size_t)(j1 - j0) * sizeof(float));
         }
     }
 }

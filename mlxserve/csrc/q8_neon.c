@@ -12,19 +12,22 @@
 #define q8_pack q8_pack_generic
 
 static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K, const float *d,
-                           int64_t nb, const float *sc, int subs, float *f, const int rm,
+                           int64_t nb, const float *sc, const float *bi, const float *xs,
+                           int64_t g, int subs, float *f, const int rm,
                            const int rn, const int kind);
 
 #define Q8_ENTRY mlxserve_q8_neon
 #include "q8_impl.h"
 
-/* f[m][j] for rm rows and rn vectors of 4 columns (q8_impl.h's formula). sdot multiplies
+/* y = f + e for rm rows and rn vectors of 4 columns into f (q8_impl.h's formula). sdot multiplies
  * signed bytes: values below 16 are valid as they are; bytes are split into nibbles
  * (w = lo + 16 hi), both valid. */
 static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int nv,
                                                           const int8_t *q, int64_t K,
                                                           const float *d, int64_t nb,
-                                                          const float *sc, int subs, float *f,
+                                                          const float *sc, const float *bi,
+                                                          const float *xs, int64_t g, int subs,
+                                                          float *f,
                                                           const int rm, const int rn,
                                                           const int kind) {
     const int64_t tstride = (int64_t)nv * 16;
@@ -71,8 +74,17 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int
             }
         }
     }
+    float32x4_t e[Q8_RM][Q8_RN];
     for (int m = 0; m < rm; m++)
-        for (int c = 0; c < rn; c++) vst1q_f32(f + m * Q8_PANEL + c * 4, acc[m][c]);
+        for (int c = 0; c < rn; c++) e[m][c] = vdupq_n_f32(0.0f);
+    for (int64_t gi = 0; gi < g; gi++)
+        for (int c = 0; c < rn; c++) {
+            const float32x4_t bv = vld1q_f32(bi + gi * Q8_PANEL + c * 4);
+            for (int m = 0; m < rm; m++)
+                e[m][c] = vaddq_f32(e[m][c], vmulq_f32(bv, vdupq_n_f32(xs[m * g + gi])));
+        }
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < rn; c++) vst1q_f32(f + m * Q8_PANEL + c * 4, vaddq_f32(acc[m][c], e[m][c]));
 }
 
 const int mlxserve_q8_built_neon = 1;

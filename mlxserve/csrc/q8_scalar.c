@@ -8,15 +8,17 @@
 #define q8_pack q8_pack_generic
 
 static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K, const float *d,
-                           int64_t nb, const float *sc, int subs, float *f, const int rm,
+                           int64_t nb, const float *sc, const float *bi, const float *xs,
+                           int64_t g, int subs, float *f, const int rm,
                            const int rn, const int kind);
 
 #define Q8_ENTRY mlxserve_q8_scalar
 #include "q8_impl.h"
 
-/* f[m][j] for rm rows and rn vectors of Q8_VC columns (q8_impl.h's formula). */
+/* y = f + e for rm rows and rn vectors of Q8_VC columns into f (q8_impl.h's formula). */
 static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K, const float *d,
-                           int64_t nb, const float *sc, int subs, float *f, const int rm,
+                           int64_t nb, const float *sc, const float *bi, const float *xs,
+                           int64_t g, int subs, float *f, const int rm,
                            const int rn, const int kind) {
     (void)kind;
     const int64_t tstride = (int64_t)nv * Q8_VC * 4;
@@ -39,4 +41,10 @@ static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K
             }
         }
     }
+    for (int m = 0; m < rm; m++)
+        for (int j = 0; j < cols; j++) {
+            float e = 0.0f;
+            for (int64_t gi = 0; gi < g; gi++) e = e + bi[gi * Q8_PANEL + j] * xs[m * g + gi];
+            f[m * Q8_PANEL + j] = f[m * Q8_PANEL + j] + e;
+        }
 }

@@ -12,7 +12,8 @@
 static inline void q8_pack(const uint8_t *w0, int64_t row_bytes, int ncols, int64_t nb, int bits,
                            uint8_t *dst, int nv);
 static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K, const float *d,
-                           int64_t nb, const float *sc, int subs, float *f, const int rm,
+                           int64_t nb, const float *sc, const float *bi, const float *xs,
+                           int64_t g, int subs, float *f, const int rm,
                            const int rn, const int kind);
 
 #include "q8_impl.h"
@@ -69,11 +70,13 @@ static inline void q8_pack(const uint8_t *w0, int64_t row_bytes, int ncols, int6
 #undef Q8_ST
 }
 
-/* f[m][j] for rm rows and rn vectors of 8 columns (q8_impl.h's formula). */
+/* y = f + e for rm rows and rn vectors of 8 columns into f (q8_impl.h's formula). */
 static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int nv,
                                                           const int8_t *q, int64_t K,
                                                           const float *d, int64_t nb,
-                                                          const float *sc, int subs, float *f,
+                                                          const float *sc, const float *bi,
+                                                          const float *xs, int64_t g, int subs,
+                                                          float *f,
                                                           const int rm, const int rn,
                                                           const int kind) {
     const int64_t tstride = (int64_t)nv * 32;
@@ -147,6 +150,16 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int
             }
         }
     }
+    __m256 e[Q8_RM][Q8_RN];
     for (int m = 0; m < rm; m++)
-        for (int c = 0; c < rn; c++) _mm256_storeu_ps(f + m * Q8_PANEL + c * 8, acc[m][c]);
+        for (int c = 0; c < rn; c++) e[m][c] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < g; gi++)
+        for (int c = 0; c < rn; c++) {
+            const __m256 bv = _mm256_loadu_ps(bi + gi * Q8_PANEL + c * 8);
+            for (int m = 0; m < rm; m++)
+                e[m][c] = _mm256_add_ps(e[m][c], _mm256_mul_ps(bv, _mm256_set1_ps(xs[m * g + gi])));
+        }
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < rn; c++)
+            _mm256_storeu_ps(f + m * Q8_PANEL + c * 8, _mm256_add_ps(acc[m][c], e[m][c]));
 }
