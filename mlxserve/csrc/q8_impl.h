@@ -5,6 +5,8 @@
  *   Q8_RM, Q8_RN       the register tile: rows of x by vectors of columns
  *   q8_pack(...)       one vector of columns, every block, into the packed layout below
  *                      (q8_pack_generic does it in plain C)
+ *   q8_params(...)     scales or biases of a panel transposed to float32 (g, Q8_PANEL)
+ *                      (q8_params_generic)
  *   q8_tile(...)       the tile's y = f + e (below), for rm <= Q8_RM rows and rn <= Q8_RN
  *                      vectors, with weights of `kind` (Q8_SMALL, Q8_BYTE)
  *   Q8_ENTRY           the exported function's name
@@ -88,6 +90,18 @@ static inline void q8_pack_generic(const uint8_t *w0, int64_t row_bytes, int nco
         }
 }
 
+/* Scales or biases of columns n0 .. n0 + ncols - 1 ((ncols, g) in the weights' dtype) as
+ * float32 in dst (g, Q8_PANEL): a vector of columns per group; padding columns zero. */
+static inline void q8_params_generic(const qmm_problem *p, const void *src, int64_t n0, int ncols,
+                                     int64_t g, float *tmp, float *dst) {
+    const float *s = params_f32(p, src, n0 * g, ncols * g, tmp);
+    const int padded = (ncols + Q8_VC - 1) / Q8_VC * Q8_VC;
+    for (int64_t gi = 0; gi < g; gi++) {
+        for (int j = 0; j < ncols; j++) dst[gi * Q8_PANEL + j] = s[j * g + gi];
+        for (int j = ncols; j < padded; j++) dst[gi * Q8_PANEL + j] = 0.0f;
+    }
+}
+
 #define Q8_TILE(RM, RN)                                                                   \
     case (RM) * 16 + (RN):                                                                \
         if (kind == Q8_SMALL)                                                             \
@@ -112,8 +126,8 @@ static void q8_item(void *vctx, int64_t item) {
     const int ncols = (int)(N - n0 < Q8_PANEL ? N - n0 : Q8_PANEL);
     const int nv = (ncols + Q8_VC - 1) / Q8_VC;
     const int64_t row_bytes = K * bits / 8;
-    /* Scratch: packed weights, transposed scales and biases ((g, Q8_PANEL)), their float32
-     * copies before transposing, and the tile's results. */
+    /* Scratch: packed weights, transposed scales and biases ((g, Q8_PANEL)), room for
+     * their float32 copies before transposing, and the tile's results. */
     const size_t packed_floats = (size_t)(nb * 8 * nv * Q8_VC), pg = (size_t)(g * Q8_PANEL);
     float *buf = scratch(&tls_c, &tls_c_cap,
                          packed_floats + 4 * pg + Q8_RM * (size_t)Q8_PANEL);
@@ -124,14 +138,8 @@ static void q8_item(void *vctx, int64_t item) {
         q8_pack((const uint8_t *)p->w + (n0 + v * Q8_VC) * row_bytes, row_bytes, cols, nb, bits,
                 pw + v * Q8_VC * 4, nv);
     }
-    const float *s = params_f32(p, p->scales, n0 * g, ncols * g, tmp);
-    const float *bs = params_f32(p, p->biases, n0 * g, ncols * g, tmp + pg);
-    memset(sc, 0, 2 * pg * sizeof(float)); /* padding columns: zero scales and biases */
-    for (int j = 0; j < ncols; j++)
-        for (int64_t gi = 0; gi < g; gi++) {
-            sc[gi * Q8_PANEL + j] = s[j * g + gi];
-            bi[gi * Q8_PANEL + j] = bs[j * g + gi];
-        }
+    q8_params(p, p->scales, n0, ncols, g, tmp, sc);
+    q8_params(p, p->biases, n0, ncols, g, tmp, bi);
     for (int64_t m0 = 0; m0 < M; m0 += Q8_RM) {
         const int rm = (int)(M - m0 < Q8_RM ? M - m0 : Q8_RM);
         const int8_t *qm = c->q->q + m0 * K;

@@ -6,6 +6,7 @@
 #define Q8_RM 4
 #define Q8_RN 1
 #define q8_pack q8_pack_generic
+#define q8_params q8_params_generic
 
 static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K, const float *d,
                            int64_t nb, const float *sc, const float *bi, const float *xs,

@@ -11,6 +11,8 @@
 
 static inline void q8_pack(const uint8_t *w0, int64_t row_bytes, int ncols, int64_t nb, int bits,
                            uint8_t *dst, int nv);
+static inline void q8_params(const qmm_problem *p, const void *src, int64_t n0, int ncols,
+                             int64_t g, float *tmp, float *dst);
 static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K, const float *d,
                            int64_t nb, const float *sc, const float *bi, const float *xs,
                            int64_t g, int subs, float *f, const int rm,
@@ -68,6 +70,55 @@ static inline void q8_pack(const uint8_t *w0, int64_t row_bytes, int ncols, int6
         }
     }
 #undef Q8_ST
+}
+
+/* 8 x 8 floats: rows r[i] become columns. */
+static inline void q8_transpose8(__m256 r[8]) {
+    __m256 u[8], v[8];
+    for (int i = 0; i < 8; i += 2) {
+        u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            v[i + 2 * h] = _mm256_shuffle_ps(u[i + h], u[i + 2 + h], 0x44);
+            v[i + 2 * h + 1] = _mm256_shuffle_ps(u[i + h], u[i + 2 + h], 0xEE);
+        }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(v[i], v[4 + i], 0x20);
+        r[4 + i] = _mm256_permute2f128_ps(v[i], v[4 + i], 0x31);
+    }
+}
+
+/* float32 and float16 parameters, 8 columns by 8 groups at a time (an 8 x 8 transpose);
+ * the rest as q8_params_generic. */
+static inline void q8_params(const qmm_problem *p, const void *src, int64_t n0, int ncols,
+                             int64_t g, float *tmp, float *dst) {
+    if (ncols % 8 || g < 8 || p->scale_type == QMM_BF16) {
+        q8_params_generic(p, src, n0, ncols, g, tmp, dst);
+        return;
+    }
+    const int f16 = p->scale_type == QMM_F16;
+    for (int j0 = 0; j0 < ncols; j0 += 8) {
+        int64_t gi = 0;
+        for (; gi + 8 <= g; gi += 8) {
+            __m256 r[8];
+            for (int j = 0; j < 8; j++) {
+                const int64_t at = (n0 + j0 + j) * g + gi;
+                r[j] = f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + at)))
+                           : _mm256_loadu_ps((const float *)src + at);
+            }
+            q8_transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (gi + i) * Q8_PANEL + j0, r[i]);
+        }
+        for (; gi < g; gi++)
+            for (int j = 0; j < 8; j++) {
+                const int64_t at = (n0 + j0 + j) * g + gi;
+                dst[gi * Q8_PANEL + j0 + j] =
+                    f16 ? _cvtsh_ss(((const uint16_t *)src)[at]) : ((const float *)src)[at];
+            }
+    }
+    (void)tmp;
 }
 
 /* y = f + e for rm rows and rn vectors of 8 columns into f (q8_impl.h's formula). */
