@@ -34,8 +34,8 @@
  * rows in the product: a request's logits are the same alone, in a batch, beside drafts
  * or in any chunk of its prompt.
  *
- * The loops. Work is split over panels of columns (Q8_PANEL columns, one per thread pool
- * item). A panel's weights are unpacked once into bytes laid out for the integer dot
+ * The loops. Work is split over panels of columns (Q8_PANEL columns) by chunks of up to
+ * Q8_ITEM_ROWS rows, one per thread pool item. A panel's weights are unpacked once into bytes laid out for the integer dot
  * products of the ISAs (x86 vpdpbusd / vpmaddubsw, Arm sdot): block b, then quad t of
  * its 32 values (values 4t .. 4t + 3 in the kernel order below), then the column, then
  * the quad's 4 bytes; a 32-bit broadcast of a row's quad of q then meets Q8_VC columns
@@ -56,8 +56,12 @@ enum { Q8_SMALL = 0, Q8_BYTE = 1 };
 typedef struct {
     const q8_problem *q;
     const float *xs; /* (M, groups) */
-    int64_t nb, g;
+    int64_t nb, g, panels;
 } q8_ctx;
+
+/* Rows per pool item: the same rows' q stay in cache across panels, and items stay small
+ * enough to balance two threads on a busy machine. */
+#define Q8_ITEM_ROWS 64
 
 /* Block b of one column as 32 bytes in kernel order. */
 static inline void q8_unpack_column(const uint8_t *wb, int bits, uint8_t u[32]) {
@@ -122,7 +126,8 @@ static void q8_item(void *vctx, int64_t item) {
     const int64_t M = p->M, N = p->N, K = p->K, nb = c->nb, g = c->g;
     const int subs = p->group_size / 32, bits = p->bits;
     const int kind = bits <= 4 ? Q8_SMALL : Q8_BYTE;
-    const int64_t n0 = item * Q8_PANEL;
+    const int64_t n0 = item % c->panels * Q8_PANEL, m_first = item / c->panels * Q8_ITEM_ROWS;
+    const int64_t m_end = m_first + Q8_ITEM_ROWS < M ? m_first + Q8_ITEM_ROWS : M;
     const int ncols = (int)(N - n0 < Q8_PANEL ? N - n0 : Q8_PANEL);
     const int nv = (ncols + Q8_VC - 1) / Q8_VC;
     const int64_t row_bytes = K * bits / 8;
@@ -140,8 +145,8 @@ static void q8_item(void *vctx, int64_t item) {
     }
     q8_params(p, p->scales, n0, ncols, g, tmp, sc);
     q8_params(p, p->biases, n0, ncols, g, tmp, bi);
-    for (int64_t m0 = 0; m0 < M; m0 += Q8_RM) {
-        const int rm = (int)(M - m0 < Q8_RM ? M - m0 : Q8_RM);
+    for (int64_t m0 = m_first; m0 < m_end; m0 += Q8_RM) {
+        const int rm = (int)(m_end - m0 < Q8_RM ? m_end - m0 : Q8_RM);
         const int8_t *qm = c->q->q + m0 * K;
         const float *dm = c->q->d + m0 * nb, *xs = c->xs + m0 * g;
         for (int c0 = 0; c0 < nv; c0 += Q8_RN) {
@@ -183,6 +188,7 @@ void Q8_ENTRY(const q8_problem *q) {
             for (int64_t s = 0; s < subs; s++) t = t + q->dsum[m * nb + gi * subs + s];
             xs[m * g + gi] = t;
         }
-    q8_ctx c = {q, xs, nb, g};
-    mlxserve_qmm_parallel_for((p->N + Q8_PANEL - 1) / Q8_PANEL, q8_item, &c);
+    const int64_t panels = (p->N + Q8_PANEL - 1) / Q8_PANEL;
+    q8_ctx c = {q, xs, nb, g, panels};
+    mlxserve_qmm_parallel_for(panels * ((M + Q8_ITEM_ROWS - 1) / Q8_ITEM_ROWS), q8_item, &c);
 }
