@@ -2,7 +2,8 @@
  * written once over a small vocabulary that each q8_<isa>.c defines before including it:
  *
  *   Q8_VC              columns of w per vector (8 on x86's 256-bit vectors, 4 on NEON)
- *   Q8_RM, Q8_RN       the register tile: rows of x by vectors of columns
+ *   Q8_RM, Q8_RN       the register tile: rows of x by vectors of columns (Q8_RN_BYTE:
+ *                      fewer vectors for byte weights, when they take more registers)
  *   q8_pack(...)       one vector of columns, every block, into the packed layout below
  *                      (q8_pack_generic does it in plain C)
  *   q8_params(...)     scales or biases of a panel transposed to float32 (g, Q8_PANEL)
@@ -47,6 +48,9 @@
  */
 #include "qmm_common.h"
 
+#ifndef Q8_RN_BYTE /* the tile's vectors of columns for byte weights, if fewer */
+#define Q8_RN_BYTE Q8_RN
+#endif
 #define Q8_PANEL_V (2 * Q8_RN)            /* vectors of columns per panel */
 #define Q8_PANEL (Q8_PANEL_V * Q8_VC)     /* columns per panel */
 
@@ -106,18 +110,15 @@ static inline void q8_params_generic(const qmm_problem *p, const void *src, int6
     }
 }
 
-#define Q8_TILE(RM, RN)                                                                   \
-    case (RM) * 16 + (RN):                                                                \
-        if (kind == Q8_SMALL)                                                             \
-            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC,                \
-                    bi + c0 * Q8_VC, xs, g, subs,                                 \
-                    f + c0 * Q8_VC, RM, \
-                    RN, Q8_SMALL);                                                        \
-        else                                                                              \
-            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC,                \
-                    bi + c0 * Q8_VC, xs, g, subs,                                 \
-                    f + c0 * Q8_VC, RM, \
-                    RN, Q8_BYTE);                                                         \
+/* One (rows, vectors) tile shape, with both kinds of weights: constants for q8_tile. */
+#define Q8_TILE(RM, RN)                                                                     \
+    case (RM) * 16 + (RN):                                                                  \
+        if (kind == Q8_SMALL)                                                               \
+            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC, bi + c0 * Q8_VC, \
+                    xs, g, subs, f + c0 * Q8_VC, RM, RN, Q8_SMALL);                         \
+        else                                                                                \
+            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC, bi + c0 * Q8_VC, \
+                    xs, g, subs, f + c0 * Q8_VC, RM, RN, Q8_BYTE);                          \
         break;
 
 static void q8_item(void *vctx, int64_t item) {
@@ -149,8 +150,9 @@ static void q8_item(void *vctx, int64_t item) {
         const int rm = (int)(m_end - m0 < Q8_RM ? m_end - m0 : Q8_RM);
         const int8_t *qm = c->q->q + m0 * K;
         const float *dm = c->q->d + m0 * nb, *xs = c->xs + m0 * g;
-        for (int c0 = 0; c0 < nv; c0 += Q8_RN) {
-            const int rn = nv - c0 < Q8_RN ? nv - c0 : Q8_RN;
+        const int tile_rn = kind == Q8_SMALL ? Q8_RN : Q8_RN_BYTE;
+        for (int c0 = 0; c0 < nv; c0 += tile_rn) {
+            const int rn = nv - c0 < tile_rn ? nv - c0 : tile_rn;
             switch (rm * 16 + rn) {
                 Q8_TILE(1, 1)
                 Q8_TILE(2, 1)
