@@ -21,18 +21,31 @@ def llamacpp_oracle() -> dict:
     return paths.llamacpp_oracle()
 
 
-# The longest modules first: each worker takes whole modules (see below) in this order, so
-# a long module collected last would run alone at the end while the other worker idles.
+# The longest modules first (CPU seconds in a profile of the whole suite; the rank-spawning
+# pair counts as one): each worker takes whole modules (see below) in this order, so a long
+# module collected last would run alone at the end while the other worker idles.
 SLOW_FIRST = (
-    "test_soak.py",
-    "test_server_schemathesis.py",
+    "test_models_zoo.py",
+    "test_models_zoo_engine.py",
     "test_tensor_parallel.py",
     "test_pipeline_parallel.py",
     "test_server_structured.py",
+    "test_metal_kernels.py",
     "test_server_agent_apis.py",
-    "test_models_zoo_engine.py",
-    "test_spec_decode_engine.py",
+    "test_cpu_fast_path.py",
+    "test_soak.py",
+    "test_server_schemathesis.py",
+    "test_spec_decode_mtp.py",
+    "test_engine_smollm2.py",
+    "test_structured_engine.py",
+    "test_cli.py",
     "test_spec_decode_smollm2.py",
+    "test_server_openai.py",
+    "test_engine_exit.py",
+    "test_spec_decode_engine.py",
+    "test_spec_decode_draft.py",
+    "test_server_apis_mixed.py",
+    "test_scheduler_properties.py",
 )
 
 
