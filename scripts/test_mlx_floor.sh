@@ -33,13 +33,13 @@ python -c "import mlx.core as mx; print('MLX floor', mx.__version__)"
 #                            and MLX's (de)quantize; the header test reads no MLX: skipped
 #   test_models_smollm2.py   the embedded model (Q4_1 GGUF through MLX's quantized layers)
 #                            against llama.cpp's greedy steps: the end-to-end check
-# Not here: tests/test_cpu_kernels.py. mlxserve's C kernels do not load on MLX 0.32.0,
-# whose bindings use nanobind 2 (the kernels' nanobind 3 ABI cannot pass it an mx.array);
-# mlxserve then says so and runs MLX's quantized matmul, which test_models_smollm2 covers.
+#   test_cpu_kernels.py      mlxserve's C kernels built against this MLX's headers and
+#                            bindings (MLX before 0.32.3 binds with nanobind 2, which the
+#                            kernels' nanobind 3 cannot pass an mx.array: the floor's reason)
 # Two workers, as scripts/test.sh (MLXSERVE_TEST_WORKERS=0: in this process).
 python -m pytest -q -n "${MLXSERVE_TEST_WORKERS:-2}" --dist loadgroup \
     tests/test_mlx_floor.py tests/test_metal_dispatch.py tests/test_metal_selftest.py \
     tests/test_metal_kernels.py tests/test_paged_attention.py tests/test_loader_gguf.py \
-    tests/test_models_smollm2.py \
+    tests/test_models_smollm2.py tests/test_cpu_kernels.py \
     -k "not (emulator and (test_kernels_match_fallback or test_extended_shapes_match_fallback)) \
         and not test_header_reader_agrees_with_gguf_package" "$@"
