@@ -21,18 +21,31 @@ def llamacpp_oracle() -> dict:
     return paths.llamacpp_oracle()
 
 
-# The longest modules first: under `pytest -n 2 --dist loadfile` (scripts/test.sh) a long
+# The longest modules first (CPU seconds in a profile of the whole suite; the rank-spawning
+# pair counts as one): each worker takes whole modules (see below) in this order, so a long
 # module collected last would run alone at the end while the other worker idles.
 SLOW_FIRST = (
-    "test_soak.py",
-    "test_server_schemathesis.py",
+    "test_models_zoo.py",
+    "test_models_zoo_engine.py",
     "test_tensor_parallel.py",
     "test_pipeline_parallel.py",
     "test_server_structured.py",
+    "test_metal_kernels.py",
     "test_server_agent_apis.py",
-    "test_models_zoo_engine.py",
-    "test_spec_decode_engine.py",
+    "test_cpu_fast_path.py",
+    "test_soak.py",
+    "test_server_schemathesis.py",
+    "test_spec_decode_mtp.py",
+    "test_engine_smollm2.py",
+    "test_structured_engine.py",
+    "test_cli.py",
     "test_spec_decode_smollm2.py",
+    "test_server_openai.py",
+    "test_engine_exit.py",
+    "test_spec_decode_engine.py",
+    "test_spec_decode_draft.py",
+    "test_server_apis_mixed.py",
+    "test_scheduler_properties.py",
 )
 
 
@@ -44,6 +57,30 @@ RANKS = ("test_tensor_parallel.py", "test_pipeline_parallel.py")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
-    for item in items:  # `--dist loadgroup`: a group (a module, or RANKS) per worker
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ranks" if name in RANKS else str(item.path)))
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit a worker runs whole: the test's module (its module fixtures, e.g. a
+    server, start once), or "ranks" for the RANKS modules."""
+    module = nodeid.split("::", 1)[0]
+    return "ranks" if module.rpartition("/")[2] in RANKS else module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` (scripts/test.sh): whole modules per worker, in collection order.
+
+    xdist's own loadgroup reads `xdist_group` marks through the node id, which pytest 9.2
+    no longer lets a plugin change (every test became its own unit: module servers started
+    on both workers); and it reorders units by test count, which puts one-test modules
+    like the soak last. So the units are made here from the node ids themselves."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)

@@ -1,7 +1,7 @@
 """A soak of a running `mlxserve serve`: many clients, the mixed workload, then checks.
 
-One implementation for both sizes: tests/test_soak.py runs it short (16 clients, a
-minute) and scripts/soak.py long (64 clients, minutes). run_soak returns a report dict
+One implementation for both sizes: tests/test_soak.py runs it short (8 clients, ~30 s)
+and scripts/soak.py long (64 clients, minutes). run_soak returns a report dict
 whose "failures" list is empty when the server passed:
 
   1. greedy probes (a chat and a completion) answered before the load;
@@ -68,11 +68,12 @@ class SoakConfig:
     # thread's arena grew to 64 MiB, the main heap by ~28 MiB), which the warm-up's burst
     # mostly reaches; the KV pool (256 blocks of 720 KiB at start, doubling when the live
     # blocks outgrow it) is not outgrown by this mix (< 3 blocks per request beyond the
-    # shared ones). Measured after the burst, 12 CI-size runs: growth < 3 MiB in 11, and
-    # 19 MiB once (a burst that stopped ~20 MiB short of the usual high-water mark, which
-    # the load then reached); 64 clients for 4 minutes: -0.3 MiB. The bound is twice the
-    # worst seen. A leak of ~1 MiB per call crosses it in the CI size (40-80 calls), of
-    # ~120 KiB in the long form's 400 (a logits row of this model is 192 KiB).
+    # shared ones). Measured after the burst, 12 runs of 16 clients for 30 s: growth < 3 MiB
+    # in 11, and 19 MiB once (a burst that stopped ~20 MiB short of the usual high-water
+    # mark, which the load then reached); 8 clients for 15 s: 1.6 MiB; 64 clients for 4
+    # minutes: -0.3 MiB. The bound is twice the worst seen. A leak of ~3 MiB per call
+    # crosses it in the CI size (15-40 calls in its 15 s), of ~120 KiB in the long form's
+    # 400 (a logits row of this model is 192 KiB).
     rss_bound_mib: float = 48.0
     request_timeout: float = 300.0  # per read: new requests can wait long on a busy CPU
     idle_timeout: float = 60.0  # for the gauges to return to 0 after the load

@@ -30,7 +30,7 @@ def test_doctor_reports_this_machine_and_the_embedded_model() -> None:
     assert f"os:         {platform.system()} {platform.release()}" in lines or (
         f"os:         macOS {platform.mac_ver()[0]}" in lines
     )
-    assert f"mlx:        {mx.__version__} — supported (>=0.32.0,<0.33)" in lines
+    assert f"mlx:        {mx.__version__} — supported (>=0.32.3,<0.33)" in lines
     if not mx.metal.is_available():
         assert "metal:      not available (mx.metal.is_available() is False)" in text
         assert "kernels:    fallback (mx.metal.is_available() is False" in text
@@ -75,7 +75,8 @@ def test_mlx_version_verdicts_and_the_pinned_range() -> None:
     assert doctor.MLX_FLOOR == tuple(int(p) for p in floor.split("."))
     assert doctor.MLX_CEILING == tuple(int(p) for p in ceiling.split("."))
     assert "TOO OLD" in doctor.mlx_line("0.31.2")
-    assert "supported" in doctor.mlx_line("0.32.0")
+    assert "TOO OLD" in doctor.mlx_line("0.32.2")
+    assert "supported" in doctor.mlx_line("0.32.3")
     assert "supported" in doctor.mlx_line("0.32.4.dev20260101+abc")
     assert "newer than tested" in doctor.mlx_line("0.33.0")
 

@@ -11,8 +11,9 @@ from tests.paths import ROOT
 
 # Hand-derived from MLX's history (ml-explore/mlx): 0.32.0 is the first release that loads
 # Q4_1 GGUF correctly (#3664; the embedded model is Q4_1) and names custom kernels by their
-# input types and bindings (#3662).
-FIRST_CORRECT = (0, 32, 0)
+# input types and bindings (#3662); 0.32.3 is the first whose bindings (nanobind 3) can pass
+# an mx.array to mlxserve's CPU kernels (0.32.0-0.32.2: "incompatible function arguments").
+FIRST_CORRECT = (0, 32, 3)
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from mlxserve.ops.metal import MAX_HEAD_DIM, MetalKernels
 from mlxserve.utils import GiB, gpu_core_count, usable_memory
 
 # The MLX range pyproject.toml pins (tests/test_mlx_floor.py keeps them equal).
-MLX_FLOOR = (0, 32, 0)
+MLX_FLOOR = (0, 32, 3)
 MLX_CEILING = (0, 33)
 OPENBLAS_HINT = f"for ~10x faster float32 matmuls: {BLAS_FIX}; mlxserve binds it at start-up"
 
@@ -89,7 +89,10 @@ def mlx_line(version: str) -> str:
     supported = f">={'.'.join(map(str, MLX_FLOOR))},<{'.'.join(map(str, MLX_CEILING))}"
     v = _parse(version)
     if v < MLX_FLOOR:
-        verdict = f"TOO OLD: mlxserve needs {supported} (older MLX misloads Q4_1 GGUF weights)"
+        verdict = (
+            f"TOO OLD: mlxserve needs {supported} (older MLX misloads Q4_1 GGUF weights "
+            "or cannot run mlxserve's CPU kernels)"
+        )
     elif v[:2] >= MLX_CEILING:
         verdict = f"newer than tested ({supported}): please report problems"
     else:
