@@ -1,15 +1,19 @@
-"""The CPU kernels' decode-row GEMV alone: float activations vs int8 activations, per ISA.
+"""The CPU kernels' matmuls alone: float activations vs int8 activations, per ISA.
 
-    PYTHONPATH=. python bench/q8_gemv.py [--rows 1 8] [--threads 1] [--calls 200]
+    PYTHONPATH=. python bench/q8_gemv.py [--rows 1 8 32 128 512] [--threads 1] [--calls 200]
+        [--cpu-time]
 
 Calls the built kernels' C entry point (``mlxserve_qmm``, through ctypes on the cached
 extension) in a loop, without MLX in between, on SmolLM2-135M's decode shapes (fused
 q/k/v 576 -> 960, o 576 -> 576, fused gate/up 576 -> 3072, down 1536 -> 576: 4-bit; the
 tied LM head 576 -> 49152: 8-bit; group 32, float16 scales, as the default model loads).
-Prints microseconds per call (best of 5 runs of ``--calls`` calls, wall time) for the
+Prints microseconds per call (best of 5 runs of ``--calls`` calls, wall time; with
+``--cpu-time`` this process's CPU time, which a busy machine disturbs far less) for the
 float path and each int8 instruction set this CPU has, and the per-token sum (30 layers
-of the four projections plus the head). Kernel time is far less sensitive to a loaded
-machine than end-to-end tok/s: with ``--threads 1`` one core does all the work.
+of the four projections plus the head; for M rows, the sum for all M). Decode rows are
+M = 1-8; batches and prompt chunks run the same kernels with more rows. Kernel time is
+far less sensitive to a loaded machine than end-to-end tok/s: with ``--threads 1`` one
+core does all the work.
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ def arrays(k: int, n: int, bits: int, rows: int, seed: int = 0) -> dict[str, np.
     }
 
 
-def time_call(lib, a: dict[str, np.ndarray], bits: int, act_bits: int, calls: int) -> float:
+def time_call(
+    lib, a: dict[str, np.ndarray], bits: int, act_bits: int, calls: int, clock=time.perf_counter
+) -> float:
     rows, k = a["x"].shape
     p = Problem(
         *(a[name].ctypes.data for name in ("x", "w", "scales", "biases", "y")),
@@ -83,10 +89,10 @@ def time_call(lib, a: dict[str, np.ndarray], bits: int, act_bits: int, calls: in
         raise RuntimeError("unsupported problem")
     best = float("inf")
     for _ in range(5):
-        t = time.perf_counter()
+        t = clock()
         for _ in range(calls):
             lib.mlxserve_qmm(ref)
-        best = min(best, (time.perf_counter() - t) / calls)
+        best = min(best, (clock() - t) / calls)
     return best * 1e6
 
 
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--threads", type=int, default=1, help="0: the kernels' default")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--cpu-time", action="store_true", help="time by CPU time, not wall time")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args(argv)
     if not cpu.available():
@@ -110,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         totals: dict[str, float] = {}
         for name, (k, n, bits, per_token) in SHAPES.items():
             a = arrays(k, n, bits, rows)
-            calls = max(3, args.calls * 576 * 960 // (k * n))
-            res = {"float": time_call(lib, a, bits, 0, calls)}
+            calls = max(3, args.calls * 576 * 960 // (k * n * rows))
+            clock = time.process_time if args.cpu_time else time.perf_counter
+            res = {"float": time_call(lib, a, bits, 0, calls, clock)}
             for isa in isas:
                 module.q8_force_isa(isa)
-                res[f"int8 {isa}"] = time_call(lib, a, bits, 8, calls)
+                res[f"int8 {isa}"] = time_call(lib, a, bits, 8, calls, clock)
             module.q8_force_isa("auto")
             for key, us in res.items():
                 totals[key] = totals.get(key, 0.0) + us * per_token

@@ -37,9 +37,13 @@ from bench.report import print_report, write_chart  # noqa: E402
 from mlxserve.cli.bench import OfflineSpec, make_prompts  # noqa: E402
 
 SECTIONS = ("offline", "serving", "mixed", "busy", "prefix", "memory")
-PEERS = ("mlxserve", "mlxserve-int8", "mlx-lm", "llama.cpp")
+PEERS = ("mlxserve", "mlxserve-float", "mlxserve-int8", "mlx-lm", "llama.cpp")
 # mlxserve with int8 activations (MLXSERVE_CPU_INT8=on): the offline section only.
-MLXSERVE_VARIANTS = {"mlxserve": {}, "mlxserve-int8": {"MLXSERVE_CPU_INT8": "on"}}
+MLXSERVE_VARIANTS = {  # mlxserve as configured (float activations unless MLXSERVE_CPU_INT8)
+    "mlxserve": {},
+    "mlxserve-float": {"MLXSERVE_CPU_INT8": "off"},
+    "mlxserve-int8": {"MLXSERVE_CPU_INT8": "on"},
+}
 
 
 def conditions() -> dict[str, object]:

@@ -1,13 +1,14 @@
 """The CPU kernels with int8 activations (act_bits=8; csrc/qmm.h, csrc/q8_impl.h).
 
-Two oracles: (1) the rounding written here by hand from qmm.h's specification (float32
-as numpy computes it), then exact integer dot products and the scales applied in
-float64, which the kernels must match to float32 rounding; (2) MLX's own dequantize +
-matmul on the unrounded x, within the bound the rounding allows (half a quantum per
-value times the weights' magnitudes). Every int8 instruction set is forced on in turn (a
-path this CPU or build lacks is skipped, saying so); rows beyond the GEMV's 8 run in
-chunks of 8, each row computed the same way whatever its neighbours. Speed:
-bench/q8_gemv.py.
+Three oracles: (1) the rounding written here by hand from qmm.h's specification (float32
+as numpy computes it), exact integer dot products, then q8_impl.h's float32 sequence
+replayed in numpy, which every instruction set must match bit for bit; (2) the same
+products with the scales applied in float64, to float32 rounding; (3) MLX's own
+dequantize + matmul on the unrounded x, within the bound the rounding allows (half a
+quantum per value times the weights' magnitudes). Every int8 instruction set is forced
+on in turn (a path this CPU or build lacks is skipped, saying so), on decode rows and on
+the blocked matmul's many rows; a row's result must not depend on the rows beside it.
+Speed: bench/q8_gemv.py.
 """
 
 from __future__ import annotations
@@ -47,18 +48,45 @@ def round_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, (amax / np.float32(127)).astype(np.float32)
 
 
-def integer_oracle(
-    x: np.ndarray, wq: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int
-):
-    """y by qmm.h's formula: integer dot products per block, scales and biases in float64.
-    Returns y and the sum of |terms| (the float32 rounding scale)."""
+def block_dots(x: np.ndarray, wq: mx.array, bits: int):
+    """The rounded x (q, d) and the exact integer dot products per block (m, n, nb)."""
     q, d = round_rows(x)  # (m, nb, 32), (m, nb)
     raw = np.ascontiguousarray(np.array(wq).astype("<u4")).view(np.uint8)
     stream = np.unpackbits(raw, axis=1, bitorder="little")
     w = stream.reshape(raw.shape[0], -1, bits).astype(np.int64) @ (2 ** np.arange(bits))
     n, k = w.shape
-    wb = w.reshape(n, k // 32, 32)
-    dots = np.einsum("mbi,nbi->mnb", q, wb)  # exact int64
+    return q, d, np.einsum("mbi,nbi->mnb", q, w.reshape(n, k // 32, 32))
+
+
+def exact_oracle(x: np.ndarray, wq, scales, biases, group: int, bits: int) -> np.ndarray:
+    """q8_impl.h's float32 sequence, each operation rounded as numpy float32 does:
+    f = f + float(dot_b) * (d_b * s_g) over the blocks in order, xs_g = the group's
+    d_b * sum(q) added in order, e = e + b_g * xs_g over the groups, y = f + e."""
+    q, d, dots = block_dots(x, wq, bits)
+    f32 = np.float32
+    s = np.array(scales.astype(mx.float32))
+    b = np.array(biases.astype(mx.float32))
+    subs = group // 32
+    f = np.zeros(dots.shape[:2], f32)
+    for blk in range(dots.shape[2]):
+        ds = d[:, blk, None] * s[None, :, blk // subs]
+        f = f + dots[:, :, blk].astype(f32) * ds
+    dsum = d * q.sum(-1).astype(f32)  # (m, nb)
+    e = np.zeros_like(f)
+    for g in range(s.shape[1]):
+        xs = np.zeros(len(x), f32)
+        for j in range(subs):
+            xs = xs + dsum[:, g * subs + j]
+        e = e + b[None, :, g] * xs[:, None]
+    return f + e
+
+
+def integer_oracle(
+    x: np.ndarray, wq: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int
+):
+    """y by qmm.h's formula: integer dot products per block, scales and biases in float64.
+    Returns y and the sum of |terms| (the float32 rounding scale)."""
+    q, d, dots = block_dots(x, wq, bits)
     s = np.repeat(np.array(scales.astype(mx.float32), np.float64), group // 32, axis=1)
     b = np.repeat(np.array(biases.astype(mx.float32), np.float64), group // 32, axis=1)
     d64 = d.astype(np.float64)
@@ -93,17 +121,23 @@ def test_the_hand_rounding_is_what_its_docstring_says() -> None:
     assert (q[0, 1] == 0).all()
 
 
+# Decode rows, then the many rows of batches and prompts: N with tails past the tiles'
+# 8 / 16 / 24 columns and the panels' 32 / 48, M past the tiles' 4 rows.
 SHAPES = [(1, 96, 7), (2, 64, 33), (3, 160, 1), (4, 192, 29), (5, 128, 17), (6, 64, 50)]
-SHAPES += [(7, 96, 9), (8, 320, 21), (11, 64, 13), (20, 128, 3)]
+SHAPES += [(7, 96, 9), (8, 320, 21), (9, 96, 13), (32, 64, 50), (33, 128, 7), (64, 192, 29)]
+SHAPES += [(129, 64, 100)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64])
-def test_integer_gemv_matches_the_integer_oracle_and_mlx(isa: str, bits: int, group: int) -> None:
+def test_integer_matmul_matches_the_oracles_and_mlx(isa: str, bits: int, group: int) -> None:
     for m, k, n in SHAPES:
         k = k // group * group or group  # a multiple of the group size (odd ones included)
         x, wq, s, b = problem(m, k, n, bits, group, seed=m * 7 + n)
         got = run(x, wq, s, b, group, bits)
+        np.testing.assert_array_equal(
+            got, exact_oracle(x, wq, s, b, group, bits), err_msg=f"{m}x{k}x{n}"
+        )
         want, mag = integer_oracle(x, wq, s, b, group, bits)
         assert_matches_oracle(got, want, mag)
         # Against the unrounded x: each value moved by at most half its block's quantum.
@@ -117,29 +151,31 @@ def test_integer_gemv_matches_the_integer_oracle_and_mlx(isa: str, bits: int, gr
 
 @pytest.mark.parametrize("bits", [2, 3, 5, 6])
 def test_other_bit_widths(isa: str, bits: int) -> None:
-    for m, k, n, group in [(1, 96, 7, 32), (3, 128, 10, 64), (8, 256, 9, 128)]:
+    for m, k, n, group in [(1, 96, 7, 32), (3, 128, 10, 64), (8, 256, 9, 128), (37, 64, 41, 32)]:
         x, wq, s, b = problem(m, k, n, bits, group, seed=m + bits)
-        assert_matches_oracle(
-            run(x, wq, s, b, group, bits), *integer_oracle(x, wq, s, b, group, bits)
-        )
+        got = run(x, wq, s, b, group, bits)
+        np.testing.assert_array_equal(got, exact_oracle(x, wq, s, b, group, bits))
+        assert_matches_oracle(got, *integer_oracle(x, wq, s, b, group, bits))
 
 
 def test_16_bit_scales_and_many_rows() -> None:
     for m in (1, 3, 6, 9, 40):
         for scale_dtype in (mx.float16, mx.bfloat16):
-            x, wq, s, b = problem(m, 128, 19, 4, 32, seed=m, scale_dtype=scale_dtype)
-            assert_matches_oracle(run(x, wq, s, b, 32, 4), *integer_oracle(x, wq, s, b, 32, 4))
+            for n in (19, 64):  # a tail; whole vectors (x86 transposes float16 in registers)
+                x, wq, s, b = problem(m, 512, n, 4, 32, seed=m, scale_dtype=scale_dtype)
+                got = run(x, wq, s, b, 32, 4)
+                np.testing.assert_array_equal(got, exact_oracle(x, wq, s, b, 32, 4))
 
 
-def test_a_row_gets_the_same_bits_alone_and_beside_other_rows(isa: str) -> None:
-    """Any number of rows (chunks of 8 beyond 8): a request's logits do not depend on its
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_gets_the_same_bits_alone_and_beside_other_rows(isa: str, bits: int) -> None:
+    """Any number of rows, any place among them: a request's logits do not depend on its
     batch, its drafts or how its prompt is chunked."""
-    x, wq, s, b = problem(20, 160, 37, 4, 32, seed=4, scale_dtype=mx.float16)
-    alone = [run(x[i : i + 1], wq, s, b, 32, 4) for i in range(20)]
-    for m in [*range(2, 10), 17, 20]:
-        together = run(x[:m], wq, s, b, 32, 4)
-        for i in range(m):
-            np.testing.assert_array_equal(together[i : i + 1], alone[i], err_msg=f"{isa} {m} {i}")
+    x, wq, s, b = problem(64, 160, 37, bits, 32, seed=4, scale_dtype=mx.float16)
+    alone = np.concatenate([run(x[i : i + 1], wq, s, b, 32, bits) for i in range(64)])
+    for lo, hi in [(0, 2), (0, 5), (3, 12), (0, 33), (30, 64), (0, 64)]:
+        together = run(x[lo:hi], wq, s, b, 32, bits)
+        np.testing.assert_array_equal(together, alone[lo:hi], err_msg=f"{isa} rows {lo}:{hi}")
 
 
 def test_zero_blocks_and_non_finite_activations(isa: str) -> None:
@@ -182,6 +218,7 @@ def test_the_setting_picks_the_layers_activations(monkeypatch: pytest.MonkeyPatc
         assert cpu.use_kernels(model) == 1
         return model.layers[0].act_bits
 
+    simd = cpu._module().q8_isa() != "scalar"
     monkeypatch.delenv("MLXSERVE_CPU_INT8", raising=False)  # opt-in (README: CPU performance)
     assert act_bits() == 0 and "float activations" in cpu.status()
     monkeypatch.setenv("MLXSERVE_CPU_INT8", "off")
@@ -189,7 +226,7 @@ def test_the_setting_picks_the_layers_activations(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("MLXSERVE_CPU_INT8", "on")
     assert act_bits() == 8 and "int8 activations" in cpu.status()
     monkeypatch.setenv("MLXSERVE_CPU_INT8", "auto")  # on wherever a SIMD integer path exists
-    assert act_bits() == (0 if cpu._module().q8_isa() == "scalar" else 8)
+    assert act_bits() == (8 if simd else 0)
     monkeypatch.setenv("MLXSERVE_CPU_INT8", "sometimes")
     with pytest.raises(ParameterError, match="MLXSERVE_CPU_INT8 must be auto, on or off") as e:
         act_bits()

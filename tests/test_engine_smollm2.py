@@ -97,7 +97,7 @@ def test_chat_renders_like_llama_cpp_and_answers() -> None:
         c["prompt"] for c in chats
     ]
     (one,) = llm.chat(
-        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "What is the capital of France? Answer with one word."}],
         SamplingParams(temperature=0.0, max_tokens=12),
         use_tqdm=False,
     )

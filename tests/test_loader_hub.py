@@ -119,7 +119,11 @@ def test_a_cached_model_is_used_when_the_hub_is_silent(silent_hub, tmp_path) -> 
 
     snapshot = make_fake_hub(tmp_path, "acme/smol-GGUF", {})
     (snapshot / "smol.gguf").symlink_to(SMOLLM2_GGUF)
-    args = ["--model", "acme/smol-GGUF/smol.gguf", "What is the capital of France?"]
+    args = [
+        "--model",
+        "acme/smol-GGUF/smol.gguf",
+        "What is the capital of France? Answer with one word.",
+    ]
     out = run_with_hub(silent_hub, tmp_path, [*args, "--max-tokens", "8", "--temperature", "0"])
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

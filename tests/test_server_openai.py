@@ -91,7 +91,7 @@ def test_completions_match_llama_cpp_streamed_or_not(server, client, llamacpp_or
 
 
 def test_chat_stream_concatenates_to_the_non_streamed_reply(server, client) -> None:
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
     out = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=6, temperature=0
     )

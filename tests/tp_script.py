@@ -66,7 +66,7 @@ def run_scenario(llm: LLM) -> dict[str, Any]:
 
 # Short: on 2 shared cores a step of 3 ranks of SmolLM2 takes ~1 s (bench/README.md).
 CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "What is the capital of France? Answer with one word."}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
 ]
 

@@ -27,6 +27,7 @@ from types import ModuleType
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ["qmm.c", "qmm_scalar.c", "qmm_avx2.c", "qmm_avx512.c", "qmm_neon.c"]
 SOURCES += ["q8_scalar.c", "q8_avx2.c", "q8_avxvnni.c", "q8_avx512vnni.c", "q8_neon.c"]
+SOURCES += ["q8_quantize.c"]
 HEADERS = ["qmm.h", "qmm_common.h", "qmm_impl.h", "q8_impl.h", "q8_x86.h", "qmm_ext.cpp"]
 # Per-file flags: each instruction set in its own file, chosen at run time (qmm.c).
 X86_FLAGS = {
@@ -38,8 +39,10 @@ X86_FLAGS = {
     + ["-mprefer-vector-width=256"],  # 256-bit like the others: no 512-bit frequency drop
 }
 ARM_FLAGS = {"q8_neon.c": ["-march=armv8.2-a+dotprod"]}
-# The activations' rounding (qmm.c) must round x * id before adding: no fused multiply-add.
-COMMON_FLAGS = {"qmm.c": ["-ffp-contract=off"]}
+# No fused multiply-add in the int8 path: the activations' rounding (q8_quantize.c) rounds
+# x * id before adding, and the matmul's float sums are one fixed sequence of rounded
+# operations (q8_impl.h), the same on every instruction set.
+COMMON_FLAGS = {n: ["-ffp-contract=off"] for n in SOURCES if n.startswith("q8_")}
 
 
 class BuildError(RuntimeError):

@@ -3,6 +3,8 @@
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q8_ENTRY mlxserve_q8_avx2
+#define Q8_RN 2
+#define Q8_RN_BYTE 1 /* bytes split into two nibble sums: 16 registers hold one vector */
 #include "q8_x86.h"
 const int mlxserve_q8_built_avx2 = 1;
 

@@ -6,6 +6,7 @@
 #if defined(__x86_64__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
 #define Q8_ENTRY mlxserve_q8_avx512vnni
 #define Q8_DPBUSD _mm256_dpbusd_epi32
+#define Q8_RN 3
 #include "q8_x86.h"
 const int mlxserve_q8_built_avx512vnni = 1;
 

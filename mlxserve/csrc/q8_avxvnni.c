@@ -5,6 +5,7 @@
 #if defined(__x86_64__) && defined(__AVXVNNI__) && defined(__FMA__) && defined(__F16C__)
 #define Q8_ENTRY mlxserve_q8_avxvnni
 #define Q8_DPBUSD _mm256_dpbusd_avx_epi32
+#define Q8_RN 2
 #include "q8_x86.h"
 const int mlxserve_q8_built_avxvnni = 1;
 

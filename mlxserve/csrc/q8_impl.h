@@ -1,188 +1,184 @@
-/* The int8-activation GEMV (1 .. Q8_MAX_ROWS rows of x, rounded by mlxserve_q8_quantize),
+/* The int8-activation matmul (any number of rows of x, rounded by mlxserve_q8_quantize),
  * written once over a small vocabulary that each q8_<isa>.c defines before including it:
  *
- *   q8f                float accumulator vector; q8_fzero(), q8_fadd(a, b), q8_fsum(v)
- *   q8w                one block of 32 weights as bytes, in kernel order
- *   q8_w4(p)           16 packed bytes of 4-bit weights -> q8w: the low nibbles (values
- *                      0, 2, ..., 30), then the high nibbles (1, 3, ..., 31)
- *   q8_w8(p)           32 weight bytes -> q8w, in order
- *   q8i                a block's int32 partial sums (each exact)
- *   q8_dot4(w, q)      sum of w_k q_k over the block, split into partial sums; q: 32 int8
- *                      in the weights' order; 4-bit weights (w_k < 16)
- *   q8_dot8(w, q)      the same for bytes up to 255 (8-bit weights, and 2/3/5/6-bit ones
- *                      unpacked to bytes)
- *   q8_acc(i, ds, acc) acc + float(i) * ds, per lane (ds a float)
+ *   Q8_VC              columns of w per vector (8 on x86's 256-bit vectors, 4 on NEON)
+ *   Q8_RM, Q8_RN       the register tile: rows of x by vectors of columns (Q8_RN_BYTE:
+ *                      fewer vectors for byte weights, when they take more registers)
+ *   q8_pack(...)       one vector of columns, every block, into the packed layout below
+ *                      (q8_pack_generic does it in plain C)
+ *   q8_params(...)     scales or biases of a panel transposed to float32 (g, Q8_PANEL)
+ *                      (q8_params_generic)
+ *   q8_tile(...)       the tile's y = f + e (below), for rm <= Q8_RM rows and rn <= Q8_RN
+ *                      vectors, with weights of `kind` (Q8_SMALL, Q8_BYTE)
  *   Q8_ENTRY           the exported function's name
  *
  * The math. Row m of x is rounded per block b of 32 values: x_k ~ x'_k = d_b q_k, q_k in
  * [-127, 127] (qmm.h). Row n of w holds unsigned w_k in [0, 2^bits) and dequantizes to
  * s_g w_k + b_g for k in group g (a group is group_size / 32 blocks). So
  *
- *   y[m, n] = sum_k x'_k (s_g w_k + b_g)
- *           = sum_b (d_b s_g) * sum_{k in b} q_k w_k  +  sum_g b_g * sum_{b in g} d_b sum_{k in b} q_k
+ *   y[m, n] = sum_b (d_b s_g) * sum_{k in b} q_k w_k  +  sum_g b_g * sum_{b in g} d_b sum_{k in b} q_k
  *           = sum_b ds_b * dot_b                       +  sum_g b_g * xs_g
  *
- * dot_b is an integer dot product of signed activations with unsigned weights, at most
- * 32 * 255 * 127 < 2^21 in magnitude: exact in int32 and in float32, as are its partial
- * sums. ds_b = d_b * s_g is one float32 product per (row of x, block, row of w), made
- * once per row of w for all its blocks. xs_g = sum of dsum_b over the group's blocks
- * depends on x alone (once per call). So per block and row of x the kernel does one
- * integer dot product, one int->float conversion and one FMA; the weights are unpacked
- * once per block for all rows of x.
+ * dot_b, an integer dot product of signed activations with unsigned weights, is at most
+ * 32 * 255 * 127 < 2^21 in magnitude: exact in int32 and in float32, whatever the order
+ * its products are added in. Everything after it is one fixed sequence of float32
+ * operations per (m, n), each rounded (no fused multiply-add: the q8 files are compiled
+ * with -ffp-contract=off):
  *
- * Signs: x86's integer dot products multiply unsigned bytes by signed bytes (vpdpbusd;
- * vpmaddubsw), which is exactly w_k (unsigned) times q_k (signed): no offset or sign
- * trick is needed. vpmaddubsw adds pairs into int16 and saturates past 32767, which
- * 2 * 255 * 127 exceeds: AVX2 splits 8-bit weights into nibbles (w = lo + 16 hi) and
- * combines in int32. NEON's sdot is signed x signed: 4-bit weights are valid int8 as
- * they are, 8-bit ones are split into nibbles the same way.
+ *   f = 0;  for b in order: f = f + float(dot_b) * (d_b * s_g)
+ *   xs_g = 0 + dsum_{b0} + dsum_{b0+1} ...  (dsum_b = d_b * sum_k q_k, from the rounding)
+ *   e = 0;  for g in order: e = e + b_g * xs_g
+ *   y[m, n] = f + e
  *
- * Each (m, n) is accumulated in the same order whatever the number of rows of x, as in
- * the float GEMV: a request's row gets the same bits alone or beside others.
+ * So every instruction set gives the same bits (tests/test_cpu_int8.py replays this in
+ * numpy float32 and compares exactly), and a row's result does not depend on the other
+ * rows in the product: a request's logits are the same alone, in a batch, beside drafts
+ * or in any chunk of its prompt.
+ *
+ * The loops. Work is split over panels of columns (Q8_PANEL columns) by chunks of up to
+ * Q8_ITEM_ROWS rows, one per thread pool item. A panel's weights are unpacked once into bytes laid out for the integer dot
+ * products of the ISAs (x86 vpdpbusd / vpmaddubsw, Arm sdot): block b, then quad t of
+ * its 32 values (values 4t .. 4t + 3 in the kernel order below), then the column, then
+ * the quad's 4 bytes; a 32-bit broadcast of a row's quad of q then meets Q8_VC columns
+ * in one instruction, the sums landing one column per 32-bit lane. Then register tiles
+ * of Q8_RM rows by Q8_RN vectors of columns sweep the panel, each packed weight loaded
+ * once per Q8_RM rows. 4-bit values are in the kernel order of the rounding's perm4
+ * (a block's low nibbles, values 0, 2, .., 30, then its high nibbles), so unpacking
+ * takes a mask and a shift; other widths are in order.
  */
 #include "qmm_common.h"
+
+#ifndef Q8_RN_BYTE /* the tile's vectors of columns for byte weights, if fewer */
+#define Q8_RN_BYTE Q8_RN
+#endif
+#define Q8_PANEL_V (2 * Q8_RN)            /* vectors of columns per panel */
+#define Q8_PANEL (Q8_PANEL_V * Q8_VC)     /* columns per panel */
+
+/* Kinds of weights: values below 16 (bits <= 4) or any byte. */
+enum { Q8_SMALL = 0, Q8_BYTE = 1 };
 
 typedef struct {
     const q8_problem *q;
     const float *xs; /* (M, groups) */
-    int64_t nb, g, rows_per_item;
+    int64_t nb, g, panels;
 } q8_ctx;
 
-/* Kinds of weight rows, as unpacked per block. */
-enum { Q8_BITS4 = 0, Q8_BITS8 = 1, Q8_BITS_OTHER = 2 };
+/* Rows per pool item: the same rows' q stay in cache across panels, and items stay small
+ * enough to balance two threads on a busy machine. */
+#define Q8_ITEM_ROWS 64
 
-static inline float q8_dotf(const float *a, const float *b, int64_t n) {
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* four chains: n is small (groups per row) */
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++) s[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) s[0] += a[i] * b[i];
-    return (s[0] + s[1]) + (s[2] + s[3]);
+/* Block b of one column as 32 bytes in kernel order. */
+static inline void q8_unpack_column(const uint8_t *wb, int bits, uint8_t u[32]) {
+    if (bits == 4) {
+        for (int i = 0; i < 16; i++) {
+            u[i] = wb[i] & 15;
+            u[16 + i] = wb[i] >> 4;
+        }
+    } else if (bits == 8) {
+        memcpy(u, wb, 32);
+    } else {
+        unpack_bits(wb, bits, u);
+    }
 }
 
-/* Block b of weight rows n .. n + nr - 1 times every row of x, into acc[r][m][slot]. */
-static inline __attribute__((always_inline)) void q8_block(const q8_ctx *c, int64_t n,
-                                                           const float *ds,
-                                                           q8f acc[2][Q8_MAX_ROWS][2], int64_t b,
-                                                           const int slot, const int m_rows,
-                                                           const int nr, const int kind) {
-    const qmm_problem *p = c->q->p;
-    const int64_t K = p->K, nb = c->nb;
-    const int bits = p->bits;
-    const int64_t row_bytes = K * bits / 8, block_bytes = 32 * bits / 8;
-#pragma GCC unroll 2
-    for (int r = 0; r < nr; r++) {
-        const uint8_t *wb = (const uint8_t *)p->w + (n + r) * row_bytes + b * block_bytes;
-        q8w w;
-        if (kind == Q8_BITS4) {
-            w = q8_w4(wb);
-        } else if (kind == Q8_BITS8) {
-            w = q8_w8(wb);
-        } else {
+/* Columns w0 .. w0 + (ncols - 1) rows (ncols <= Q8_VC; the rest of the vector is zeros),
+ * every block, into dst (the vector's place in block 0, quad 0 of a panel of nv vectors). */
+static inline void q8_pack_generic(const uint8_t *w0, int64_t row_bytes, int ncols, int64_t nb,
+                                   int bits, uint8_t *dst, int nv) {
+    const int64_t tstride = (int64_t)nv * Q8_VC * 4, bstride = 8 * tstride;
+    const int64_t block_bytes = 32 * bits / 8;
+    for (int j = 0; j < Q8_VC; j++)
+        for (int64_t b = 0; b < nb; b++) {
             uint8_t u[32];
-            unpack_bits(wb, bits, u);
-            w = q8_w8(u);
-        }
-        const int8_t *qb = c->q->q + b * 32;
-        const float *dsr = ds + r * m_rows * nb + b;
-#pragma GCC unroll 8
-        for (int m = 0; m < m_rows; m++) {
-            const q8i t = kind == Q8_BITS4 ? q8_dot4(w, qb + m * K) : q8_dot8(w, qb + m * K);
-            acc[r][m][slot] = q8_acc(t, dsr[m * nb], acc[r][m][slot]);
-        }
-    }
-}
-
-/* y[m, n .. n + nr - 1] for all m_rows rows of x; sc, bi: those weight rows' float32
- * scales and biases ((nr, g)); ds: scratch of nr * m_rows * nb floats. */
-static inline __attribute__((always_inline)) void q8_rows(const q8_ctx *c, int64_t n,
-                                                          const float *sc, const float *bi,
-                                                          float *ds, const int m_rows,
-                                                          const int nr, const int kind) {
-    const qmm_problem *p = c->q->p;
-    const int64_t N = p->N, nb = c->nb, g = c->g;
-    const int subs = p->group_size / 32;
-    const float *d = c->q->d;
-    for (int r = 0; r < nr; r++)
-        for (int m = 0; m < m_rows; m++) {
-            float *out = ds + (r * m_rows + m) * nb;
-            const float *dm = d + m * nb, *sr = sc + r * g;
-            if (subs == 1)
-                for (int64_t b = 0; b < nb; b++) out[b] = dm[b] * sr[b];
+            if (j < ncols)
+                q8_unpack_column(w0 + j * row_bytes + b * block_bytes, bits, u);
             else
-                for (int64_t gi = 0; gi < g; gi++)
-                    for (int s = 0; s < subs; s++)
-                        out[gi * subs + s] = dm[gi * subs + s] * sr[gi];
+                memset(u, 0, sizeof(u));
+            for (int t = 0; t < 8; t++) memcpy(dst + b * bstride + t * tstride + j * 4, u + 4 * t, 4);
         }
-    q8f acc[2][Q8_MAX_ROWS][2];
-#pragma GCC unroll 2
-    for (int r = 0; r < nr; r++)
-#pragma GCC unroll 8
-        for (int m = 0; m < m_rows; m++) acc[r][m][0] = acc[r][m][1] = q8_fzero();
-    /* Even and odd blocks into separate accumulators (a constant index: registers). */
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        q8_block(c, n, ds, acc, b, 0, m_rows, nr, kind);
-        q8_block(c, n, ds, acc, b + 1, 1, m_rows, nr, kind);
+}
+
+/* Scales or biases of columns n0 .. n0 + ncols - 1 ((ncols, g) in the weights' dtype) as
+ * float32 in dst (g, Q8_PANEL): a vector of columns per group; padding columns zero. */
+static inline void q8_params_generic(const qmm_problem *p, const void *src, int64_t n0, int ncols,
+                                     int64_t g, float *tmp, float *dst) {
+    const float *s = params_f32(p, src, n0 * g, ncols * g, tmp);
+    const int padded = (ncols + Q8_VC - 1) / Q8_VC * Q8_VC;
+    for (int64_t gi = 0; gi < g; gi++) {
+        for (int j = 0; j < ncols; j++) dst[gi * Q8_PANEL + j] = s[j * g + gi];
+        for (int j = ncols; j < padded; j++) dst[gi * Q8_PANEL + j] = 0.0f;
     }
-    if (b < nb) q8_block(c, n, ds, acc, b, 0, m_rows, nr, kind);
-#pragma GCC unroll 2
-    for (int r = 0; r < nr; r++)
-#pragma GCC unroll 8
-        for (int m = 0; m < m_rows; m++)
-            p->y[m * N + n + r] = q8_fsum(q8_fadd(acc[r][m][0], acc[r][m][1])) +
-                                  q8_dotf(bi + r * g, c->xs + m * g, g);
 }
 
-static inline __attribute__((always_inline)) void q8_span(const q8_ctx *c, int64_t n0,
-                                                          int64_t n1, const float *sc,
-                                                          const float *bi, float *ds,
-                                                          const int m_rows, const int kind) {
-    const int64_t g = c->g;
-    int64_t n = n0;
-    if (m_rows <= 2) /* two weight rows at a time: more independent chains for few rows */
-        for (; n + 2 <= n1; n += 2)
-            q8_rows(c, n, sc + (n - n0) * g, bi + (n - n0) * g, ds, m_rows, 2, kind);
-    for (; n < n1; n++) q8_rows(c, n, sc + (n - n0) * g, bi + (n - n0) * g, ds, m_rows, 1, kind);
-}
-
-#define Q8_KIND(R, KIND)                                  \
-    case KIND:                                            \
-        q8_span(c, n0, n1, sc, bi, ds, R, KIND);          \
-        break;
-#define Q8_CASE(R)                                        \
-    case R:                                               \
-        switch (kind) {                                   \
-            Q8_KIND(R, Q8_BITS4)                          \
-            Q8_KIND(R, Q8_BITS8)                          \
-            Q8_KIND(R, Q8_BITS_OTHER)                     \
-        }                                                 \
+/* One (rows, vectors) tile shape, with both kinds of weights: constants for q8_tile. */
+#define Q8_TILE(RM, RN)                                                                     \
+    case (RM) * 16 + (RN):                                                                  \
+        if (kind == Q8_SMALL)                                                               \
+            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC, bi + c0 * Q8_VC, \
+                    xs, g, subs, f + c0 * Q8_VC, RM, RN, Q8_SMALL);                         \
+        else                                                                                \
+            q8_tile(pw + c0 * Q8_VC * 4, nv, qm, K, dm, nb, sc + c0 * Q8_VC, bi + c0 * Q8_VC, \
+                    xs, g, subs, f + c0 * Q8_VC, RM, RN, Q8_BYTE);                          \
         break;
 
 static void q8_item(void *vctx, int64_t item) {
     const q8_ctx *c = (const q8_ctx *)vctx;
     const qmm_problem *p = c->q->p;
-    const int64_t n0 = item * c->rows_per_item;
-    const int64_t n1 = n0 + c->rows_per_item < p->N ? n0 + c->rows_per_item : p->N;
-    const int64_t count = (n1 - n0) * c->g;
-    const int kind = p->bits == 4 ? Q8_BITS4 : p->bits == 8 ? Q8_BITS8 : Q8_BITS_OTHER;
-    float *buf = scratch(&tls_c, &tls_c_cap, 2 * (size_t)count + 2 * Q8_MAX_ROWS * (size_t)c->nb);
-    float *ds = buf + 2 * count;
-    const float *sc = params_f32(p, p->scales, n0 * c->g, count, buf);
-    const float *bi = params_f32(p, p->biases, n0 * c->g, count, buf + count);
-    switch ((int)p->M) {
-        Q8_CASE(1)
-        Q8_CASE(2)
-        Q8_CASE(3)
-        Q8_CASE(4)
-        Q8_CASE(5)
-        Q8_CASE(6)
-        Q8_CASE(7)
-        Q8_CASE(8)
+    const int64_t M = p->M, N = p->N, K = p->K, nb = c->nb, g = c->g;
+    const int subs = p->group_size / 32, bits = p->bits;
+    const int kind = bits <= 4 ? Q8_SMALL : Q8_BYTE;
+    const int64_t n0 = item % c->panels * Q8_PANEL, m_first = item / c->panels * Q8_ITEM_ROWS;
+    const int64_t m_end = m_first + Q8_ITEM_ROWS < M ? m_first + Q8_ITEM_ROWS : M;
+    const int ncols = (int)(N - n0 < Q8_PANEL ? N - n0 : Q8_PANEL);
+    const int nv = (ncols + Q8_VC - 1) / Q8_VC;
+    const int64_t row_bytes = K * bits / 8;
+    /* Scratch: packed weights, transposed scales and biases ((g, Q8_PANEL)), room for
+     * their float32 copies before transposing, and the tile's results. */
+    const size_t packed_floats = (size_t)(nb * 8 * nv * Q8_VC), pg = (size_t)(g * Q8_PANEL);
+    float *buf = scratch(&tls_c, &tls_c_cap,
+                         packed_floats + 4 * pg + Q8_RM * (size_t)Q8_PANEL);
+    uint8_t *pw = (uint8_t *)buf;
+    float *sc = buf + packed_floats, *bi = sc + pg, *tmp = bi + pg, *f = tmp + 2 * pg;
+    for (int v = 0; v < nv; v++) {
+        const int cols = ncols - v * Q8_VC < Q8_VC ? ncols - v * Q8_VC : Q8_VC;
+        q8_pack((const uint8_t *)p->w + (n0 + v * Q8_VC) * row_bytes, row_bytes, cols, nb, bits,
+                pw + v * Q8_VC * 4, nv);
+    }
+    q8_params(p, p->scales, n0, ncols, g, tmp, sc);
+    q8_params(p, p->biases, n0, ncols, g, tmp, bi);
+    for (int64_t m0 = m_first; m0 < m_end; m0 += Q8_RM) {
+        const int rm = (int)(m_end - m0 < Q8_RM ? m_end - m0 : Q8_RM);
+        const int8_t *qm = c->q->q + m0 * K;
+        const float *dm = c->q->d + m0 * nb, *xs = c->xs + m0 * g;
+        const int tile_rn = kind == Q8_SMALL ? Q8_RN : Q8_RN_BYTE;
+        for (int c0 = 0; c0 < nv; c0 += tile_rn) {
+            const int rn = nv - c0 < tile_rn ? nv - c0 : tile_rn;
+            switch (rm * 16 + rn) {
+                Q8_TILE(1, 1)
+                Q8_TILE(2, 1)
+                Q8_TILE(3, 1)
+                Q8_TILE(4, 1)
+#if Q8_RN >= 2
+                Q8_TILE(1, 2)
+                Q8_TILE(2, 2)
+                Q8_TILE(3, 2)
+                Q8_TILE(4, 2)
+#endif
+#if Q8_RN >= 3
+                Q8_TILE(1, 3)
+                Q8_TILE(2, 3)
+                Q8_TILE(3, 3)
+                Q8_TILE(4, 3)
+#endif
+            }
+            const int j0 = c0 * Q8_VC, j1 = (c0 + rn) * Q8_VC < ncols ? (c0 + rn) * Q8_VC : ncols;
+            for (int m = 0; m < rm; m++)
+                memcpy(p->y + (m0 + m) * N + n0 + j0, f + m * Q8_PANEL + j0,
+                       (size_t)(j1 - j0) * sizeof(float));
+        }
     }
 }
-#undef Q8_CASE
-#undef Q8_KIND
+#undef Q8_TILE
 
 void Q8_ENTRY(const q8_problem *q) {
     const qmm_problem *p = q->p;
@@ -191,12 +187,10 @@ void Q8_ENTRY(const q8_problem *q) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t gi = 0; gi < g; gi++) {
             float t = 0.0f;
-            for (int64_t s = 0; s < subs; s++) t += q->dsum[m * nb + gi * subs + s];
+            for (int64_t s = 0; s < subs; s++) t = t + q->dsum[m * nb + gi * subs + s];
             xs[m * g + gi] = t;
         }
-    /* ~16 KB of weights per item: enough work to pay for the hand-off, many items. */
-    int64_t rows = (16384 * 8) / (p->K * p->bits);
-    if (rows < 1) rows = 1;
-    q8_ctx c = {q, xs, nb, g, rows};
-    mlxserve_qmm_parallel_for((p->N + rows - 1) / rows, q8_item, &c);
+    const int64_t panels = (p->N + Q8_PANEL - 1) / Q8_PANEL;
+    q8_ctx c = {q, xs, nb, g, panels};
+    mlxserve_qmm_parallel_for(panels * ((M + Q8_ITEM_ROWS - 1) / Q8_ITEM_ROWS), q8_item, &c);
 }

@@ -6,44 +6,88 @@
 #include <arm_neon.h>
 
 #define cvt_f16 cvt_f16_neon
+#define Q8_VC 4
+#define Q8_RM 4
+#define Q8_RN 2
+#define q8_pack q8_pack_generic
+#define q8_params q8_params_generic
 
-typedef float32x4_t q8f;
-typedef int32x4_t q8i;
-typedef struct {
-    uint8x16_t a, b; /* values 0-15 and 16-31 of the block in kernel order */
-} q8w;
-
-static inline q8f q8_fzero(void) { return vdupq_n_f32(0.0f); }
-static inline q8f q8_fadd(q8f a, q8f b) { return vaddq_f32(a, b); }
-static inline float q8_fsum(q8f v) { return vaddvq_f32(v); }
-static inline q8f q8_acc(q8i i, float ds, q8f acc) { return vfmaq_n_f32(acc, vcvtq_f32_s32(i), ds); }
-
-static inline q8w q8_w4(const uint8_t *p) {
-    const uint8x16_t b = vld1q_u8(p);
-    const q8w w = {vandq_u8(b, vdupq_n_u8(15)), vshrq_n_u8(b, 4)};
-    return w;
-}
-static inline q8w q8_w8(const uint8_t *p) {
-    const q8w w = {vld1q_u8(p), vld1q_u8(p + 16)};
-    return w;
-}
-/* 4-bit weights are < 16: valid signed bytes as they are. */
-static inline q8i q8_dot4(q8w w, const int8_t *q) {
-    const int32x4_t t = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(w.a), vld1q_s8(q));
-    return vdotq_s32(t, vreinterpretq_s8_u8(w.b), vld1q_s8(q + 16));
-}
-/* Weight bytes up to 255: w = lo + 16 hi, both nibbles valid signed bytes. */
-static inline q8i q8_dot8(q8w w, const int8_t *q) {
-    const uint8x16_t m = vdupq_n_u8(15);
-    const int8x16_t x0 = vld1q_s8(q), x1 = vld1q_s8(q + 16);
-    int32x4_t t = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(vshrq_n_u8(w.a, 4)), x0);
-    t = vshlq_n_s32(vdotq_s32(t, vreinterpretq_s8_u8(vshrq_n_u8(w.b, 4)), x1), 4);
-    t = vdotq_s32(t, vreinterpretq_s8_u8(vandq_u8(w.a, m)), x0);
-    return vdotq_s32(t, vreinterpretq_s8_u8(vandq_u8(w.b, m)), x1);
-}
+static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K, const float *d,
+                           int64_t nb, const float *sc, const float *bi, const float *xs,
+                           int64_t g, int subs, float *f, const int rm,
+                           const int rn, const int kind);
 
 #define Q8_ENTRY mlxserve_q8_neon
 #include "q8_impl.h"
+
+/* y = f + e for rm rows and rn vectors of 4 columns into f (q8_impl.h's formula). sdot multiplies
+ * signed bytes: values below 16 are valid as they are; bytes are split into nibbles
+ * (w = lo + 16 hi), both valid. */
+static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int nv,
+                                                          const int8_t *q, int64_t K,
+                                                          const float *d, int64_t nb,
+                                                          const float *sc, const float *bi,
+                                                          const float *xs, int64_t g, int subs,
+                                                          float *f,
+                                                          const int rm, const int rn,
+                                                          const int kind) {
+    const int64_t tstride = (int64_t)nv * 16;
+    const uint8x16_t low = vdupq_n_u8(15);
+    float32x4_t acc[Q8_RM][Q8_RN];
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < rn; c++) acc[m][c] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = pw + b * 8 * tstride;
+        const int8_t *qb = q + b * 32;
+        int32x4_t lo[Q8_RM][Q8_RN], hi[Q8_RM][Q8_RN];
+        for (int m = 0; m < rm; m++)
+            for (int c = 0; c < rn; c++) lo[m][c] = hi[m][c] = vdupq_n_s32(0);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            int8x16_t wl[Q8_RN], wh[Q8_RN];
+            for (int c = 0; c < rn; c++) {
+                const uint8x16_t w = vld1q_u8(wb + t * tstride + c * 16);
+                if (kind == Q8_SMALL) {
+                    wl[c] = vreinterpretq_s8_u8(w);
+                } else {
+                    wl[c] = vreinterpretq_s8_u8(vandq_u8(w, low));
+                    wh[c] = vreinterpretq_s8_u8(vshrq_n_u8(w, 4));
+                }
+            }
+            for (int m = 0; m < rm; m++) {
+                int32_t x4;
+                memcpy(&x4, qb + m * K + 4 * t, 4);
+                const int8x16_t x = vreinterpretq_s8_s32(vdupq_n_s32(x4));
+                for (int c = 0; c < rn; c++) {
+                    lo[m][c] = vdotq_s32(lo[m][c], wl[c], x);
+                    if (kind == Q8_BYTE) hi[m][c] = vdotq_s32(hi[m][c], wh[c], x);
+                }
+            }
+        }
+        const float *s = sc + (b / subs) * Q8_PANEL;
+        for (int m = 0; m < rm; m++) {
+            const float32x4_t dm = vdupq_n_f32(d[m * nb + b]);
+            for (int c = 0; c < rn; c++) {
+                const int32x4_t dot =
+                    kind == Q8_BYTE ? vaddq_s32(lo[m][c], vshlq_n_s32(hi[m][c], 4)) : lo[m][c];
+                const float32x4_t ds = vmulq_f32(dm, vld1q_f32(s + c * 4));
+                acc[m][c] = vaddq_f32(acc[m][c], vmulq_f32(vcvtq_f32_s32(dot), ds));
+            }
+        }
+    }
+    float32x4_t e[Q8_RM][Q8_RN];
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < rn; c++) e[m][c] = vdupq_n_f32(0.0f);
+    for (int64_t gi = 0; gi < g; gi++)
+        for (int c = 0; c < rn; c++) {
+            const float32x4_t bv = vld1q_f32(bi + gi * Q8_PANEL + c * 4);
+            for (int m = 0; m < rm; m++)
+                e[m][c] = vaddq_f32(e[m][c], vmulq_f32(bv, vdupq_n_f32(xs[m * g + gi])));
+        }
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < rn; c++) vst1q_f32(f + m * Q8_PANEL + c * 4, vaddq_f32(acc[m][c], e[m][c]));
+}
+
 const int mlxserve_q8_built_neon = 1;
 
 #else /* not this architecture, or the compiler lacks the flags: never called */

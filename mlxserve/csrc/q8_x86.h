@@ -1,70 +1,216 @@
-/* q8_impl.h's vocabulary on x86 with 256-bit vectors: one block of 32 weights is one
- * register. The includer defines Q8_DPBUSD(acc, u8, s8) (vpdpbusd: AVX-512 VNNI or
- * AVX-VNNI) or leaves it undefined for AVX2 (vpmaddubsw + vpmaddwd), and Q8_ENTRY. */
+/* q8_impl.h's vocabulary on x86 with 256-bit vectors: 8 columns per vector, one per 32-bit
+ * lane. The includer defines Q8_DPBUSD(acc, u8, s8) (vpdpbusd: AVX-512 VNNI or AVX-VNNI)
+ * or leaves it undefined for AVX2 (vpmaddubsw + vpmaddwd), Q8_RN and Q8_ENTRY. */
 #include <immintrin.h>
 
 #include "qmm.h"
 
 #define cvt_f16 cvt_f16_f16c
+#define Q8_VC 8
+#define Q8_RM 4
 
-typedef __m256 q8f;
-typedef __m256i q8i;
-#ifdef Q8_DPBUSD
-typedef __m256i q8w;
-#else
-typedef struct {
-    __m256i lo, hi; /* low nibbles; high nibbles (8-bit weights only) */
-} q8w;
-#endif
-
-static inline q8f q8_fzero(void) { return _mm256_setzero_ps(); }
-static inline q8f q8_fadd(q8f a, q8f b) { return _mm256_add_ps(a, b); }
-static inline float q8_fsum(q8f v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline q8f q8_acc(q8i i, float ds, q8f acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(ds), acc);
-}
-
-/* 16 packed bytes in both halves; the upper half shifted by 4: low nibbles, high nibbles. */
-static inline __m256i q8_nibbles(const uint8_t *p) {
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    const __m256i shifted = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
-    return _mm256_and_si256(shifted, _mm256_set1_epi8(15));
-}
-
-static inline __m256i q8_load(const int8_t *q) { return _mm256_loadu_si256((const __m256i *)q); }
-
-#ifdef Q8_DPBUSD
-static inline q8w q8_w4(const uint8_t *p) { return q8_nibbles(p); }
-static inline q8w q8_w8(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline q8i q8_dot4(q8w w, const int8_t *q) {
-    return Q8_DPBUSD(_mm256_setzero_si256(), w, q8_load(q));
-}
-static inline q8i q8_dot8(q8w w, const int8_t *q) { return q8_dot4(w, q); }
-#else
-static inline q8w q8_w4(const uint8_t *p) {
-    const q8w w = {q8_nibbles(p), _mm256_setzero_si256()};
-    return w;
-}
-static inline q8w q8_w8(const uint8_t *p) {
-    const __m256i b = _mm256_loadu_si256((const __m256i *)p), mask = _mm256_set1_epi8(15);
-    const q8w w = {_mm256_and_si256(b, mask), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask)};
-    return w;
-}
-/* Pairs of u8 * s8 into int16 (at most 2 * 15 * 127: no saturation), then into int32. */
-static inline q8i q8_dot4(q8w w, const int8_t *q) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, q8_load(q)), _mm256_set1_epi16(1));
-}
-static inline q8i q8_dot8(q8w w, const int8_t *q) {
-    const __m256i x = q8_load(q);
-    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x), _mm256_set1_epi16(1));
-    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x), _mm256_set1_epi16(16));
-    return _mm256_add_epi32(lo, hi);
-}
-#endif
+static inline void q8_pack(const uint8_t *w0, int64_t row_bytes, int ncols, int64_t nb, int bits,
+                           uint8_t *dst, int nv);
+static inline void q8_params(const qmm_problem *p, const void *src, int64_t n0, int ncols,
+                             int64_t g, float *tmp, float *dst);
+static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K, const float *d,
+                           int64_t nb, const float *sc, const float *bi, const float *xs,
+                           int64_t g, int subs, float *f, const int rm,
+                           const int rn, const int kind);
 
 #include "q8_impl.h"
+
+/* 4-bit: the 16 bytes of a block of 8 columns as 4 words each, transposed (word t of
+ * columns 0-7 in one register); the low nibbles of word t are quad t, the high ones quad
+ * t + 4. 8-bit: the 8 words of each column transposed (an 8 x 8 transpose). */
+static inline void q8_pack(const uint8_t *w0, int64_t row_bytes, int ncols, int64_t nb, int bits,
+                           uint8_t *dst, int nv) {
+    if (ncols < Q8_VC || (bits != 4 && bits != 8)) {
+        q8_pack_generic(w0, row_bytes, ncols, nb, bits, dst, nv);
+        return;
+    }
+    const int64_t tstride = (int64_t)nv * Q8_VC * 4, bstride = 8 * tstride;
+    const __m256i low = _mm256_set1_epi8(15);
+#define Q8_ST(t, v) _mm256_storeu_si256((__m256i *)(out + (t) * tstride), v)
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *out = dst + b * bstride;
+        if (bits == 4) {
+            const uint8_t *p = w0 + b * 16;
+#define Q8_PAIR(j) \
+    _mm256_loadu2_m128i((const __m128i *)(p + ((j) + 4) * row_bytes), (const __m128i *)(p + (j) * row_bytes))
+            const __m256i r0 = Q8_PAIR(0), r1 = Q8_PAIR(1), r2 = Q8_PAIR(2), r3 = Q8_PAIR(3);
+#undef Q8_PAIR
+            const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
+            const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
+            const __m256i v[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                                  _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+            for (int t = 0; t < 4; t++) {
+                Q8_ST(t, _mm256_and_si256(v[t], low));
+                Q8_ST(t + 4, _mm256_and_si256(_mm256_srli_epi16(v[t], 4), low));
+            }
+        } else {
+            const uint8_t *p = w0 + b * 32;
+            __m256i r[8], u[8], v[8];
+            for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_si256((const __m256i *)(p + j * row_bytes));
+            for (int j = 0; j < 8; j += 2) {
+                u[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);     /* c_j w0 c_j+1 w0 c_j w1 .. */
+                u[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]); /* words 2, 3 (and 6, 7) */
+            }
+            for (int j = 0; j < 8; j += 4)
+                for (int h = 0; h < 2; h++) {
+                    v[j + 2 * h] = _mm256_unpacklo_epi64(u[j + h], u[j + 2 + h]);
+                    v[j + 2 * h + 1] = _mm256_unpackhi_epi64(u[j + h], u[j + 2 + h]);
+                }
+            /* v[0..3]: words 0-3 (low half) and 4-7 (high half) of columns 0-3; v[4..7]: of
+             * columns 4-7. */
+            for (int t = 0; t < 4; t++) {
+                Q8_ST(t, _mm256_permute2x128_si256(v[t], v[4 + t], 0x20));
+                Q8_ST(t + 4, _mm256_permute2x128_si256(v[t], v[4 + t], 0x31));
+            }
+        }
+    }
+#undef Q8_ST
+}
+
+/* 8 x 8 floats: rows r[i] become columns. */
+static inline void q8_transpose8(__m256 r[8]) {
+    __m256 u[8], v[8];
+    for (int i = 0; i < 8; i += 2) {
+        u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            v[i + 2 * h] = _mm256_shuffle_ps(u[i + h], u[i + 2 + h], 0x44);
+            v[i + 2 * h + 1] = _mm256_shuffle_ps(u[i + h], u[i + 2 + h], 0xEE);
+        }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(v[i], v[4 + i], 0x20);
+        r[4 + i] = _mm256_permute2f128_ps(v[i], v[4 + i], 0x31);
+    }
+}
+
+/* float32 and float16 parameters, 8 columns by 8 groups at a time (an 8 x 8 transpose);
+ * the rest as q8_params_generic. */
+static inline void q8_params(const qmm_problem *p, const void *src, int64_t n0, int ncols,
+                             int64_t g, float *tmp, float *dst) {
+    if (ncols % 8 || g < 8 || p->scale_type == QMM_BF16) {
+        q8_params_generic(p, src, n0, ncols, g, tmp, dst);
+        return;
+    }
+    const int f16 = p->scale_type == QMM_F16;
+    for (int j0 = 0; j0 < ncols; j0 += 8) {
+        int64_t gi = 0;
+        for (; gi + 8 <= g; gi += 8) {
+            __m256 r[8];
+            for (int j = 0; j < 8; j++) {
+                const int64_t at = (n0 + j0 + j) * g + gi;
+                r[j] = f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + at)))
+                           : _mm256_loadu_ps((const float *)src + at);
+            }
+            q8_transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (gi + i) * Q8_PANEL + j0, r[i]);
+        }
+        for (; gi < g; gi++)
+            for (int j = 0; j < 8; j++) {
+                const int64_t at = (n0 + j0 + j) * g + gi;
+                dst[gi * Q8_PANEL + j0 + j] =
+                    f16 ? _cvtsh_ss(((const uint16_t *)src)[at]) : ((const float *)src)[at];
+            }
+    }
+    (void)tmp;
+}
+
+/* y = f + e for rm rows and rn vectors of 8 columns into f (q8_impl.h's formula). */
+static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int nv,
+                                                          const int8_t *q, int64_t K,
+                                                          const float *d, int64_t nb,
+                                                          const float *sc, const float *bi,
+                                                          const float *xs, int64_t g, int subs,
+                                                          float *f,
+                                                          const int rm, const int rn,
+                                                          const int kind) {
+    const int64_t tstride = (int64_t)nv * 32;
+    __m256 acc[Q8_RM][Q8_RN];
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < rn; c++) acc[m][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = pw + b * 8 * tstride;
+        const int8_t *qb = q + b * 32;
+#ifdef Q8_DPBUSD
+        (void)kind;
+        __m256i dot[Q8_RM][Q8_RN];
+        for (int m = 0; m < rm; m++)
+            for (int c = 0; c < rn; c++) dot[m][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            __m256i w[Q8_RN];
+            for (int c = 0; c < rn; c++) w[c] = _mm256_loadu_si256((const __m256i *)(wb + t * tstride + c * 32));
+            for (int m = 0; m < rm; m++) {
+                int32_t x4;
+                memcpy(&x4, qb + m * K + 4 * t, 4);
+                const __m256i x = _mm256_set1_epi32(x4);
+                for (int c = 0; c < rn; c++) dot[m][c] = Q8_DPBUSD(dot[m][c], w[c], x);
+            }
+        }
+#else
+        /* vpmaddubsw adds pairs into int16. Values below 16: a block's 16 products per
+         * int16 lane stay within 16 * 15 * 127 < 2^15, summed in int16 and widened once.
+         * Bytes: split into nibbles (w = lo + 16 hi), each summed so. */
+        __m256i lo[Q8_RM][Q8_RN], hi[Q8_RM][Q8_RN], dot[Q8_RM][Q8_RN];
+        const __m256i low = _mm256_set1_epi8(15);
+        for (int m = 0; m < rm; m++)
+            for (int c = 0; c < rn; c++) lo[m][c] = hi[m][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            __m256i wl[Q8_RN], wh[Q8_RN];
+            for (int c = 0; c < rn; c++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + t * tstride + c * 32));
+                if (kind == Q8_SMALL) {
+                    wl[c] = w;
+                } else {
+                    wl[c] = _mm256_and_si256(w, low);
+                    wh[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                }
+            }
+            for (int m = 0; m < rm; m++) {
+                int32_t x4;
+                memcpy(&x4, qb + m * K + 4 * t, 4);
+                const __m256i x = _mm256_set1_epi32(x4);
+                for (int c = 0; c < rn; c++) {
+                    lo[m][c] = _mm256_add_epi16(lo[m][c], _mm256_maddubs_epi16(wl[c], x));
+                    if (kind == Q8_BYTE)
+                        hi[m][c] = _mm256_add_epi16(hi[m][c], _mm256_maddubs_epi16(wh[c], x));
+                }
+            }
+        }
+        for (int m = 0; m < rm; m++)
+            for (int c = 0; c < rn; c++) {
+                dot[m][c] = _mm256_madd_epi16(lo[m][c], _mm256_set1_epi16(1));
+                if (kind == Q8_BYTE)
+                    dot[m][c] = _mm256_add_epi32(dot[m][c],
+                                                 _mm256_madd_epi16(hi[m][c], _mm256_set1_epi16(16)));
+            }
+#endif
+        const float *s = sc + (b / subs) * Q8_PANEL;
+        for (int m = 0; m < rm; m++) {
+            const __m256 dm = _mm256_set1_ps(d[m * nb + b]);
+            for (int c = 0; c < rn; c++) {
+                const __m256 ds = _mm256_mul_ps(dm, _mm256_loadu_ps(s + c * 8));
+                acc[m][c] = _mm256_add_ps(acc[m][c], _mm256_mul_ps(_mm256_cvtepi32_ps(dot[m][c]), ds));
+            }
+        }
+    }
+    __m256 e[Q8_RM][Q8_RN];
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < rn; c++) e[m][c] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < g; gi++)
+        for (int c = 0; c < rn; c++) {
+            const __m256 bv = _mm256_loadu_ps(bi + gi * Q8_PANEL + c * 8);
+            for (int m = 0; m < rm; m++)
+                e[m][c] = _mm256_add_ps(e[m][c], _mm256_mul_ps(bv, _mm256_set1_ps(xs[m * g + gi])));
+        }
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < rn; c++)
+            _mm256_storeu_ps(f + m * Q8_PANEL + c * 8, _mm256_add_ps(acc[m][c], e[m][c]));
+}

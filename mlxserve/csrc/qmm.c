@@ -49,50 +49,47 @@ int mlxserve_qmm_isa_supported(int isa) {
     }
 }
 
-static int best_isa(void) {
-    static int best = -1;
-    if (best < 0) {
-        best = QMM_SCALAR;
-        const int order[] = {QMM_AVX512, QMM_AVX2, QMM_NEON};
-        for (int i = 0; i < 3; i++)
-            if (mlxserve_qmm_isa_supported(order[i])) {
-                best = order[i];
-                break;
-            }
-    }
-    return best;
-}
-
-int mlxserve_qmm_isa(void) { return forced_isa >= 0 ? forced_isa : best_isa(); }
-
-int mlxserve_qmm_force_isa(int isa) {
-    if (isa == QMM_NUM_ISAS) {
-        forced_isa = -1;
-        return 0;
-    }
-    if (isa < 0 || isa >= QMM_NUM_ISAS || !mlxserve_qmm_isa_supported(isa)) return -1;
-    forced_isa = isa;
+/* The first of `order` (best first) that `supported` accepts; the scalar path (0) if none. */
+static int first_supported(const int *order, int n, int (*supported)(int)) {
+    for (int i = 0; i < n; i++)
+        if (supported(order[i])) return order[i];
     return 0;
 }
 
-const char *mlxserve_qmm_isa_name(int isa) {
-    return isa >= 0 && isa < QMM_NUM_ISAS ? ISA_NAMES[isa] : "unknown";
+/* Forcing one of n instruction sets (n: automatic again) into *forced; -1 if unsupported. */
+static int force(int isa, int n, int (*supported)(int), int *forced) {
+    if (isa == n) {
+        *forced = -1;
+        return 0;
+    }
+    if (isa < 0 || isa >= n || !supported(isa)) return -1;
+    *forced = isa;
+    return 0;
 }
 
+static const char *isa_name(int isa, int n, const char *const *names) {
+    return isa >= 0 && isa < n ? names[isa] : "unknown";
+}
+
+int mlxserve_qmm_isa(void) {
+    static const int order[] = {QMM_AVX512, QMM_AVX2, QMM_NEON};
+    static int best = -1;
+    if (best < 0) best = first_supported(order, 3, mlxserve_qmm_isa_supported);
+    return forced_isa >= 0 ? forced_isa : best;
+}
+
+int mlxserve_qmm_force_isa(int isa) {
+    return force(isa, QMM_NUM_ISAS, mlxserve_qmm_isa_supported, &forced_isa);
+}
+
+const char *mlxserve_qmm_isa_name(int isa) { return isa_name(isa, QMM_NUM_ISAS, ISA_NAMES); }
+
 static void qmm_float(const qmm_problem *p) {
-    switch (mlxserve_qmm_isa()) {
-    case QMM_AVX512:
-        mlxserve_qmm_avx512(p);
-        break;
-    case QMM_AVX2:
-        mlxserve_qmm_avx2(p);
-        break;
-    case QMM_NEON:
-        mlxserve_qmm_neon(p);
-        break;
-    default:
-        mlxserve_qmm_scalar(p);
-    }
+    static void (*const kernels[QMM_NUM_ISAS])(const qmm_problem *) = {
+        [QMM_SCALAR] = mlxserve_qmm_scalar, [QMM_AVX2] = mlxserve_qmm_avx2,
+        [QMM_AVX512] = mlxserve_qmm_avx512, [QMM_NEON] = mlxserve_qmm_neon,
+    };
+    kernels[mlxserve_qmm_isa()](p);
 }
 
 /* ------------------------------------------------------------ int8 activations */
@@ -139,80 +136,32 @@ int mlxserve_q8_isa_supported(int isa) {
     }
 }
 
-static int best_q8(void) {
+int mlxserve_q8_isa(void) {
+    static const int order[] = {Q8_AVX512VNNI, Q8_AVXVNNI, Q8_AVX2, Q8_NEON};
     static int best = -1;
-    if (best < 0) {
-        best = Q8_SCALAR;
-        const int order[] = {Q8_AVX512VNNI, Q8_AVXVNNI, Q8_AVX2, Q8_NEON};
-        for (int i = 0; i < 4; i++)
-            if (mlxserve_q8_isa_supported(order[i])) {
-                best = order[i];
-                break;
-            }
-    }
-    return best;
+    if (best < 0) best = first_supported(order, 4, mlxserve_q8_isa_supported);
+    return forced_q8 >= 0 ? forced_q8 : best;
 }
-
-int mlxserve_q8_isa(void) { return forced_q8 >= 0 ? forced_q8 : best_q8(); }
 
 int mlxserve_q8_force_isa(int isa) {
-    if (isa == Q8_NUM_ISAS) {
-        forced_q8 = -1;
-        return 0;
-    }
-    if (isa < 0 || isa >= Q8_NUM_ISAS || !mlxserve_q8_isa_supported(isa)) return -1;
-    forced_q8 = isa;
-    return 0;
+    return force(isa, Q8_NUM_ISAS, mlxserve_q8_isa_supported, &forced_q8);
 }
 
-const char *mlxserve_q8_isa_name(int isa) {
-    return isa >= 0 && isa < Q8_NUM_ISAS ? Q8_NAMES[isa] : "unknown";
-}
-
-/* rint(v) for |v| < 2^22 in float32 arithmetic (the sum rounds to an integer, ties to
- * even); qmm.c is compiled with -ffp-contract=off, so x * id is rounded before. */
-#define Q8_RINT(v) (((v) + 12582912.0f) - 12582912.0f)
-
-void mlxserve_q8_quantize(const float *x, int64_t M, int64_t K, int perm4, int8_t *q, float *d,
-                          float *dsum) {
-    const int64_t nb = K / 32;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + m * K + b * 32;
-            int8_t *qb = q + m * K + b * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                const float a = fabsf(xb[i]);
-                amax = a > amax || a != a ? a : amax; /* NaN wins */
-            }
-            const float dm = amax / 127.0f;
-            int32_t v[32], sum = 0;
-            if (amax == 0.0f || !isfinite(amax)) {
-                memset(v, 0, sizeof(v));
-            } else {
-                const float id = 127.0f / amax;
-                for (int i = 0; i < 32; i++) {
-                    const float r = Q8_RINT(xb[i] * id);
-                    v[i] = (int32_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
-                }
-            }
-            for (int i = 0; i < 32; i++) {
-                sum += v[i];
-                qb[perm4 ? (i & 1) * 16 + i / 2 : i] = (int8_t)v[i]; /* value i's place */
-            }
-            d[m * nb + b] = dm;
-            dsum[m * nb + b] = dm * (float)sum;
-        }
-}
+const char *mlxserve_q8_isa_name(int isa) { return isa_name(isa, Q8_NUM_ISAS, Q8_NAMES); }
 
 /* Thread-local buffers of the int8 path, grown as needed. */
 static __thread void *q8_buf;
 static __thread size_t q8_cap;
 
-/* x rounded once, then the integer GEMV over chunks of up to Q8_MAX_ROWS rows: a row's
- * result is the same bits whatever the number of rows around it (q8_impl.h), so a
- * request's logits do not depend on its batch, drafts or prompt chunking. */
+/* x rounded once, then the integer matmul over all rows (q8_impl.h): a row's result is
+ * the same bits whatever the rows around it, so a request's logits do not depend on its
+ * batch, drafts or prompt chunking. */
 static int qmm_int8(const qmm_problem *p) {
+    static void (*const kernels[Q8_NUM_ISAS])(const q8_problem *) = {
+        [Q8_SCALAR] = mlxserve_q8_scalar,         [Q8_AVX2] = mlxserve_q8_avx2,
+        [Q8_AVXVNNI] = mlxserve_q8_avxvnni,       [Q8_AVX512VNNI] = mlxserve_q8_avx512vnni,
+        [Q8_NEON] = mlxserve_q8_neon,
+    };
     const int64_t M = p->M, K = p->K, nb = K / 32;
     const size_t need = (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * nb); /* q, d, dsum */
     if (need > q8_cap) {
@@ -224,31 +173,8 @@ static int qmm_int8(const qmm_problem *p) {
     float *d = (float *)q8_buf, *dsum = d + M * nb;
     int8_t *q = (int8_t *)(dsum + M * nb);
     mlxserve_q8_quantize(p->x, M, K, p->bits == 4, q, d, dsum);
-    void (*kernel)(const q8_problem *);
-    switch (mlxserve_q8_isa()) {
-    case Q8_AVX512VNNI:
-        kernel = mlxserve_q8_avx512vnni;
-        break;
-    case Q8_AVXVNNI:
-        kernel = mlxserve_q8_avxvnni;
-        break;
-    case Q8_AVX2:
-        kernel = mlxserve_q8_avx2;
-        break;
-    case Q8_NEON:
-        kernel = mlxserve_q8_neon;
-        break;
-    default:
-        kernel = mlxserve_q8_scalar;
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += Q8_MAX_ROWS) {
-        qmm_problem chunk = *p;
-        chunk.M = M - m0 < Q8_MAX_ROWS ? M - m0 : Q8_MAX_ROWS;
-        chunk.x = p->x + m0 * K;
-        chunk.y = p->y + m0 * p->N;
-        const q8_problem qp = {&chunk, q + m0 * K, d + m0 * nb, dsum + m0 * nb};
-        kernel(&qp);
-    }
+    const q8_problem qp = {p, q, d, dsum};
+    kernels[mlxserve_q8_isa()](&qp);
     return 0;
 }
 

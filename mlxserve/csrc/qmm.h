@@ -9,7 +9,8 @@
  * The weights are never expanded in memory: a GEMV reads them once per call and
  * dequantizes in registers (M <= a few rows: decoding); a blocked GEMM dequantizes a
  * panel of rows into a per-thread buffer and multiplies it with all of x (prefill and
- * batches). Instruction sets are chosen at run time (x86: AVX-512F, AVX2+FMA; Arm:
+ * batches). With int8 activations (act_bits 8, below) one blocked integer kernel serves
+ * every M. Instruction sets are chosen at run time (x86: AVX-512F, AVX2+FMA; Arm:
  * NEON; a portable C path otherwise) and work is spread over a small thread pool.
  */
 #ifndef MLXSERVE_QMM_H
@@ -63,11 +64,10 @@ void mlxserve_qmm_parallel_for(int64_t n_items, qmm_work_fn fn, void *ctx);
  *     amax = max |x_k|;  id = 127 / amax;  q_k = rint(x_k * id) (nearest, ties to even,
  *     clamped to [-127, 127]);  d_b = amax / 127;  x'_k = d_b * q_k
  * (amax == 0: d_b = 0 and q = 0; a non-finite amax: q = 0 and d_b = amax / 127, so the
- * outputs become NaN as a float matmul's would). An integer GEMV computes it (q8_impl.h:
- * int8 x weight-byte dot products per block, then one float scale per block) over chunks
- * of up to Q8_MAX_ROWS rows, each row in the same order whatever the rows around it: a
- * row gets the same bits alone, in a batch, or in a prompt's chunk. */
-#define Q8_MAX_ROWS 8
+ * outputs become NaN as a float matmul's would). One blocked integer matmul computes it
+ * for any number of rows (q8_impl.h: int8 x weight-byte dot products per block, then a
+ * fixed sequence of float32 operations per output), so a row gets the same bits alone, in
+ * a batch, or in a prompt's chunk, and every instruction set gives the same bits. */
 enum { Q8_SCALAR = 0, Q8_AVX2 = 1, Q8_AVXVNNI = 2, Q8_AVX512VNNI = 3, Q8_NEON = 4, Q8_NUM_ISAS = 5 };
 
 /* Rounds the rows of x (M, K) as above: q (M, K) int8, d (M, K / 32) and dsum (M, K / 32)
@@ -76,7 +76,7 @@ enum { Q8_SCALAR = 0, Q8_AVX2 = 1, Q8_AVXVNNI = 2, Q8_AVX512VNNI = 3, Q8_NEON = 
 void mlxserve_q8_quantize(const float *x, int64_t M, int64_t K, int perm4, int8_t *q, float *d,
                           float *dsum);
 
-/* The integer GEMV's instruction set: in use, supported, forced (Q8_NUM_ISAS: automatic),
+/* The integer matmul's instruction set: in use, supported, forced (Q8_NUM_ISAS: automatic),
  * named; as for the float kernels. */
 int mlxserve_q8_isa(void);
 int mlxserve_q8_isa_supported(int isa);
@@ -84,7 +84,7 @@ int mlxserve_q8_force_isa(int isa);
 const char *mlxserve_q8_isa_name(int isa);
 
 typedef struct {
-    const qmm_problem *p; /* M <= Q8_MAX_ROWS */
+    const qmm_problem *p;
     const int8_t *q;      /* x rounded (mlxserve_q8_quantize), perm4 when bits == 4 */
     const float *d, *dsum;
 } q8_problem;
