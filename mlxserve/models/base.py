@@ -95,11 +95,15 @@ def llama3_inv_freq(
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm; on the CPU compiled into 3 ops instead of MLX's 11 (models/compiled.py)."""
+    """nn.RMSNorm; on the CPU one op of mlxserve's CPU primitives (ops.cpu_module), else
+    compiled into 3 ops instead of MLX's 11 (models/compiled.py)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if uses_gpu():
             return mx.fast.rms_norm(x, self["weight"], self.eps)
+        module = ops.cpu_module()
+        if module is not None:
+            return module.rms_norm(x, self["weight"], self.eps)
         return compiled.rms_norm(x, self["weight"], self.eps)
 
 
@@ -159,6 +163,51 @@ class RotaryEmbedding(nn.Module):
             self._base = None
 
         self._memo = _RopeTables()  # CPU: the last positions' cos and sin (see _tables)
+        self._inv_freqs: mx.array | None = None  # for the CPU primitive (see split_rotate)
+
+    def _inverse_frequencies(self) -> mx.array:  # (dims // 2,) float32, evaluated
+        """Each rotated pair's angle per position, as _tables computes it."""
+        if self._inv_freqs is None:
+            half = self.dims // 2
+            if self._freqs is None:
+                exponent = mx.arange(0, -half, -1, dtype=mx.float32)
+                inv = mx.exp(exponent * mx.array(math.log(self._base) / half, mx.float32))
+            else:
+                inv = mx.reciprocal(self._freqs)
+            mx.eval(inv)  # a constant input from now on, not ops in every step's graph
+            self._inv_freqs = inv
+        return self._inv_freqs
+
+    def split_rotate(
+        self,
+        x: mx.array,  # (num_tokens, sum of heads[i] * head_dims[i]): e.g. q | k | v
+        positions: mx.array,  # (num_tokens,) int32
+        heads: Sequence[int],
+        head_dims: Sequence[int],
+        rotated: int,
+    ) -> list[mx.array]:  # (num_tokens, heads[i], head_dims[i]) each
+        """``x`` split into per-head arrays, the first ``rotated`` of them with RoPE: on the
+        CPU one op of mlxserve's CPU primitives (a fused q|k|v projection's split, reshapes
+        and rotations), else the same ops as calling this module on each."""
+        module = None if uses_gpu() else ops.cpu_module()
+        if module is not None:
+            return module.rope_split(
+                x,
+                positions if positions.dtype == mx.int32 else positions.astype(mx.int32),
+                self._inverse_frequencies(),
+                list(heads),
+                list(head_dims),
+                rotated,
+                self.dims,
+                self.traditional,
+                self._scale,
+            )
+        sizes = [h * d for h, d in zip(heads, head_dims, strict=True)]
+        bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+        parts = mx.split(x, bounds, axis=-1) if bounds else [x]
+        num_tokens = x.shape[0]
+        out = [p.reshape(num_tokens, h, d) for p, h, d in zip(parts, heads, head_dims, strict=True)]
+        return [self(p, positions) if i < rotated else p for i, p in enumerate(out)]
 
     def _tables(
         self, positions: mx.array, dtype: mx.Dtype
@@ -211,6 +260,8 @@ class RotaryEmbedding(nn.Module):
         positions: mx.array,  # (num_tokens,) int32
     ) -> mx.array:  # (num_tokens, num_heads, dims)
         if not uses_gpu():
+            if ops.cpu_module() is not None:
+                return self.split_rotate(x, positions, [x.shape[1]], [x.shape[2]], 1)[0]
             return self._rotate(x, *self._tables(positions, x.dtype))
         # Each token is its own "batch" row of length 1, so offset=positions rotates it
         # by its own position.
