@@ -1,14 +1,17 @@
 // The rest of a decode layer's small ops on the CPU, one MLX primitive each:
 //
-//   rope_split(x, positions, inv_freqs, heads, head_dims, rotated, dims, traditional, scale)
+//   rope_split(x, cos, sin, heads, head_dims, rotated, traditional)
 //       x (tokens, sum heads_i * head_dims_i), e.g. a fused q|k|v projection, split into
-//       (tokens, heads_i, head_dims_i) arrays; the first `rotated` of them get RoPE at
-//       each token's position (models/base.RotaryEmbedding's arithmetic: angle =
-//       position * scale * inv_freq in float32; cos and sin rounded to x's dtype; the
-//       first `dims` of each head rotated, the rest copied). One op instead of a split,
-//       reshapes and ~8 ops of rotation per array.
+//       (tokens, heads_i, head_dims_i) arrays; the first `rotated` of them get RoPE with
+//       each token's cos and sin (tokens, dims / 2) in x's dtype (the step's tables,
+//       models/base.RotaryEmbedding._tables: made once per step by MLX, so the angles are
+//       MLX's own): the first `dims` of each head rotated as x1 * cos - x2 * sin,
+//       x1 * sin + x2 * cos (each product rounded, as MLX's ops), the rest copied. One op
+//       instead of a split, reshapes and ~8 ops of rotation per array.
 //   rms_norm(x, weight, eps)
-//       models/compiled.rms_norm (the portable mx.fast.rms_norm): one op instead of 3.
+//       the portable mx.fast.rms_norm's arithmetic in its order (a sequential float32 sum
+//       of squares, times 1 / D, plus eps, 1 / sqrt; rounded to x's dtype, times weight):
+//       one op instead of 3 (models/compiled.rms_norm) or 11.
 //   write_rows(pool, block_ids, offsets, rows)
 //       MLX's own scatter of rows into pool[block_ids[t], offsets[t]], built in C++ so the
 //       update needs no squeeze/broadcast/reshape ops (Python's indexing adds them); it
@@ -38,10 +41,9 @@ struct RopeSpec {
   std::vector<int> heads, head_dims;
   int rotated, dims;
   bool traditional;
-  float scale;
   bool operator==(const RopeSpec& o) const {
     return heads == o.heads && head_dims == o.head_dims && rotated == o.rotated &&
-           dims == o.dims && traditional == o.traditional && scale == o.scale;
+           dims == o.dims && traditional == o.traditional;
   }
 };
 
@@ -59,25 +61,23 @@ class CpuRopeSplit : public mx::Primitive {
       outs.push_back(mx::array::unsafe_weak_copy(o));
     }
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                      pos = mx::array::unsafe_weak_copy(inputs[1]),
-                      freqs = mx::array::unsafe_weak_copy(inputs[2]), outs = std::move(outs),
+                      cos_t = mx::array::unsafe_weak_copy(inputs[1]),
+                      sin_t = mx::array::unsafe_weak_copy(inputs[2]), outs = std::move(outs),
                       spec = spec_]() mutable {
-      std::vector<char> kx, kp, kf;
+      std::vector<char> kx, kc, ks;
       const void* src = dense(x, kx);
-      const int32_t* positions = static_cast<const int32_t*>(dense(pos, kp));
-      const float* inv_freq = static_cast<const float*>(dense(freqs, kf));
+      const void* cos_p = dense(cos_t, kc);
+      const void* sin_p = dense(sin_t, ks);
       const int type = elem_of(x.dtype());
-      const int64_t tokens = pos.size();
       const int half = spec.dims / 2;
+      const int64_t tokens = static_cast<int64_t>(cos_t.size()) / half;
       int64_t row = 0;
       for (size_t i = 0; i < spec.heads.size(); i++) row += int64_t{spec.heads[i]} * spec.head_dims[i];
       std::vector<float> cs(2 * static_cast<size_t>(half));
       for (int64_t t = 0; t < tokens; t++) {
-        const float at = static_cast<float>(positions[t]) * spec.scale;
         for (int i = 0; i < half; i++) {
-          const float theta = at * inv_freq[i];
-          cs[i] = round_to(type, std::cos(theta));
-          cs[half + i] = round_to(type, std::sin(theta));
+          cs[i] = load(cos_p, type, t * half + i);
+          cs[half + i] = load(sin_p, type, t * half + i);
         }
         int64_t in = t * row;
         for (size_t seg = 0; seg < spec.heads.size(); seg++) {
@@ -123,34 +123,35 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument(what);
 }
 
-std::vector<mx::array> rope_split(const mx::array& x, const mx::array& positions,
-                                  const mx::array& inv_freqs, std::vector<int> heads,
-                                  std::vector<int> head_dims, int rotated, int dims,
-                                  bool traditional, float scale) {
+std::vector<mx::array> rope_split(const mx::array& x, const mx::array& cos,
+                                  const mx::array& sin, std::vector<int> heads,
+                                  std::vector<int> head_dims, int rotated, bool traditional) {
   const int type = elem_of(x.dtype());
   check(type >= 0 && type != I8, "rope_split: x must be float32, float16 or bfloat16");
   check(heads.size() == head_dims.size() && !heads.empty(), "rope_split: heads/head_dims");
   check(rotated >= 0 && rotated <= static_cast<int>(heads.size()), "rope_split: rotated");
-  check(dims > 0 && dims % 2 == 0, "rope_split: dims must be even");
+  check(cos.dtype() == x.dtype() && sin.dtype() == x.dtype() && cos.shape() == sin.shape() &&
+            cos.ndim() >= 2 && cos.shape(0) == x.shape(0),
+        "rope_split: cos and sin must be (tokens, ..., dims / 2) in x's dtype");
+  const int tokens = x.shape(0);
+  const int dims = 2 * cos.shape(-1);
+  check(dims > 0 && static_cast<int64_t>(cos.size()) == int64_t{tokens} * (dims / 2),
+        "rope_split: cos and sin must hold dims / 2 values per token");
   for (int i = 0; i < rotated; i++) check(head_dims[i] >= dims, "rope_split: head_dim < dims");
-  check(positions.ndim() == 1 && positions.dtype() == mx::int32, "rope_split: int32 positions");
-  check(inv_freqs.dtype() == mx::float32 && inv_freqs.size() == static_cast<size_t>(dims / 2),
-        "rope_split: inv_freqs must be float32 (dims / 2,)");
   int64_t row = 0;
   for (size_t i = 0; i < heads.size(); i++) row += int64_t{heads[i]} * head_dims[i];
-  check(x.ndim() >= 1 && x.shape(0) == positions.shape(0) &&
-            static_cast<int64_t>(x.size()) == row * positions.shape(0),
+  check(x.ndim() >= 1 && static_cast<int64_t>(x.size()) == row * tokens,
         "rope_split: x must be (tokens, " + std::to_string(row) + " values)");
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
   for (size_t i = 0; i < heads.size(); i++) {
-    shapes.push_back({positions.shape(0), heads[i], head_dims[i]});
+    shapes.push_back({tokens, heads[i], head_dims[i]});
     dtypes.push_back(x.dtype());
   }
-  RopeSpec spec{std::move(heads), std::move(head_dims), rotated, dims, traditional, scale};
+  RopeSpec spec{std::move(heads), std::move(head_dims), rotated, dims, traditional};
   return mx::array::make_arrays(std::move(shapes), dtypes,
                                 std::make_shared<CpuRopeSplit>(cpu_stream(), std::move(spec)),
-                                {x, positions, inv_freqs});
+                                {x, cos, sin});
 }
 
 class CpuRmsNorm : public mx::UnaryPrimitive {
@@ -172,22 +173,15 @@ class CpuRmsNorm : public mx::UnaryPrimitive {
       const int64_t d = x.shape(-1);
       const int64_t rows = d ? static_cast<int64_t>(x.size()) / d : 0;
       void* dst = y.data<void>();
+      const float inv_d = 1.0f / static_cast<float>(d);
       for (int64_t r = 0; r < rows; r++) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t i = 0;
-        if (xt == F32) {
-          const float* v = static_cast<const float*>(src) + r * d;
-          for (; i + 8 <= d; i += 8)
-            for (int u = 0; u < 8; u++) acc[u] += v[i + u] * v[i + u];
-        }
-        float sum = 0;
-        for (; i < d; i++) {
+        float sum = 0;  // in order, as MLX's CPU reduction adds them
+        for (int64_t i = 0; i < d; i++) {
           const float v = load(src, xt, r * d + i);
           sum += v * v;
         }
-        sum += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
-        for (i = 0; i < d; i++) {
+        const float inv = 1.0f / std::sqrt(sum * inv_d + eps);
+        for (int64_t i = 0; i < d; i++) {
           const float normed = round_to(xt, load(src, xt, r * d + i) * inv);
           store(dst, yt, r * d + i, normed * load(weight, wt, i));
         }
@@ -240,8 +234,8 @@ mx::array write_rows(const mx::array& pool, const mx::array& block_ids, const mx
 }  // namespace
 
 void register_rope_norm(nb::module_& m) {
-  m.def("rope_split", &rope_split, "x"_a, "positions"_a, "inv_freqs"_a, "heads"_a,
-        "head_dims"_a, "rotated"_a, "dims"_a, "traditional"_a, "scale"_a,
+  m.def("rope_split", &rope_split, "x"_a, "cos"_a, "sin"_a, "heads"_a, "head_dims"_a,
+        "rotated"_a, "traditional"_a,
         "x split into (tokens, heads_i, head_dims_i) arrays, the first `rotated` with RoPE.");
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a, "RMSNorm of x's rows (one op).");
   m.def("write_rows", &write_rows, "pool"_a, "block_ids"_a, "offsets"_a, "rows"_a,

@@ -163,20 +163,6 @@ class RotaryEmbedding(nn.Module):
             self._base = None
 
         self._memo = _RopeTables()  # CPU: the last positions' cos and sin (see _tables)
-        self._inv_freqs: mx.array | None = None  # for the CPU primitive (see split_rotate)
-
-    def _inverse_frequencies(self) -> mx.array:  # (dims // 2,) float32, evaluated
-        """Each rotated pair's angle per position, as _tables computes it."""
-        if self._inv_freqs is None:
-            half = self.dims // 2
-            if self._freqs is None:
-                exponent = mx.arange(0, -half, -1, dtype=mx.float32)
-                inv = mx.exp(exponent * mx.array(math.log(self._base) / half, mx.float32))
-            else:
-                inv = mx.reciprocal(self._freqs)
-            mx.eval(inv)  # a constant input from now on, not ops in every step's graph
-            self._inv_freqs = inv
-        return self._inv_freqs
 
     def split_rotate(
         self,
@@ -188,20 +174,12 @@ class RotaryEmbedding(nn.Module):
     ) -> list[mx.array]:  # (num_tokens, heads[i], head_dims[i]) each
         """``x`` split into per-head arrays, the first ``rotated`` of them with RoPE: on the
         CPU one op of mlxserve's CPU primitives (a fused q|k|v projection's split, reshapes
-        and rotations), else the same ops as calling this module on each."""
+        and rotations, with the step's cos and sin tables), else the same ops as calling
+        this module on each."""
         module = None if uses_gpu() else ops.cpu_module()
         if module is not None:
-            return module.rope_split(
-                x,
-                positions if positions.dtype == mx.int32 else positions.astype(mx.int32),
-                self._inverse_frequencies(),
-                list(heads),
-                list(head_dims),
-                rotated,
-                self.dims,
-                self.traditional,
-                self._scale,
-            )
+            cos, sin = self._tables(positions, x.dtype)  # once per step (MLX's cos and sin)
+            return module.rope_split(x, cos, sin, heads, head_dims, rotated, self.traditional)
         sizes = [h * d for h, d in zip(heads, head_dims, strict=True)]
         bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
         parts = mx.split(x, bounds, axis=-1) if bounds else [x]
