@@ -12,14 +12,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve import LLM, SamplingParams
+from mlxserve import LLM, SamplingParams, ops
 from mlxserve.config import EngineConfig
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import uniform_layout
 from mlxserve.loader import cast_weights
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.models import build_model
-from mlxserve import ops
 from mlxserve.ops import AttentionMetadata, fallback, kv_quant
 from mlxserve.ops import cpu as ops_cpu
 from mlxserve.worker.memory import plan_kv_cache

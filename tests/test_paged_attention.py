@@ -32,6 +32,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     with ops.force_backend(request.param):
         yield request.param
 
+
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3}
 
 
@@ -146,7 +147,8 @@ def _grid() -> list:
                         continue
                     for dtype, name in ((mx.float32, "fp32"), (mx.float16, "fp16")):
                         ids = f"{backend}-{block_size}-{gqa}-{head_dim}-{name}"
-                        cases.append(pytest.param(backend, block_size, gqa, head_dim, dtype, id=ids))
+                        args = (backend, block_size, gqa, head_dim, dtype)
+                        cases.append(pytest.param(*args, id=ids))
     return cases
 
 

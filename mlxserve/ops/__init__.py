@@ -29,8 +29,8 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from mlxserve.exceptions import ParameterError
 from mlxserve import cpu as cpu_kernels
+from mlxserve.exceptions import ParameterError
 from mlxserve.ops import cpu, fallback, kv_quant, selftest
 from mlxserve.ops.metadata import AttentionMetadata, StateMetadata
 from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels, unsupported_reason

@@ -80,15 +80,13 @@ def paged_attention(
     """fallback.paged_attention with every decode row in the primitive."""
     if md.num_decodes == 0:
         return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
-    win = window or 0
-    if md.num_decodes == md.num_reqs:  # only decodes: padding rows come out as zeros
+    tables, ctx, rows = md.block_tables, md.context_lens, md.num_decodes
+
+    def decode(qd: mx.array) -> mx.array:  # rows from num_decodes on come out as zeros
         return module.paged_attention(
-            q, k_cache, v_cache, md.block_tables, md.context_lens, md.num_decodes, scale, win, sinks
+            qd, k_cache, v_cache, tables, ctx, rows, scale, window or 0, sinks
         )
 
-    def decode(qd: mx.array) -> mx.array:
-        return module.paged_attention(
-            qd, k_cache, v_cache, md.block_tables, md.context_lens, md.num_decodes, scale, win, sinks
-        )
-
+    if md.num_decodes == md.num_reqs:  # only decodes (and bucketing padding): one op
+        return decode(q)
     return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks, decode=decode)
