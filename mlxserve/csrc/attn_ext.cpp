@@ -52,19 +52,30 @@ struct AttnProblem {
   float scale;
 };
 
-float dot(const float* a, const float* b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// The work items are compiled for AVX-512, AVX2 + FMA and baseline x86-64 and the best
+// the CPU has is picked at load time (GCC/clang function multiversioning on Linux); the
+// loops below are written so the compiler vectorizes them (16 independent sums).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define MLXSERVE_CLONES \
+  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#else
+#define MLXSERVE_CLONES
+#endif
+
+inline float dot(const float* a, const float* b, int n) {
+  float acc[16] = {};
   int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int u = 0; u < 8; u++) acc[u] += a[i + u] * b[i + u];
+  for (; i + 16 <= n; i += 16)
+    for (int u = 0; u < 16; u++) acc[u] += a[i + u] * b[i + u];
   float tail = 0;
   for (; i < n; i++) tail += a[i] * b[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) +
-         tail;
+  for (int w = 8; w >= 1; w /= 2)
+    for (int u = 0; u < w; u++) acc[u] += acc[u + w];
+  return acc[0] + tail;
 }
 
 // One pool row as float32 in `dst` (dequantized: int8 values times the row's scale).
-const float* row_f32(const char* row, int type, int d, float* dst) {
+inline const float* row_f32(const char* row, int type, int d, float* dst) {
   if (type == F32) return reinterpret_cast<const float*>(row);
   if (type == I8) {
     float s;
@@ -77,7 +88,7 @@ const float* row_f32(const char* row, int type, int d, float* dst) {
   return dst;
 }
 
-void attend(void* arg, int64_t item) {
+MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   const AttnProblem& p = *static_cast<const AttnProblem*>(arg);
   const int64_t r = item / p.kv_heads;
   const int kvh = static_cast<int>(item % p.kv_heads);
