@@ -88,7 +88,8 @@ def _inputs() -> tuple[str, dict[str, str]]:
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS + EXT_SOURCES:
         digest.update((CSRC / name).read_bytes())
-    digest.update(repr((X86_FLAGS, ARM_FLAGS, COMMON_FLAGS, EXT_FLAGS)).encode())  # flags change code
+    flags = (X86_FLAGS, ARM_FLAGS, COMMON_FLAGS, EXT_FLAGS)
+    digest.update(repr(flags).encode())  # flags change code
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     for part in (
         mx.__version__,
