@@ -1,6 +1,7 @@
 """One decode step taken apart: host (Python) vs MLX evaluation, and compute per part.
 
-    PYTHONPATH=. python bench/decode_profile.py [MODEL] [--batch 1 8] [--steps 20] [--json F]
+    PYTHONPATH=. python bench/decode_profile.py [MODEL] [--batch 1 8] [--steps 20] [--ops]
+        [--json F]
 
 Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
 
@@ -11,7 +12,8 @@ Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
    schedule / update / process (engine and scheduler), build = the runner's graph building
    (with its pieces: step metadata, the model's graph, the sampler's batch and graph),
    eval (MLX: dispatch of every op + compute), read (results to host lists). The op count
-   is the number of nodes MLX evaluates for one step (``mx.export_to_dot`` of the graph).
+   is the number of nodes MLX evaluates for one step (``mx.export_to_dot`` of the graph);
+   ``--ops`` prints them by primitive (a histogram: which pieces are op-heavy).
 2. **Parts.** The compute of each kind of op at the step's shapes, alone: every layer's
    projections, the LM head, attention (K/V write + paged attention), RoPE, norms, the
    elementwise rest (SwiGLU, residual adds), the sampler; each evaluated as one graph of
