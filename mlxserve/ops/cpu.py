@@ -26,26 +26,20 @@ import mlx.core as mx
 from mlxserve.ops import fallback, kv_quant
 from mlxserve.ops.metadata import AttentionMetadata
 
-
-class _SlotMemo:
-    """The last slot mapping's (block ids, offsets): every layer of a step writes the same
-    slots, so they are split once per step, not once per layer."""
-
-    slots: mx.array | None = None
-    block_size = 0
-    split: tuple[mx.array, mx.array] | None = None
-
-
-_memo = _SlotMemo()
+# The last slot mapping's (block ids, offsets): every layer of a step writes the same slots,
+# so they are split once per step, not once per layer. One tuple, replaced whole: a thread
+# building another graph meanwhile (pipeline stages) never sees half of an update.
+_last_slots: tuple[mx.array, int, mx.array, mx.array] | None = None
 
 
 def _block_offsets(slot_mapping: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
-    if _memo.slots is not slot_mapping or _memo.block_size != block_size:
+    global _last_slots
+    memo = _last_slots
+    if memo is None or memo[0] is not slot_mapping or memo[1] != block_size:
         slots = slot_mapping.astype(mx.int32)
-        _memo.slots, _memo.block_size = slot_mapping, block_size
-        _memo.split = (slots // block_size, slots % block_size)
-    assert _memo.split is not None
-    return _memo.split
+        memo = (slot_mapping, block_size, slots // block_size, slots % block_size)
+        _last_slots = memo
+    return memo[2], memo[3]
 
 
 def write_kv(
