@@ -1,6 +1,7 @@
 """One decode step taken apart: host (Python) vs MLX evaluation, and compute per part.
 
-    PYTHONPATH=. python bench/decode_profile.py [MODEL] [--batch 1 8] [--steps 20] [--json F]
+    PYTHONPATH=. python bench/decode_profile.py [MODEL] [--batch 1 8] [--steps 20] [--ops]
+        [--json F]
 
 Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
 
@@ -11,7 +12,8 @@ Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
    schedule / update / process (engine and scheduler), build = the runner's graph building
    (with its pieces: step metadata, the model's graph, the sampler's batch and graph),
    eval (MLX: dispatch of every op + compute), read (results to host lists). The op count
-   is the number of nodes MLX evaluates for one step (``mx.export_to_dot`` of the graph).
+   is the number of nodes MLX evaluates for one step (``mx.export_to_dot`` of the graph);
+   ``--ops`` prints them by primitive (a histogram: which pieces are op-heavy).
 2. **Parts.** The compute of each kind of op at the step's shapes, alone: every layer's
    projections, the LM head, attention (K/V write + paged attention), RoPE, norms, the
    elementwise rest (SwiGLU, residual adds), the sampler; each evaluated as one graph of
@@ -52,14 +54,23 @@ from mlxserve.cli.bench import make_engine, make_prompts  # noqa: E402
 from mlxserve.sampling_params import SamplingParams  # noqa: E402
 
 
-def count_ops(outputs: list[mx.array]) -> int:
-    """Nodes MLX would evaluate for ``outputs`` (primitives, not inputs or constants)."""
+def op_histogram(outputs: list[mx.array]) -> dict[str, int]:
+    """Nodes MLX would evaluate for ``outputs`` (primitives, not inputs or constants), by
+    primitive name, most frequent first."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "g.dot"
         mx.export_to_dot(str(path), *outputs)
         text = path.read_text()
     # Primitive nodes are drawn as rectangles; arrays as ovals.
-    return len(re.findall(r"shape\s*=\s*rectangle", text))
+    counts: dict[str, int] = defaultdict(int)
+    for name in re.findall(r'label\s*=\s*"([^"]*)",\s*shape\s*=\s*rectangle', text):
+        counts[name] += 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def count_ops(outputs: list[mx.array]) -> int:
+    """Nodes MLX would evaluate for ``outputs`` (primitives, not inputs or constants)."""
+    return sum(op_histogram(outputs).values())
 
 
 class _Timer:
@@ -92,8 +103,11 @@ class _Timer:
         self._undo.clear()
 
 
-def profile_engine(engine, batch: int, steps: int) -> dict[str, float]:
-    """Mean ms per decode step at ``batch`` requests, per part (see module docstring)."""
+def profile_engine(
+    engine, batch: int, steps: int, histogram: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Mean ms per decode step at ``batch`` requests, per part (see module docstring);
+    ``histogram`` (if given) gets the step's ops by primitive."""
     from mlxserve.worker import model_runner, step_build
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
@@ -113,7 +127,10 @@ def profile_engine(engine, batch: int, steps: int) -> dict[str, float]:
 
     def eval_now(*arrays):  # the step's graph, evaluated synchronously
         if not ops_per_step:
-            ops_per_step.append(count_ops(list(arrays)))
+            counts = op_histogram(list(arrays))
+            ops_per_step.append(sum(counts.values()))
+            if histogram is not None:
+                histogram.update(counts)
         sync_eval(*arrays)
 
     t.wrap(engine.scheduler, "schedule", "schedule")
@@ -327,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument(
+        "--ops", action="store_true", help="print each step's ops by primitive (a histogram)"
+    )
+    ap.add_argument(
         "--verify-rows",
         type=int,
         nargs="*",
@@ -342,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(args.model, max_num_seqs=max(64, *args.batch, 1))
     results: dict[str, object] = {"load_start": load, "steps": {}, "parts": {}}
     for b in args.batch:
-        ms = profile_engine(engine, b, args.steps)
+        histogram: dict[str, int] = {}
+        ms = profile_engine(engine, b, args.steps, histogram)
         results["steps"][b] = ms
+        results.setdefault("ops", {})[b] = histogram
         print(
             f"\nbatch {b}: step {ms['step']:.1f} ms = host {ms['host']:.1f} ms "
             f"({ms['host'] / ms['step']:.0%}) + eval {ms.get('eval', 0):.1f} ms; "
@@ -352,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         for k in sorted(ms):
             if k not in ("step", "host", "eval", "ops", "cpu"):
                 print(f"  {k:28s} {ms[k]:7.2f} ms")
+        if args.ops:
+            print("  ops by primitive:")
+            for name, n in histogram.items():
+                print(f"  {name:36s} {n:5d}")
         parts = profile_parts(engine.runner.model, b, args.repeats)
         results["parts"][b] = parts
         print(f"  parts alone (best of {args.repeats}):")

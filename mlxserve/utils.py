@@ -6,6 +6,7 @@ forming an import circle (the loader needs the device and memory without memory 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -20,10 +21,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 def uses_gpu() -> bool:
-    """True when MLX computes on a Metal GPU."""
+    """True when MLX computes on a Metal GPU (asked per layer: cheap without Metal)."""
+    if not _metal_available():
+        return False
     import mlx.core as mx
 
-    return mx.metal.is_available() and mx.default_device() == mx.gpu
+    return mx.default_device() == mx.gpu
+
+
+@functools.cache
+def _metal_available() -> bool:
+    import mlx.core as mx
+
+    return mx.metal.is_available()
 
 
 def usable_memory() -> int:

@@ -33,7 +33,9 @@ def test_doctor_reports_this_machine_and_the_embedded_model() -> None:
     assert f"mlx:        {mx.__version__} — supported (>=0.32.3,<0.33)" in lines
     if not mx.metal.is_available():
         assert "metal:      not available (mx.metal.is_available() is False)" in text
-        assert "kernels:    fallback (mx.metal.is_available() is False" in text
+        # mlxserve's CPU primitives where they build (these tests build them), else the
+        # fallback; either way the reason names the missing Metal.
+        assert re.search(r"kernels:    (cpu|fallback) \(mx.metal.is_available\(\) is False", text)
         assert any(line.startswith("self-tests: not run") for line in lines)
     else:  # a Mac: every variant of the model was self-tested, and passed
         checks = [line for line in lines if line.startswith("self-test:  ")]

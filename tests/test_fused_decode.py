@@ -119,3 +119,37 @@ def test_compiled_norm_and_swiglu_are_the_ops_bit_for_bit(rows: int) -> None:
         assert mx.array_equal(norm(x), mx.fast.rms_norm(x, norm.weight, 1e-5)).item()
         gate, up = x * 2, mx.flip(x, axis=-1)
         assert mx.array_equal(compiled.swiglu(gate, up), nn.silu(gate) * up).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+def test_cpu_rope_and_norm_in_16_bit_are_the_ops_bit_for_bit(dtype) -> None:
+    """16-bit activations: each product rounded to the dtype, as MLX's ops round them."""
+    rope = RotaryEmbedding(64, 10000.0, False, None)
+    x = mx.random.normal((5, 3, 64), key=mx.random.key(2)).astype(dtype)
+    positions = mx.array([0, 3, 40, 999, 70000], dtype=mx.int32)
+    norm = RMSNorm(64, eps=1e-5)
+    norm.weight = mx.random.uniform(shape=(64,), key=mx.random.key(3)).astype(dtype)
+    with mx.stream(mx.cpu):
+        want = mx.fast.rope(x[:, :, None, :], 64, traditional=False, base=10000.0, scale=1.0,
+                            offset=positions)[:, :, 0, :]  # fmt: skip
+        assert mx.array_equal(rope(x, positions), want).item()
+        assert mx.array_equal(norm(x[:, 0]), mx.fast.rms_norm(x[:, 0], norm.weight, 1e-5)).item()
+
+
+def test_split_rotate_of_a_fused_projection_is_rope_of_each_part() -> None:
+    """q | k | v in one row (a fused projection) split into heads, q and k rotated, v as
+    is: what the separate split, reshapes and ``rope`` calls give, bit for bit."""
+    rope = RotaryEmbedding(32, 500000.0, True, {"rope_type": "llama3", "factor": 8.0})
+    x = mx.random.normal((4, (6 + 2 + 2) * 48), key=mx.random.key(4))  # partial rotation
+    positions = mx.array([7, 8, 9, 2000], dtype=mx.int32)
+    with mx.stream(mx.cpu):
+        q, k, v = rope.split_rotate(x, positions, (6, 2, 2), (48, 48, 48), 2)
+        parts = mx.split(x, [6 * 48, 8 * 48], axis=-1)
+        want = [p.reshape(4, -1, 48) for p in parts]
+        want[0], want[1] = (
+            mx.fast.rope(w[:, :, None, :], 32, traditional=True, base=None, scale=1.0,
+                         offset=positions, freqs=rope._freqs)[:, :, 0, :]
+            for w in want[:2]
+        )  # fmt: skip
+    for got, expected in zip((q, k, v), want, strict=True):
+        assert got.shape == expected.shape and mx.array_equal(got, expected).item()

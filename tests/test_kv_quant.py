@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve import LLM, SamplingParams
+from mlxserve import LLM, SamplingParams, ops
 from mlxserve.config import EngineConfig
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import uniform_layout
@@ -20,9 +20,11 @@ from mlxserve.loader import cast_weights
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.models import build_model
 from mlxserve.ops import AttentionMetadata, fallback, kv_quant
+from mlxserve.ops import cpu as ops_cpu
 from mlxserve.worker.memory import plan_kv_cache
 from tests.engine_helpers import make_tiny_model_dir
 from tests.model_helpers import BlockPoolRunner, greedy_generate, load_checkpoint
+from tests.test_paged_attention import use_backend
 
 
 def np_quantize(x: np.ndarray) -> np.ndarray:
@@ -58,8 +60,14 @@ def test_the_row_format_round_trips_within_half_a_step() -> None:
     assert np.all(np.abs(back - x) <= np.abs(x).max(-1, keepdims=True) / 254 * (1 + 1e-6))
 
 
-@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [5, 17, 33]), ([9, 4], [9, 21])])
-def test_attention_over_8bit_pools_is_within_the_derived_bound(query_lens, context_lens) -> None:
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [([1, 1, 1], [5, 17, 33]), ([9, 4], [9, 21]), ([1, 1, 1, 6], [16, 17, 18, 6])],
+)
+@pytest.mark.parametrize("backend", ["fallback", "cpu"])
+def test_attention_over_8bit_pools_is_within_the_derived_bound(
+    query_lens, context_lens, backend: str
+) -> None:
     """Error bound of attention over an 8-bit cache, per query row, from the data.
 
     Each stored element is off by at most half a step: |k_d - k^_d| <= s_k / 2 with
@@ -70,7 +78,10 @@ def test_attention_over_8bit_pools_is_within_the_derived_bound(query_lens, conte
     (e^(2 eps) - 1) * max|v| + max_j s_vj / 2 (the weights sum to 1). Checked per row and
     head against float64 attention over the unquantized K/V; and exactly (to float32) against
     attention over numpy's quantized K/V, so the op computes this format and no other.
+    On the fallback and on the CPU primitives (ops/cpu.py; the last case: decodes around a
+    block boundary, then a prefill).
     """
+    use_backend(backend)
     rng = np.random.default_rng(1)
     bs, kvh, heads, hd = 4, 2, 6, 32  # GQA 3
     num_blocks = 1 + sum(-(-c // bs) for c in context_lens)
@@ -84,13 +95,13 @@ def test_attention_over_8bit_pools_is_within_the_derived_bound(query_lens, conte
         k = rng.standard_normal((ctx, kvh, hd)).astype(np.float32) * 2
         v = rng.standard_normal((ctx, kvh, hd)).astype(np.float32)
         slots = mx.array([table[p // bs] * bs + p % bs for p in range(ctx)], dtype=mx.int32)
-        k_pool, v_pool = fallback.write_kv(k_pool, v_pool, mx.array(k), mx.array(v), slots)
+        with ops.force_backend(backend):
+            k_pool, v_pool = ops.write_kv(k_pool, v_pool, mx.array(k), mx.array(v), slots)
         seqs.append((k, v))
         qs.append(rng.standard_normal((q_len, heads, hd)).astype(np.float32))
     scale = hd**-0.5
-    out = np.array(
-        fallback.paged_attention(mx.array(np.concatenate(qs)), k_pool, v_pool, md, scale)
-    )
+    with ops.force_backend(backend):
+        out = np.array(ops.paged_attention(mx.array(np.concatenate(qs)), k_pool, v_pool, md, scale))
     start = 0
     for (k, v), q, ctx in zip(seqs, qs, context_lens, strict=True):
         got = out[start : start + len(q)]
@@ -167,15 +178,19 @@ def test_default_model_logits_near_the_float_cache(
     model = build_model(config, cast_weights(weights, mx.float32))
     case = llamacpp_oracle["greedy"][0]  # 14 tokens: CPU forwards of SmolLM2 are slow
     work = [("r0", (case["prompt_ids"] + [s["id"] for s in case["steps"]])[:14])]
-    write = fallback.write_kv
+    write, cpu_write = fallback.write_kv, ops_cpu.write_kv
 
     def affine_write(k_cache, v_cache, keys, values, slots):
         return write(k_cache, v_cache, _affine_8bit(keys), _affine_8bit(values), slots)
+
+    def affine_cpu_write(module, k_cache, v_cache, keys, values, slots):  # ops/cpu.py's
+        return cpu_write(module, k_cache, v_cache, _affine_8bit(keys), _affine_8bit(values), slots)
 
     logits = {}
     for name, dtype in (("float", mx.float32), ("int8", mx.int8), ("affine", mx.float32)):
         if name == "affine":  # the float pool, written with affine-8-bit K/V
             monkeypatch.setattr(fallback, "write_kv", affine_write)
+            monkeypatch.setattr(ops_cpu, "write_kv", affine_cpu_write)
         runner = BlockPoolRunner(model, num_blocks=12, block_size=16, dtype=dtype)
         logits[name] = runner.step(work, all_logits=True)
     agree = []

@@ -1,13 +1,37 @@
-"""The paged-attention fallback against a plainly written dense attention (numpy)."""
+"""The paged-attention ops against a plainly written dense attention (numpy): the pure-MLX
+fallback (the reference) and, where they are built, mlxserve's CPU primitives (ops/cpu.py:
+decode and verification rows in one op, MLX's scatter built in C++ for the write)."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve import ops
+from mlxserve import cpu, ops
 from mlxserve.ops import AttentionMetadata
+
+BACKENDS = ("fallback", "cpu")
+
+
+def use_backend(name: str) -> None:
+    """Skip (or fail, where CI requires them) a "cpu" case when the primitives are not built."""
+    if name == "cpu" and not cpu.available():
+        if os.environ.get("MLXSERVE_REQUIRE_CPU_KERNELS"):
+            pytest.fail(f"MLXSERVE_REQUIRE_CPU_KERNELS is set: {cpu.status()}")
+        pytest.skip(cpu.status())
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each test taking it runs on the fallback and on the CPU primitives."""
+    use_backend(request.param)
+    with ops.force_backend(request.param):
+        yield request.param
+
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3}
 
@@ -111,11 +135,28 @@ def lengths_for(block_size: int) -> list[tuple[int, int]]:
     return [(1, c) for c in decode_ctx] + prefills
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("gqa", [1, 2, 3, 8])
-@pytest.mark.parametrize("block_size", [1, 2, 5, 16, 32, 128])
-def test_fallback_matches_dense(block_size: int, gqa: int, head_dim: int, dtype) -> None:
+def _grid() -> list:
+    """Block sizes x GQA x dtypes at head size 64, and head size 128 at block sizes 1, 16
+    and 128, on the fallback; the CPU primitive at head size 64 and four block sizes (the
+    block and head loops of both do not depend on the head size's value)."""
+    cases = []
+    for backend in BACKENDS:
+        for block_size in (1, 2, 5, 16, 32, 128):
+            for gqa in (1, 2, 3, 8):
+                for head_dim in (64, 128):
+                    if head_dim == 128 and (backend == "cpu" or block_size not in (1, 16, 128)):
+                        continue
+                    if backend == "cpu" and block_size in (2, 32):
+                        continue
+                    for dtype, name in ((mx.float32, "fp32"), (mx.float16, "fp16")):
+                        ids = f"{backend}-{block_size}-{gqa}-{head_dim}-{name}"
+                        args = (backend, block_size, gqa, head_dim, dtype)
+                        cases.append(pytest.param(*args, id=ids))
+    return cases
+
+
+@pytest.mark.parametrize("backend,block_size,gqa,head_dim,dtype", _grid(), indirect=["backend"])
+def test_fallback_matches_dense(backend, block_size: int, gqa: int, head_dim: int, dtype) -> None:
     rng = np.random.default_rng(block_size * 1000 + gqa * 10 + head_dim)
     num_kv_heads = 2
     num_heads = num_kv_heads * gqa
@@ -135,7 +176,7 @@ def test_fallback_matches_dense(block_size: int, gqa: int, head_dim: int, dtype)
     np.testing.assert_allclose(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_padding_rows_and_only_decodes() -> None:
+def test_padding_rows_and_only_decodes(backend: str) -> None:
     rng = np.random.default_rng(0)
     requests = [(1, 7), (1, 1)]
     tables, num_blocks, ks, vs, qs = make_case(rng, 4, requests, 4, 2, 64)
@@ -146,7 +187,7 @@ def test_padding_rows_and_only_decodes() -> None:
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 
-def test_write_kv_updates_only_its_slots() -> None:
+def test_write_kv_updates_only_its_slots(backend: str) -> None:
     k = mx.zeros((4, 2, 1, 3))
     v = mx.zeros((4, 2, 1, 3))
     new = mx.arange(6, dtype=mx.float32).reshape(2, 1, 3) + 1
@@ -160,7 +201,9 @@ def test_write_kv_updates_only_its_slots() -> None:
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [1, 3, 4, 9, 40, None])
 @pytest.mark.parametrize("use_sinks", [False, True], ids=["nosinks", "sinks"])
-def test_window_and_sinks_match_dense(block_size: int, window: int | None, use_sinks) -> None:
+def test_window_and_sinks_match_dense(
+    block_size: int, window: int | None, use_sinks, backend: str
+) -> None:
     """Sliding windows smaller than, equal to and larger than blocks and contexts, with and
     without attention sinks; decodes (gathering only the window's blocks) and prefills."""
     rng = np.random.default_rng(block_size * 100 + (window or 0) * 2 + use_sinks)
@@ -183,7 +226,7 @@ def test_window_and_sinks_match_dense(block_size: int, window: int | None, use_s
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_window_changes_the_output() -> None:
+def test_window_changes_the_output(backend: str) -> None:
     """The window cases above would pass vacuously if the window were ignored."""
     rng = np.random.default_rng(1)
     requests = [(1, 13), (5, 12)]
@@ -194,7 +237,7 @@ def test_window_changes_the_output() -> None:
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_k_and_v_head_sizes_may_differ(window: int | None) -> None:
+def test_k_and_v_head_sizes_may_differ(window: int | None, backend: str) -> None:
     """MLA-style layers cache keys of one head size and values of another."""
     rng = np.random.default_rng(3)
     requests = [(1, 9), (1, 2), (6, 6), (3, 11)]
@@ -217,7 +260,9 @@ def test_window_must_be_positive() -> None:
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [None, 1, 3, 9])
 @pytest.mark.parametrize("use_sinks", [False, True], ids=["nosinks", "sinks"])
-def test_verification_rows_match_dense(block_size: int, window: int | None, use_sinks) -> None:
+def test_verification_rows_match_dense(
+    block_size: int, window: int | None, use_sinks, backend: str
+) -> None:
     """Decode rows of one request at consecutive positions (a speculative verification:
     the last token and its drafts) are one group that gathers the keys once; each row
     still sees exactly the keys up to its own position, as the causal dense reference."""

@@ -78,6 +78,11 @@ def _check(module: ModuleType) -> None:
         raise RuntimeError("the built extension gives wrong results")
 
 
+def module() -> ModuleType | None:
+    """The loaded extension (its primitives: mlxserve/ops/cpu.py uses them), or None."""
+    return _module()
+
+
 def available() -> bool:
     """Whether the kernels can be used here (builds them on the first call)."""
     return _module() is not None

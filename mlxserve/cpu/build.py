@@ -28,7 +28,11 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ["qmm.c", "qmm_scalar.c", "qmm_avx2.c", "qmm_avx512.c", "qmm_neon.c"]
 SOURCES += ["q8_scalar.c", "q8_avx2.c", "q8_avxvnni.c", "q8_avx512vnni.c", "q8_neon.c"]
 SOURCES += ["q8_quantize.c"]
-HEADERS = ["qmm.h", "qmm_common.h", "qmm_impl.h", "q8_impl.h", "q8_x86.h", "qmm_ext.cpp"]
+HEADERS = ["qmm.h", "qmm_common.h", "qmm_impl.h", "q8_impl.h", "q8_x86.h", "decode_ext.h"]
+# C++ against MLX's headers: the primitives (qmm_ext.cpp defines the module). The RoPE and
+# RMSNorm primitives round as MLX's ops do (bit for bit): no fused multiply-adds there.
+EXT_SOURCES = ["qmm_ext.cpp", "attn_ext.cpp", "rope_norm_ext.cpp"]
+EXT_FLAGS = {"attn_ext.cpp": ["-O3"], "rope_norm_ext.cpp": ["-ffp-contract=off"]}
 # Per-file flags: each instruction set in its own file, chosen at run time (qmm.c).
 X86_FLAGS = {
     "qmm_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
@@ -85,9 +89,10 @@ def _inputs() -> tuple[str, dict[str, str]]:
             f"Python headers missing ({paths['python_include']}/Python.h): apt install python3-dev"
         )
     digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
+    for name in SOURCES + HEADERS + EXT_SOURCES:
         digest.update((CSRC / name).read_bytes())
-    digest.update(repr((X86_FLAGS, ARM_FLAGS, COMMON_FLAGS)).encode())  # flags change code
+    flags = (X86_FLAGS, ARM_FLAGS, COMMON_FLAGS, EXT_FLAGS)
+    digest.update(repr(flags).encode())  # flags change code
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     for part in (
         mx.__version__,
@@ -135,16 +140,18 @@ def _compile_all(paths: dict[str, str], name: str, work: Path, out: Path) -> Non
     nb_staged = work / "nanobind.o"
     if not nb_obj.exists():
         jobs.append([*nb_cmd, "-o", str(nb_staged)])
-    ext_obj = work / "qmm_ext.o"
-    jobs.append(
-        [cxx, *nb_flags, "-DNB_DOMAIN=mlx", f"-DMLXSERVE_EXT_NAME={name}"]
-        + ["-I", paths["mlx_include"], "-I", str(CSRC), "-c", str(CSRC / "qmm_ext.cpp")]
-        + ["-o", str(ext_obj)]
-    )
+    ext_objs = [work / (src + ".o") for src in EXT_SOURCES]
+    for src, obj in zip(EXT_SOURCES, ext_objs, strict=True):
+        jobs.append(
+            [cxx, *nb_flags, *EXT_FLAGS.get(src, []), "-DNB_DOMAIN=mlx"]
+            + [f"-DMLXSERVE_EXT_NAME={name}"]
+            + ["-I", paths["mlx_include"], "-I", str(CSRC), "-c", str(CSRC / src)]
+            + ["-o", str(obj)]
+        )
     _run_parallel(jobs)
     if not nb_obj.exists():
         os.replace(nb_staged, nb_obj)  # atomic, as the extension itself
-    link = [cxx, "-shared", "-o", str(out), str(ext_obj), str(nb_obj), *map(str, objects)]
+    link = [cxx, "-shared", "-o", str(out), *map(str, ext_objs), str(nb_obj), *map(str, objects)]
     link += ["-L", paths["mlx_lib"], "-lmlx", f"-Wl,-rpath,{paths['mlx_lib']}", "-lpthread"]
     _run_parallel([link])
 

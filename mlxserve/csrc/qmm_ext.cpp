@@ -19,6 +19,7 @@
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 
+#include "decode_ext.h"
 #include "qmm.h"
 
 namespace nb = nanobind;
@@ -191,4 +192,6 @@ NB_MODULE(MLXSERVE_EXT_NAME, m) {
         "Use int8 instruction set n ('auto': the best); False if unsupported.");
   m.def("set_threads", &mlxserve_qmm_set_threads, "n"_a, "Threads per call (0: default).");
   m.def("threads", &mlxserve_qmm_threads, "Threads per call now.");
+  mlxserve_decode::register_attention(m);  // attn_ext.cpp
+  mlxserve_decode::register_rope_norm(m);  // rope_norm_ext.cpp
 }

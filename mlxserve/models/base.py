@@ -95,11 +95,15 @@ def llama3_inv_freq(
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm; on the CPU compiled into 3 ops instead of MLX's 11 (models/compiled.py)."""
+    """nn.RMSNorm; on the CPU one op of mlxserve's CPU primitives (ops.cpu_module), else
+    compiled into 3 ops instead of MLX's 11 (models/compiled.py)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if uses_gpu():
             return mx.fast.rms_norm(x, self["weight"], self.eps)
+        module = ops.cpu_module()
+        if module is not None:
+            return module.rms_norm(x, self["weight"], self.eps)
         return compiled.rms_norm(x, self["weight"], self.eps)
 
 
@@ -160,6 +164,29 @@ class RotaryEmbedding(nn.Module):
 
         self._memo = _RopeTables()  # CPU: the last positions' cos and sin (see _tables)
 
+    def split_rotate(
+        self,
+        x: mx.array,  # (num_tokens, sum of heads[i] * head_dims[i]): e.g. q | k | v
+        positions: mx.array,  # (num_tokens,) int32
+        heads: Sequence[int],
+        head_dims: Sequence[int],
+        rotated: int,
+    ) -> list[mx.array]:  # (num_tokens, heads[i], head_dims[i]) each
+        """``x`` split into per-head arrays, the first ``rotated`` of them with RoPE: on the
+        CPU one op of mlxserve's CPU primitives (a fused q|k|v projection's split, reshapes
+        and rotations, with the step's cos and sin tables), else the same ops as calling
+        this module on each."""
+        module = None if uses_gpu() else ops.cpu_module()
+        if module is not None:
+            cos, sin = self._tables(positions, x.dtype)  # once per step (MLX's cos and sin)
+            return module.rope_split(x, cos, sin, heads, head_dims, rotated, self.traditional)
+        sizes = [h * d for h, d in zip(heads, head_dims, strict=True)]
+        bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+        parts = mx.split(x, bounds, axis=-1) if bounds else [x]
+        num_tokens = x.shape[0]
+        out = [p.reshape(num_tokens, h, d) for p, h, d in zip(parts, heads, head_dims, strict=True)]
+        return [self(p, positions) if i < rotated else p for i, p in enumerate(out)]
+
     def _tables(
         self, positions: mx.array, dtype: mx.Dtype
     ) -> tuple[mx.array, mx.array]:  # 2 x (num_tokens, 1, dims // 2)
@@ -211,6 +238,8 @@ class RotaryEmbedding(nn.Module):
         positions: mx.array,  # (num_tokens,) int32
     ) -> mx.array:  # (num_tokens, num_heads, dims)
         if not uses_gpu():
+            if ops.cpu_module() is not None:
+                return self.split_rotate(x, positions, [x.shape[1]], [x.shape[2]], 1)[0]
             return self._rotate(x, *self._tables(positions, x.dtype))
         # Each token is its own "batch" row of length 1, so offset=positions rotates it
         # by its own position.

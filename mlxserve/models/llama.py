@@ -137,16 +137,21 @@ class Attention(nn.Module):
         cache: KVCache,
     ) -> mx.array:  # (num_tokens, hidden)
         num_tokens = x.shape[0]
-        if "qkv_proj" in self:  # fused at load (models/fused.py)
-            q, k, v = mx.split(self.qkv_proj(x), self._qkv_split, axis=-1)
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        if "qkv_proj" in self and "q_norm" not in self:  # fused at load (models/fused.py)
+            dims = (self.head_dim,) * 3  # split, reshaped and q, k rotated (one op on the CPU)
+            q, k, v = self.rope.split_rotate(self.qkv_proj(x), positions, heads, dims, 2)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, positions), self.rope(k, positions)
+            if "qkv_proj" in self:
+                q, k, v = mx.split(self.qkv_proj(x), self._qkv_split, axis=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            if "q_norm" in self:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rope(q, positions), self.rope(k, positions)
         out = cached_attention(cache, self.layer_idx, q, k, v, md, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))  # (num_tokens, hidden)
 

@@ -1,7 +1,9 @@
 """The single dispatch point for attention kernels.
 
 ``paged_attention`` runs mlxserve's Metal kernels (``mlxserve.ops.metal``) when Metal is
-available and the default stream is on the GPU, and the pure-MLX fallback otherwise.
+available and the default stream is on the GPU; on MLX's CPU backend mlxserve's CPU
+primitives (``mlxserve.ops.cpu``: one op per layer for the decode rows) when they are
+built, and the pure-MLX fallback otherwise (and when forced: it is the reference).
 ``write_kv`` is MLX's scatter on every backend (in place when the old pools can be
 donated; why: ops/metal.py); on Metal, rows for 8-bit pools are quantized by a kernel
 first. ``use_kernels(choice)`` ("auto", "metal" or "fallback", the engine's ``kernels``
@@ -23,18 +25,22 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cache, lru_cache
+from types import ModuleType
 
 import mlx.core as mx
 
+from mlxserve import cpu as cpu_kernels
 from mlxserve.exceptions import ParameterError
-from mlxserve.ops import fallback, kv_quant, selftest
+from mlxserve.ops import cpu, fallback, kv_quant, selftest
 from mlxserve.ops.metadata import AttentionMetadata, StateMetadata
 from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels, unsupported_reason
+from mlxserve.utils import uses_gpu
 
 __all__ = [
     "AttentionMetadata",
     "StateMetadata",
     "check_kernels",
+    "cpu_module",
     "force_backend",
     "kernel_backend",
     "metal_kernels",
@@ -91,8 +97,21 @@ def kernel_backend() -> tuple[str, str]:
         return _override[-1].backend, "forced (kernels setting or ops.force_backend())"
     reason = _metal_unavailable_reason()
     if reason:
-        return "fallback", reason
+        if cpu_kernels.available():
+            return "cpu", f"{reason}; mlxserve's CPU kernels are loaded"
+        return "fallback", f"{reason}; {cpu_kernels.status()}"
     return "metal", "Metal is available and the default stream is on the GPU"
+
+
+def cpu_module() -> ModuleType | None:
+    """mlxserve's CPU primitives (mlxserve/cpu) when the ops use them now, else None: MLX
+    on its CPU backend, the extension loaded (not MLXSERVE_CPU_KERNELS=off), and neither
+    Metal nor the pure-MLX fallback forced. Models ask too (RMSNorm, RoPE)."""
+    if _override:
+        return cpu_kernels.module() if _override[-1].backend == "cpu" else None
+    if uses_gpu():
+        return None
+    return cpu_kernels.module()
 
 
 @lru_cache(maxsize=1)
@@ -102,8 +121,10 @@ def _default_kernels() -> MetalKernels:
 
 def _metal() -> MetalKernels | None:
     """The kernels to use, or None for the fallback."""
-    backend, _ = kernel_backend()
-    if backend != "metal":
+    if _override:
+        if _override[-1].backend != "metal":
+            return None
+    elif not uses_gpu():  # (kernel_backend() says why; this runs once per layer)
         return None
     if _override and _override[-1].kernels is not None:
         return _override[-1].kernels
@@ -117,7 +138,8 @@ def force_backend(
     config: MetalConfig | None = None,
     self_test: str | None = None,
 ) -> Iterator[MetalKernels | None]:
-    """Use `backend` ("metal" or "fallback") inside the block, whatever the machine has.
+    """Use `backend` ("metal", "fallback" or "cpu": mlxserve's CPU primitives) inside the
+    block, whatever the machine has.
 
     For tests and for exporting graphs: `factory` replaces mx.fast.metal_kernel (e.g. the
     emulator in metal/checker). Forcing "metal" where Metal cannot run still builds the
@@ -125,8 +147,8 @@ def force_backend(
     ("fallback" or "raise", see ops/selftest.py) verifies each kernel variant on first use;
     None (the default here) trusts them.
     """
-    if backend not in ("metal", "fallback"):
-        raise ValueError(f"backend must be 'metal' or 'fallback', got {backend!r}")
+    if backend not in ("metal", "fallback", "cpu"):
+        raise ValueError(f"backend must be 'metal', 'fallback' or 'cpu', got {backend!r}")
     if self_test not in (None, *selftest.MODES):
         raise ValueError(f"self_test must be None or one of {selftest.MODES}, got {self_test!r}")
     kernels = None
@@ -153,6 +175,8 @@ def write_kv(
     Metal by the quantize_kv kernel once it passed its self-test).
     """
     kernels = _metal()
+    if kernels is None and (module := cpu_module()) is not None:
+        return cpu.write_kv(module, k_cache, v_cache, keys, values, slot_mapping)
     if kernels is None or not kv_quant.is_quantized(k_cache) or keys.shape != values.shape:
         return fallback.write_kv(k_cache, v_cache, keys, values, slot_mapping)
     if not selftest.quantize_ok(kernels, keys.dtype, keys.shape[-1], _self_test_mode()):
@@ -194,6 +218,8 @@ def paged_attention(
     """
     _check_window(window)
     kernels = _kernels_for(q, k_cache, v_cache)
+    if kernels is None and (module := cpu_module()) is not None:
+        return cpu.paged_attention(module, q, k_cache, v_cache, md, scale, window, sinks)
     mode = _self_test_mode()
     if kernels is None or not selftest.attention_ok(kernels, q, k_cache, md, window, sinks, mode):
         return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)

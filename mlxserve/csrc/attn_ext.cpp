@@ -1,0 +1,294 @@
+// Paged attention of decode rows on the CPU, as one MLX primitive per layer.
+//
+// paged_attention(q, k_pool, v_pool, block_tables, context_lens, num_rows, scale, window,
+// sinks) -> (q.shape[0], num_heads, v_head_dim), q's dtype. Query row r < num_rows is
+// one token that attends to the keys at positions [lo, ctx[r]) of the sequence whose block
+// table is block_tables[r] (lo = ctx[r] - window with a sliding window, else 0); rows from
+// num_rows on are zeros (bucketing padding). A speculative verification is several such
+// rows with one table and consecutive context lengths: each sees up to its own position.
+// It computes what ops/fallback.py's decode attention computes (scores in float32, a sink
+// logit per head in the softmax's denominator), reading the pool through the table:
+//
+//   pools (num_blocks, block_size, num_kv_heads, width), float32 / float16 / bfloat16, or
+//   int8 rows of head_dim values followed by their float32 scale (ops/kv_quant.py).
+//   GQA: the num_heads / num_kv_heads query heads of a KV head read its keys once.
+//
+// Work items are (row, KV head) pairs, spread over the kernels' thread pool (qmm.c) when
+// there is enough of it.
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include <nanobind/stl/optional.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "decode_ext.h"
+#include "qmm.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mlxserve_decode {
+namespace {
+
+struct AttnProblem {
+  const void* q;
+  const char* k;  // pools as bytes: row i at i * k_row_bytes
+  const char* v;
+  const int32_t* tables;
+  const int32_t* ctx;
+  const float* sinks;  // (num_heads,) or null
+  void* out;
+  int q_type, k_type, v_type;
+  int64_t rows, out_rows, max_blocks, num_blocks;
+  int heads, kv_heads, dk, dv, block_size, window;
+  int64_t k_row_bytes, v_row_bytes;  // one (slot, KV head) row of each pool
+  float scale;
+};
+
+// The work items are compiled for AVX-512, AVX2 + FMA and baseline x86-64 and the best
+// the CPU has is picked at load time (GCC/clang function multiversioning on Linux); the
+// loops below are written so the compiler vectorizes them (16 independent sums).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define MLXSERVE_CLONES \
+  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#else
+#define MLXSERVE_CLONES
+#endif
+
+inline float dot(const float* a, const float* b, int n) {
+  float acc[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int u = 0; u < 16; u++) acc[u] += a[i + u] * b[i + u];
+  float tail = 0;
+  for (; i < n; i++) tail += a[i] * b[i];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int u = 0; u < w; u++) acc[u] += acc[u + w];
+  return acc[0] + tail;
+}
+
+// One pool row as float32 in `dst` (dequantized: int8 values times the row's scale).
+inline const float* row_f32(const char* row, int type, int d, float* dst) {
+  if (type == F32) return reinterpret_cast<const float*>(row);
+  if (type == I8) {
+    float s;
+    std::memcpy(&s, row + d, sizeof(float));
+    const int8_t* q = reinterpret_cast<const int8_t*>(row);
+    for (int i = 0; i < d; i++) dst[i] = static_cast<float>(q[i]) * s;
+    return dst;
+  }
+  for (int i = 0; i < d; i++) dst[i] = load(row, type, i);
+  return dst;
+}
+
+MLXSERVE_CLONES void attend(void* arg, int64_t item) {
+  const AttnProblem& p = *static_cast<const AttnProblem*>(arg);
+  const int64_t r = item / p.kv_heads;
+  const int kvh = static_cast<int>(item % p.kv_heads);
+  const int group = p.heads / p.kv_heads;
+  const int c = p.ctx[r];
+  const int lo = p.window > 0 ? std::max(0, c - p.window) : 0;
+  const int n = std::max(0, c - lo);
+  std::vector<float> buf(static_cast<size_t>(group) * (p.dk + p.dv + n) + p.dk + p.dv);
+  float* qf = buf.data();                                 // (group, dk)
+  float* acc = qf + static_cast<size_t>(group) * p.dk;    // (group, dv)
+  float* scores = acc + static_cast<size_t>(group) * p.dv;  // (group, n)
+  float* tmp = scores + static_cast<size_t>(group) * n;   // one dequantized row
+  const int h0 = kvh * group;
+  for (int g = 0; g < group; g++)
+    for (int d = 0; d < p.dk; d++)
+      qf[g * p.dk + d] = load(p.q, p.q_type, ((r * p.heads) + h0 + g) * p.dk + d);
+  const int32_t* table = p.tables + r * p.max_blocks;
+  auto pool_row = [&](int pos) {  // (slot, KV head) row index of key position pos
+    return (static_cast<int64_t>(table[pos / p.block_size]) * p.block_size +
+            pos % p.block_size) * p.kv_heads + kvh;
+  };
+  for (int j = 0; j < n; j++) {
+    const float* k = row_f32(p.k + pool_row(lo + j) * p.k_row_bytes, p.k_type, p.dk, tmp);
+    for (int g = 0; g < group; g++) scores[g * n + j] = dot(qf + g * p.dk, k, p.dk) * p.scale;
+  }
+  std::fill(acc, acc + static_cast<size_t>(group) * p.dv, 0.0f);
+  std::vector<float> denom(group);
+  for (int g = 0; g < group; g++) {
+    float* s = scores + g * n;
+    float m = -INFINITY;
+    for (int j = 0; j < n; j++) m = std::max(m, s[j]);
+    const float sink = p.sinks ? p.sinks[h0 + g] : -INFINITY;
+    m = std::max(m, sink);
+    float sum = 0;
+    for (int j = 0; j < n; j++) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    if (p.sinks) sum += std::exp(sink - m);
+    denom[g] = sum;
+  }
+  for (int j = 0; j < n; j++) {
+    const float* v = row_f32(p.v + pool_row(lo + j) * p.v_row_bytes, p.v_type, p.dv, tmp);
+    for (int g = 0; g < group; g++) {
+      const float w = scores[g * n + j];
+      float* a = acc + g * p.dv;
+      for (int d = 0; d < p.dv; d++) a[d] += w * v[d];
+    }
+  }
+  for (int g = 0; g < group; g++) {
+    const float inv = denom[g] > 0 ? 1.0f / denom[g] : 0.0f;
+    for (int d = 0; d < p.dv; d++)
+      store(p.out, p.q_type, ((r * p.heads) + h0 + g) * p.dv + d, acc[g * p.dv + d] * inv);
+  }
+}
+
+// Checks every row's context length and blocks; returns how many keys the rows read.
+int64_t check_rows(const AttnProblem& p) {
+  int64_t keys = 0;
+  const int64_t capacity = p.max_blocks * p.block_size;
+  for (int64_t r = 0; r < p.rows; r++) {
+    const int c = p.ctx[r];
+    if (c < 0 || c > capacity)
+      throw std::runtime_error("paged_attention: context length " + std::to_string(c) +
+                               " of row " + std::to_string(r) + " is outside its table (" +
+                               std::to_string(capacity) + " slots)");
+    const int lo = p.window > 0 ? std::max(0, c - p.window) : 0;
+    keys += c - lo;
+    for (int b = lo / p.block_size; b * p.block_size < c; b++) {
+      const int32_t blk = p.tables[r * p.max_blocks + b];
+      if (blk < 0 || blk >= p.num_blocks)
+        throw std::runtime_error("paged_attention: block " + std::to_string(blk) +
+                                 " of row " + std::to_string(r) + " is outside the pool (" +
+                                 std::to_string(p.num_blocks) + " blocks)");
+    }
+  }
+  return keys;
+}
+
+class CpuPagedAttention : public mx::UnaryPrimitive {
+ public:
+  CpuPagedAttention(mx::Stream s, int64_t rows, float scale, int window, bool sinks)
+      : mx::UnaryPrimitive(s), rows_(rows), scale_(scale), window_(window), sinks_(sinks) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    std::vector<mx::array> in;
+    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    encoder.dispatch([in = std::move(in), y = mx::array::unsafe_weak_copy(out), rows = rows_,
+                      scale = scale_, window = window_, sinks = sinks_]() mutable {
+      std::vector<char> kq, kk, kv, kt, kc, ks;
+      const mx::array &q = in[0], &k = in[1], &v = in[2];
+      AttnProblem p;
+      p.q = dense(q, kq);
+      p.k = static_cast<const char*>(dense(k, kk));
+      p.v = static_cast<const char*>(dense(v, kv));
+      p.tables = static_cast<const int32_t*>(dense(in[3], kt));
+      p.ctx = static_cast<const int32_t*>(dense(in[4], kc));
+      p.sinks = sinks ? static_cast<const float*>(dense(in[5], ks)) : nullptr;
+      p.out = y.data<void>();
+      p.q_type = elem_of(q.dtype());
+      p.k_type = elem_of(k.dtype());
+      p.v_type = elem_of(v.dtype());
+      p.rows = rows;
+      p.out_rows = q.shape(0);
+      p.max_blocks = in[3].shape(1);
+      p.num_blocks = k.shape(0);
+      p.heads = q.shape(1);
+      p.kv_heads = k.shape(2);
+      p.dk = q.shape(2);
+      p.dv = y.shape(2);
+      p.block_size = k.shape(1);
+      p.window = window;
+      p.k_row_bytes = static_cast<int64_t>(k.shape(3)) * k.itemsize();
+      p.v_row_bytes = static_cast<int64_t>(v.shape(3)) * v.itemsize();
+      p.scale = scale;
+      const int64_t keys = check_rows(p);
+      const int64_t items = rows * p.kv_heads;
+      if (keys * p.heads * (p.dk + p.dv) >= (int64_t{1} << 17)) {  // ~multiply-adds
+        mlxserve_qmm_parallel_for(items, attend, &p);
+      } else {
+        for (int64_t i = 0; i < items; i++) attend(&p, i);
+      }
+      const int64_t row_elems = static_cast<int64_t>(p.heads) * p.dv;
+      for (int64_t i = rows * row_elems; i < p.out_rows * row_elems; i++)
+        store(p.out, p.q_type, i, 0.0f);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxserve's paged attention primitive runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxserveCpuPagedAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const CpuPagedAttention&>(other);
+    return rows_ == o.rows_ && scale_ == o.scale_ && window_ == o.window_ && sinks_ == o.sinks_;
+  }
+
+ private:
+  int64_t rows_;
+  float scale_;
+  int window_;
+  bool sinks_;
+};
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("paged_attention: " + what);
+}
+
+int head_dim_of(const mx::array& pool) {
+  return pool.dtype() == mx::int8 ? pool.shape(3) - 4 : pool.shape(3);
+}
+
+mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                          const mx::array& block_tables, const mx::array& context_lens,
+                          int64_t num_rows, float scale, int window,
+                          std::optional<mx::array> sinks) {
+  check(q.ndim() == 3 && elem_of(q.dtype()) >= 0 && q.dtype() != mx::int8,
+        "q must be (tokens, heads, head_dim) float32/float16/bfloat16");
+  check(k_pool.ndim() == 4 && v_pool.ndim() == 4, "pools must be 4-D");
+  check(elem_of(k_pool.dtype()) >= 0 && elem_of(v_pool.dtype()) >= 0,
+        "pools must be float32, float16, bfloat16 or int8");
+  check(k_pool.shape(0) == v_pool.shape(0) && k_pool.shape(1) == v_pool.shape(1) &&
+            k_pool.shape(2) == v_pool.shape(2),
+        "K and V pools must share blocks, block size and KV heads");
+  const int kv_heads = k_pool.shape(2);
+  check(q.shape(1) % kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  check(head_dim_of(k_pool) == q.shape(2), "q's head size differs from the K pool's");
+  check(head_dim_of(v_pool) > 0 && head_dim_of(k_pool) > 0, "empty head size");
+  check(block_tables.ndim() == 2 && block_tables.dtype() == mx::int32, "block_tables: int32 2-D");
+  check(context_lens.ndim() == 1 && context_lens.dtype() == mx::int32, "context_lens: int32 1-D");
+  check(num_rows >= 0 && num_rows <= q.shape(0) && num_rows <= block_tables.shape(0) &&
+            num_rows <= context_lens.shape(0),
+        "num_rows exceeds q, block_tables or context_lens");
+  check(window >= 0, "window must be >= 0 (0: none)");
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  std::vector<mx::array> inputs = {q, k_pool, v_pool, block_tables, context_lens};
+  if (sinks) {
+    check(sinks->ndim() == 1 && sinks->shape(0) == q.shape(1), "sinks must be (num_heads,)");
+    inputs.push_back(mx::astype(*sinks, mx::float32, s));
+  }
+  mx::Shape shape = {q.shape(0), q.shape(1), head_dim_of(v_pool)};
+  return mx::array(shape, q.dtype(),
+                   std::make_shared<CpuPagedAttention>(s, num_rows, scale, window,
+                                                       sinks.has_value()),
+                   std::move(inputs));
+}
+
+}  // namespace
+
+void register_attention(nb::module_& m) {
+  m.def("paged_attention", &paged_attention, "q"_a, "k_pool"_a, "v_pool"_a, "block_tables"_a,
+        "context_lens"_a, "num_rows"_a, "scale"_a, "window"_a = 0, "sinks"_a = nb::none(),
+        "Decode rows' attention over the block pool (one lazy op); rows from num_rows on "
+        "are zeros.");
+}
+
+}  // namespace mlxserve_decode
