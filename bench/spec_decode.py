@@ -15,12 +15,17 @@ bench cache. Anything else is a model path or hub id.
 
 Workloads (greedy, one stream each unless --batch):
 - edit: a ~1,500-token Python file (mlxserve's own block pool, cut at a line boundary)
-  and the instruction to return it with one function renamed. A model that follows it
-  copies most of its prompt, which n-gram drafts predict.
-- copy: the edit's file and "repeat this file exactly" (an upper bound, labelled as
-  such: what n-gram drafts give at the edit's context when the model does copy).
-- repeat: "repeat this text exactly" with ~400 tokens of prose (the README's opening):
-  the best case, for a model too small to follow the edit instruction.
+  and the request to return it with one attribute renamed (6 uses), the assistant's
+  reply pre-started with the code fence and the file's first line (response prefill, as
+  editing agents prompt small models). ``edit:SHAPE`` picks another prompt shape
+  (bench/edit_workload.py: chat without prefill, system + prefill, completion-style);
+  each edit is scored by what the model did (tokens of the edited file reproduced, uses
+  renamed), not only its speed.
+- edit-old: the earlier sessions' edit prompt (no prefill; it asks to rename a method
+  the cut file only mentions in a docstring), kept for comparison.
+- copy: the edit's file and "repeat this file exactly", prefilled the same way (an upper
+  bound, labelled as such: n-gram drafts at the edit's context when the model copies).
+- repeat: "repeat this text exactly" with ~400 tokens of prose (the README's opening).
 - chat: a short question with nothing to copy.
 - batch: --batch different short chat prompts at once (0: skip), where the batch-size
   back-off (``disable_by_batch_size``) should turn speculation off.
@@ -28,7 +33,8 @@ Workloads (greedy, one stream each unless --batch):
 With --repeat N the engines run alternately N times each and the best run of each is
 reported (the machine's load drifts). ``ngram`` runs with the cost back-off (the default:
 drafts only while they make tokens cheaper, core/spec_cost.py); ``--always`` adds
-``ngram:always`` without it. Reported per workload and engine: output tokens, decode
+``ngram:always`` without it; ``--num-speculative-tokens 4,8,16`` makes one of each per k
+(``ngram k=8``...). Reported per workload and engine: output tokens, decode
 tok/s (tokens after the first / time after the first), end-to-end seconds, engine steps,
 drafted and accepted tokens and the acceptance rate, the cost back-off's switches, and
 whether the speculative output equals the plain one token for token (it must: greedy
@@ -179,6 +185,7 @@ def run(llm, prompts: list[str], params) -> dict:
         "accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
         "token_ids": [o.outputs[0].token_ids for o in outs],
+        "prompt_token_ids": [o.prompt_token_ids for o in outs],
         "text": outs[0].outputs[0].text,
     }
 
@@ -217,6 +224,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft", default="self", help="draft models: self, layers:N, a path")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-server's modes")
     ap.add_argument("--repeat", type=int, default=1, help="runs per engine (best reported)")
+    ap.add_argument(
+        "--replay-k",
+        default="2,4,8,16",
+        help="n-gram settings replayed from plain's greedy output (bench/spec_sim.py): "
+        "k, or k:MIN-MAX for other lookup sizes, comma-separated; none: skip",
+    )
+    ap.add_argument(
+        "--row-cost",
+        default="",
+        help="a step's cost in plain steps per row count, e.g. '5:1.6,9:2.1,17:3.2' (from "
+        "bench/decode_profile.py --verify-rows): the replay then predicts speed-ups",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = ap.parse_args(argv)
 
@@ -248,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
             k = int(args.num_speculative_tokens.split(",")[0])
             row.update(llama_cpp_rows(prompts[0], args.max_tokens, k, args.draft))
         results[wname] = report(row, tok, shape, given)
+        if args.replay_k not in ("", "none") and len(prompts) == 1:
+            results[wname]["replay"] = replay_rows(args, row["plain"])
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return results
@@ -330,7 +351,36 @@ def report(row: dict[str, dict], tok, shape: str, given: str) -> dict:
                 print(f"  {name}: {describe(score(tok, shape, given, r['text']), shape)}")
     first = next((n for n in row if n.startswith("ngram")), None)
     out["speedup"] = row[first]["speedup"] if first else None
-    return out | {n: {k: v for k, v in r.items() if k != "token_ids"} for n, r in row.items()}
+    hide = ("token_ids", "prompt_token_ids")
+    return out | {n: {k: v for k, v in r.items() if k not in hide} for n, r in row.items()}
+
+
+def replay_rows(args: argparse.Namespace, plain: dict) -> dict[str, dict]:
+    """Print and return the n-gram replays of plain's greedy output (bench/spec_sim.py)."""
+    from bench.spec_sim import predicted_speedup, replay
+
+    row_cost = {1: 1.0}
+    for item in filter(None, args.row_cost.split(",")):
+        rows, _, cost = item.partition(":")
+        row_cost[int(rows)] = float(cost)
+    prompt_ids, output_ids = plain["prompt_token_ids"][0], plain["token_ids"][0]
+    out = {}
+    for item in args.replay_k.split(","):  # "8" or "8:1-6" (k, lookup min-max)
+        k_text, _, sizes = item.partition(":")
+        lo, _, hi = sizes.partition("-")
+        k = int(k_text)
+        lookup = (int(lo), int(hi)) if sizes else (args.prompt_lookup_min, args.prompt_lookup_max)
+        r = replay(prompt_ids, output_ids, k, *lookup, max_tokens=args.max_tokens)
+        r["predicted_speedup"] = predicted_speedup(r, len(output_ids), row_cost)
+        acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+        pred = r["predicted_speedup"]
+        print(
+            f"  replay k={k:<2d} lookup {lookup[0]}-{lookup[1]}: {r['steps']:4d} steps for "
+            f"{len(output_ids)} tokens, drafted {r['drafted']:5d} accepted {r['accepted']:5d} "
+            f"({100 * acc:.0f}%)" + ("" if pred is None else f", predicted {pred:.2f}x")
+        )
+        out[f"k={k} lookup {lookup[0]}-{lookup[1]}"] = r
+    return out
 
 
 if __name__ == "__main__":

@@ -197,6 +197,16 @@ def test_spec_decode_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
         assert row["ngram:always"]["cost_switches"] == 0  # no cost back-off there
         # The model drafting for itself: its greedy drafts are the target's own tokens.
         assert row["draft:self"]["accepted"] == row["draft:self"]["drafted"]
+    # The replay of plain's output (bench/spec_sim.py) predicts what the n-gram engine
+    # without the cost back-off drafted and accepted, token for token.
+    for name, row in results.items():
+        if "replay" in row:
+            replayed = row["replay"]["k=4 lookup 2-4"]
+            counted = row["ngram:always"]
+            assert (replayed["drafted"], replayed["accepted"]) == (
+                counted["drafted"],
+                counted["accepted"],
+            ), name
     # The edit's score: 6 random tokens after the prefilled first line reproduce at most
     # that line and those tokens of the file.
     did = results["edit"]["did"]
