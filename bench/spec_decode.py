@@ -351,7 +351,9 @@ def report(row: dict[str, dict], tok, shape: str, given: str) -> dict:
                 print(f"  {name}: {describe(score(tok, shape, given, r['text']), shape)}")
     first = next((n for n in row if n.startswith("ngram")), None)
     out["speedup"] = row[first]["speedup"] if first else None
+    # Plain's token ids stay in the results: bench/spec_sim.py can replay other settings.
     hide = ("token_ids", "prompt_token_ids")
+    out["plain_ids"] = {"prompt": plain["prompt_token_ids"][0], "output": plain["token_ids"][0]}
     return out | {n: {k: v for k, v in r.items() if k not in hide} for n, r in row.items()}
 
 
