@@ -185,7 +185,8 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mlxserve.engine.async_llm import AsyncLLM
-    from mlxserve.engine.llm_engine import LLMEngine, default_max_num_batched_tokens
+    from mlxserve.engine.llm_engine import LLMEngine
+    from mlxserve.engine.startup import default_max_num_batched_tokens
     from mlxserve.server.app import ServerConfig, build_app
     from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES
     from mlxserve.server.metrics import ServerMetrics

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one scheduled forward pass per step(), RequestOutputs out.
 
-add_request -> tokenizer -> checks -> ParallelSampling (n > 1) -> Scheduler.add_request
+__init__:    startup.start_runner (ranks, ModelRunner, drafter, KV plan) -> Scheduler
+add_request -> admission (tokenize, checks) -> ParallelSampling (n > 1) -> Scheduler.add_request
 step():  Scheduler.schedule() -> ModelRunner.launch() / collect() -> Scheduler.update_from_output()
          -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
 
@@ -20,38 +21,32 @@ from mlxserve import ops
 from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestOutput, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
+from mlxserve.engine import admission
 from mlxserve.engine.output_processor import OutputProcessor
 from mlxserve.engine.parallel_sampling import ParallelSampling
-from mlxserve.exceptions import ParameterError
-from mlxserve.kv_cache_spec import KVCacheLayout
+from mlxserve.engine.startup import (
+    default_max_num_batched_tokens,
+    log_prefix_caching,
+    prefix_caching_off,
+    snapshot_interval,
+    speculation,
+    start_runner,
+)
 from mlxserve.loader import LoadedModel, load_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
-from mlxserve.utils import cdiv, uses_gpu
 from mlxserve.worker import metal_memory
-from mlxserve.worker.drafter import load_drafter
 from mlxserve.worker.isolation import describe
-from mlxserve.worker.launch import LaunchedRanks, LocalRanks, keep_this_ranks_part, start_ranks
 from mlxserve.worker.memory import tree_bytes
-from mlxserve.worker.model_runner import KVCacheLostError, ModelRunner, StepHandle
-from mlxserve.worker.mtp import load_mtp
-from mlxserve.worker.spmd import RankLostError, StepChannel
+from mlxserve.worker.model_runner import KVCacheLostError, StepHandle
+from mlxserve.worker.spmd import RankLostError
 
 logger = logging.getLogger("mlxserve")
 
 # KV blocks that exist at start; the pool grows (doubling) up to the planned size as
 # requests need more, so a small job never commits the whole memory budget.
 INITIAL_KV_BLOCKS = 256
-# Default token budget per step. Offline jobs and the one-user chat want throughput:
-# big prefill chunks. A server on the CPU wants small ones: there a step's time grows
-# with its tokens (~5 ms per prompt token for a 135M model), so a large chunk stalls
-# every decoding stream (bench/README.md, "mixed": budget 64 -> ITL p99/p50 3.4, 32 -> 1.6).
-# On Metal a prefill chunk costs little next to the decodes sharing its step.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 32
-# Fewest blocks between two recurrent-state snapshots inside one prompt.
-SNAPSHOT_MIN_BLOCKS = 16
 
 
 def finish_embedding(vector: list[float], pooling: PoolingParams) -> list[float]:
@@ -60,30 +55,6 @@ def finish_embedding(vector: list[float], pooling: PoolingParams) -> list[float]
     if pooling.normalize:
         v = v / max(float(np.linalg.norm(v)), 1e-12)
     return v.tolist()
-
-
-def default_max_num_batched_tokens(serving: bool = False) -> int:
-    """The step token budget when the config leaves it unset (None)."""
-    if serving and not uses_gpu():
-        return CPU_SERVING_MAX_NUM_BATCHED_TOKENS
-    return DEFAULT_MAX_NUM_BATCHED_TOKENS
-
-
-def snapshot_interval(layout: KVCacheLayout, block_size: int, dtype) -> int:
-    """Tokens between recurrent-state snapshots inside long prompts: as many as one
-    snapshot's bytes of K/V (so snapshots cost about what the prefix's KV costs), rounded
-    to whole blocks, at least SNAPSHOT_MIN_BLOCKS blocks; 0 without recurrent layers."""
-    if not layout.has_state:
-        return 0
-    per_token = max(layout.bytes_per_block(block_size, dtype) // block_size, 1)
-    blocks = cdiv(layout.state_bytes_per_slot() // per_token, block_size)
-    return max(blocks, SNAPSHOT_MIN_BLOCKS) * block_size
-
-
-def prefix_caching_off(enabled: bool) -> str | None:
-    """Why prefix caching is off, or None: every KV cache group and recurrent state the
-    adapter runs supports it (windows keep their last blocks, states are snapshotted)."""
-    return None if enabled else "enable_prefix_caching is False"
 
 
 class LLMEngine:
@@ -115,46 +86,11 @@ class LLMEngine:
         self.max_num_batched_tokens = (
             config.max_num_batched_tokens or default_max_num_batched_tokens()
         )
-        plan_args = dict(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            memory_fraction=config.memory_fraction,
-            num_blocks=config.num_blocks,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        # Tensor / pipeline parallel: the other ranks, started here; None in one process.
-        self.ranks: LocalRanks | LaunchedRanks | None = None
-        channel = None
-        if config.world_size > 1:
-            self.ranks = start_ranks(loaded, config, plan_args)
-        try:
-            if self.ranks is not None:
-                keep_this_ranks_part(loaded, config, self.ranks.group)
-                channel = StepChannel(self.ranks.group, self.ranks.lost, self.ranks.name)
-                self.ranks.progress.begin("start-up (planning the KV pool)")
-            self.runner = ModelRunner(
-                loaded.model,
-                dtype=loaded.dtype,
-                block_size=config.block_size,
-                kernels=config.kernels,
-                seed=config.seed,
-                channel=channel,
-                kv_cache_dtype=config.kv_cache_dtype,
-            )
-            sc = config.speculative_config
-            if sc is not None and sc.method == "mtp":
-                self.runner.drafter = load_mtp(config, loaded, self.runner)
-            elif sc is not None and sc.model is not None and not self.runner.layout.has_state:
-                self.runner.drafter = load_drafter(config, loaded.tokenizer, self.runner)
-            self.plan = self.runner.plan_kv_cache(**plan_args)
-            if self.ranks is not None:
-                self.ranks.progress.end()
-        except BaseException:
-            if self.ranks is not None:
-                self.ranks.kill()
-            raise
+        started = start_runner(config, loaded, self.max_num_batched_tokens)
+        # Tensor / pipeline parallel: the other ranks, started there; None in one process.
+        self.ranks = started.ranks
+        self.runner = started.runner
+        self.plan = started.plan
         logger.info(self.plan.describe(config.max_num_seqs, self.max_num_batched_tokens))
         # On Metal: keep weights + pool resident, cap the buffer cache to the plan's slack.
         metal_memory.configure(
@@ -162,25 +98,7 @@ class LLMEngine:
         )
         self.max_model_len = self.plan.max_model_len
         layout = self.runner.layout
-        self.speculative_config = config.speculative_config
-        if self.speculative_config is not None and layout.has_state:
-            # A recurrent state cannot be rolled back past rejected drafts (yet).
-            logger.warning("speculative decoding: off (the model has recurrent layers)")
-            self.speculative_config = None
-        elif self.speculative_config is not None:
-            sc = self.speculative_config
-            logger.info(
-                "speculative decoding: %s, %d draft tokens, %s, off above %d running requests"
-                + (", and while drafts cost more per token" if sc.disable_by_cost else ""),
-                sc.method,
-                sc.num_speculative_tokens,
-                f"draft model {sc.model}"
-                if sc.model
-                else "the model's MTP layer"
-                if sc.method == "mtp"
-                else f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}",
-                sc.disable_by_batch_size,
-            )
+        self.speculative_config = speculation(config.speculative_config, layout)
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens),
             CacheConfig(
@@ -201,13 +119,7 @@ class LLMEngine:
         self.state_pool = self.scheduler.kv_cache_manager.state_pool
         # Why prefix caching is off (None: on); the start-up log and /metrics say so.
         self.prefix_caching_off = prefix_caching_off(config.enable_prefix_caching)
-        logger.info(
-            "prefix caching: %s",
-            f"off ({self.prefix_caching_off})"
-            if self.prefix_caching_off
-            else "on"
-            + (" (recurrent state: snapshots at block boundaries)" if layout.has_state else ""),
-        )
+        log_prefix_caching(self.prefix_caching_off, layout.has_state)
         self.fanout = ParallelSampling()
         self.outputs = OutputProcessor(self.tokenizer, self.fanout)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -237,7 +149,7 @@ class LLMEngine:
         structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         """Queue a request; ParameterError (naming the field, with the numbers) if it
-        can never run. The one place these checks live.
+        can never run (the checks live in engine/admission.py).
 
         With ``pooling_params`` it is an embedding request: the prompt is computed
         (prefill only, batched with everything else) and its output carries ``embedding``.
@@ -245,21 +157,14 @@ class LLMEngine:
         (AsyncLLM compiles off the engine thread); otherwise it is compiled here.
         """
         if pooling_params is not None:
-            self._check_pooling(pooling_params)
+            admission.check_pooling(pooling_params, self.embedding_size, self.is_matryoshka)
             params = SamplingParams(max_tokens=1)
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                prompt_token_ids = self.tokenizer.encode(prompt)
-            elif prompt is not None:
-                prompt_token_ids = list(prompt)
-        if not prompt_token_ids:
-            raise ParameterError("prompt must not be empty", parameter="prompt")
-        self._check_token_ids("prompt", prompt_token_ids)
-        self._check_token_ids("logit_bias", list(params.logit_bias or ()))
-        self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
-        max_tokens = self._max_tokens(len(prompt_token_ids), params)
+        prompt_token_ids = admission.prompt_token_ids_of(self.tokenizer, prompt, prompt_token_ids)
+        max_tokens = admission.check_request(
+            prompt_token_ids, params, self.vocab_size, self.max_model_len
+        )
         if structured_output is None:
             structured_output = self.compile_structured_output(params)
         parent = self.fanout.add(request_id, params)  # reserves the n engine ids
@@ -277,24 +182,6 @@ class LLMEngine:
             self._forget(request_id)
             raise
 
-    def _check_pooling(self, pooling: PoolingParams) -> None:
-        dims = pooling.dimensions
-        if dims is None:
-            return
-        if not self.is_matryoshka:
-            raise ParameterError(
-                f"dimensions {dims}: this model was not trained for shorter embeddings "
-                "(no matryoshka_dimensions in its config), so it always returns "
-                f"{self.embedding_size}; leave dimensions out",
-                parameter="dimensions",
-            )
-        if dims > self.embedding_size:
-            raise ParameterError(
-                f"dimensions must be at most {self.embedding_size} (the model's hidden size), "
-                f"got {dims}",
-                parameter="dimensions",
-            )
-
     def compile_structured_output(
         self, params: SamplingParams, starts_after: str | None = None
     ) -> StructuredOutputRequest | None:
@@ -302,47 +189,7 @@ class LLMEngine:
         is invalid or cannot be combined with the other params. Thread-safe: call it off
         the engine thread for large schemas. ``starts_after``: the constraint applies only
         to the output after this text (e.g. "</think>" for a reasoning model)."""
-        so = params.structured_outputs
-        if so is None:
-            return None
-        for name, bad in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
-            if bad:
-                raise ParameterError(
-                    f"{name} cannot be combined with structured_outputs: a constrained "
-                    "request ends when its grammar does",
-                    parameter=name,
-                )
-        trigger = starts_after.encode() if starts_after else None
-        return StructuredOutputRequest(self.grammars.compile(so), trigger)
-
-    def _check_token_ids(self, parameter: str, token_ids: list[int]) -> None:
-        vocab = self.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            what = "prompt token ids" if parameter == "prompt" else f"{parameter} token ids"
-            raise ParameterError(
-                f"{what} must be in [0, {vocab}) (the model's vocabulary), got {bad[:5]}",
-                parameter=parameter,
-            )
-
-    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ParameterError(
-                f"prompt is {prompt_len} tokens, but max_model_len is {self.max_model_len}: "
-                f"it must be at most {self.max_model_len - 1} tokens to generate anything",
-                parameter="prompt",
-            )
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ParameterError(
-                f"max_tokens {params.max_tokens} + prompt {prompt_len} tokens = "
-                f"{params.max_tokens + prompt_len} exceeds max_model_len {self.max_model_len}; "
-                f"use max_tokens <= {room}",
-                parameter="max_tokens",
-            )
-        return params.max_tokens
+        return admission.compile_structured_output(self.grammars, params, starts_after)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; returns their final outputs."""
