@@ -67,7 +67,8 @@ def predicted_speedup(result: dict, num_tokens: int, row_cost: dict[int, float])
     lies outside them)."""
     known = sorted(row_cost)
     total = 0.0
-    for r, count in result["rows"].items():
+    for rows, count in result["rows"].items():
+        r = int(rows)  # an int key, or its string from a JSON file
         if r in row_cost:
             total += count * row_cost[r]
             continue
