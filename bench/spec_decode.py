@@ -15,12 +15,17 @@ bench cache. Anything else is a model path or hub id.
 
 Workloads (greedy, one stream each unless --batch):
 - edit: a ~1,500-token Python file (mlxserve's own block pool, cut at a line boundary)
-  and the instruction to return it with one function renamed. A model that follows it
-  copies most of its prompt, which n-gram drafts predict.
-- copy: the edit's file and "repeat this file exactly" (an upper bound, labelled as
-  such: what n-gram drafts give at the edit's context when the model does copy).
-- repeat: "repeat this text exactly" with ~400 tokens of prose (the README's opening):
-  the best case, for a model too small to follow the edit instruction.
+  and the request to return it with one attribute renamed (6 uses), the assistant's
+  reply pre-started with the code fence and the file's first line (response prefill, as
+  editing agents prompt small models). ``edit:SHAPE`` picks another prompt shape
+  (bench/edit_workload.py: chat without prefill, system + prefill, completion-style);
+  each edit is scored by what the model did (tokens of the edited file reproduced, uses
+  renamed), not only its speed.
+- edit-old: the earlier sessions' edit prompt (no prefill; it asks to rename a method
+  the cut file only mentions in a docstring), kept for comparison.
+- copy: the edit's file and "repeat this file exactly", prefilled the same way (an upper
+  bound, labelled as such: n-gram drafts at the edit's context when the model copies).
+- repeat: "repeat this text exactly" with ~400 tokens of prose (the README's opening).
 - chat: a short question with nothing to copy.
 - batch: --batch different short chat prompts at once (0: skip), where the batch-size
   back-off (``disable_by_batch_size``) should turn speculation off.
@@ -28,7 +33,8 @@ Workloads (greedy, one stream each unless --batch):
 With --repeat N the engines run alternately N times each and the best run of each is
 reported (the machine's load drifts). ``ngram`` runs with the cost back-off (the default:
 drafts only while they make tokens cheaper, core/spec_cost.py); ``--always`` adds
-``ngram:always`` without it. Reported per workload and engine: output tokens, decode
+``ngram:always`` without it; ``--num-speculative-tokens 4,8,16`` makes one of each per k
+(``ngram k=8``...). Reported per workload and engine: output tokens, decode
 tok/s (tokens after the first / time after the first), end-to-end seconds, engine steps,
 drafted and accepted tokens and the acceptance rate, the cost back-off's switches, and
 whether the speculative output equals the plain one token for token (it must: greedy
@@ -46,10 +52,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cache_dir  # noqa: E402
+from bench.edit_workload import SHAPES, describe, edit_source, prompt, score  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-EDIT_SOURCE = ROOT / "mlxserve" / "core" / "block_pool.py"
-EDIT_TOKENS = 1500
 CHAT = [
     "Explain in a few sentences why the sky is blue.",
     "Write a short poem about autumn leaves.",
@@ -58,29 +63,13 @@ CHAT = [
 ]
 
 
-def edit_source(tokenizer) -> str:
-    """~EDIT_TOKENS tokens of mlxserve's block pool, cut at a line boundary."""
-    lines, text = EDIT_SOURCE.read_text().splitlines(keepends=True), ""
-    for line in lines:
-        if len(tokenizer.encode(text + line)) > EDIT_TOKENS:
-            break
-        text += line
-    return text
-
-
-def edit_prompt(tokenizer) -> str:
-    """The code-editing request: ~EDIT_TOKENS tokens of source, one rename asked."""
+def old_edit_prompt(tokenizer) -> str:
+    """The earlier sessions' edit request, kept for comparison: it asks to rename a method
+    whose definition lies past the cut (the file mentions it once, in a docstring)."""
     ask = (
         "Here is a Python file. Return the whole file unchanged, except rename the method "
         "`get_new_blocks` to `allocate_blocks` everywhere. Output only the code.\n\n"
     )
-    return chat(tokenizer, ask + "```python\n" + edit_source(tokenizer) + "```")
-
-
-def copy_prompt(tokenizer) -> str:
-    """The edit's file, to be repeated verbatim: the upper bound of n-gram drafts at the
-    edit's context length (what a model that follows the edit instruction would copy)."""
-    ask = "Repeat this Python file exactly, from its first line. Output only the code.\n\n"
     return chat(tokenizer, ask + "```python\n" + edit_source(tokenizer) + "```")
 
 
@@ -196,6 +185,7 @@ def run(llm, prompts: list[str], params) -> dict:
         "accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
         "token_ids": [o.outputs[0].token_ids for o in outs],
+        "prompt_token_ids": [o.prompt_token_ids for o in outs],
         "text": outs[0].outputs[0].text,
     }
 
@@ -204,7 +194,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument(
+        "--num-speculative-tokens",
+        default="4",
+        help="k, or several comma-separated (one n-gram engine each, named 'ngram k=K')",
+    )
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--batch", type=int, default=0, help="also a batch of N chat prompts")
@@ -221,55 +215,43 @@ def main(argv: list[str] | None = None) -> dict:
         help="also n-gram without the cost back-off (disable_by_cost false): what drafts "
         "cost or save when they always run",
     )
-    ap.add_argument("--workloads", default="edit,chat")
+    ap.add_argument(
+        "--workloads",
+        default="edit,chat",
+        help=f"edit (= edit:prefill), edit:SHAPE ({', '.join(SHAPES)}), edit-old, copy, "
+        "repeat, chat",
+    )
     ap.add_argument("--draft", default="self", help="draft models: self, layers:N, a path")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-server's modes")
     ap.add_argument("--repeat", type=int, default=1, help="runs per engine (best reported)")
+    ap.add_argument(
+        "--replay-k",
+        default="2,4,8,16",
+        help="n-gram settings replayed from plain's greedy output (bench/spec_sim.py): "
+        "k, or k:MIN-MAX for other lookup sizes, comma-separated; none: skip",
+    )
+    ap.add_argument(
+        "--row-cost",
+        default="",
+        help="a step's cost in plain steps per row count, e.g. '5:1.6,9:2.1,17:3.2' (from "
+        "bench/decode_profile.py --verify-rows): the replay then predicts speed-ups",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = ap.parse_args(argv)
 
     import mlx.core as mx
 
-    from mlxserve import LLM, SamplingParams
+    from mlxserve import SamplingParams
 
-    k = args.num_speculative_tokens
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": k,
-        "prompt_lookup_max": args.prompt_lookup_max,
-        "prompt_lookup_min": args.prompt_lookup_min,
-    }
-    if args.disable_by_batch_size is not None:
-        spec["disable_by_batch_size"] = args.disable_by_batch_size
-    engines = {"plain": LLM(args.model), "ngram": LLM(args.model, speculative_config=spec)}
-    if args.always:
-        always = spec | {"disable_by_cost": False}
-        engines["ngram:always"] = LLM(args.model, speculative_config=always)
-    for name in args.draft.split(","):
-        if name and name != "none":
-            draft = {"model": draft_path(args.model, name), "num_speculative_tokens": k}
-            engines[f"draft:{name}"] = LLM(args.model, speculative_config=draft)
+    engines, spec = make_engines(args)
     tok = engines["plain"].get_tokenizer()
-    workloads = {}
-    for name in args.workloads.split(","):
-        if name == "edit":
-            workloads["edit"] = [edit_prompt(tok)]
-        elif name == "copy":
-            workloads["copy"] = [copy_prompt(tok)]
-        elif name == "repeat":
-            workloads["repeat"] = [repeat_prompt(tok)]
-        elif name == "chat":
-            workloads["chat"] = [chat(tok, CHAT[0])]
-    if args.batch:
-        workloads[f"batch{args.batch}"] = [
-            chat(tok, f"{CHAT[i % len(CHAT)]} (#{i})") for i in range(args.batch)
-        ]
+    workloads = make_workloads(args, tok)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     print(f"device {mx.default_device()}, speculative_config {json.dumps(spec)}")
     for llm in engines.values():  # warm-up: kernels, the pool's first blocks
         llm.generate([chat(tok, "Hi")], SamplingParams(max_tokens=4), use_tqdm=False)
     results = {}
-    for wname, prompts in workloads.items():
+    for wname, (prompts, shape, given) in workloads.items():
         num_prompt = [len(tok.encode(p)) for p in prompts]
         print(f"\n{wname}: {len(prompts)} prompt(s) of {min(num_prompt)}..{max(num_prompt)} tokens")
         # Alternating runs, the best of each engine: the machine's load drifts.
@@ -280,109 +262,127 @@ def main(argv: list[str] | None = None) -> dict:
                 if name not in row or r["decode_tok_s"] > row[name]["decode_tok_s"]:
                     row[name] = r
         if args.llama_cpp and args.model is None and len(prompts) == 1:
+            from bench.spec_llama_cpp import llama_cpp_rows
+
+            k = int(args.num_speculative_tokens.split(",")[0])
             row.update(llama_cpp_rows(prompts[0], args.max_tokens, k, args.draft))
-        plain = row["plain"]
-        same = all(r["token_ids"] == plain["token_ids"] for n, r in row.items() if "token_ids" in r)
-        for name, r in row.items():
-            r["speedup"] = r["decode_tok_s"] / plain["decode_tok_s"]
-            if name.startswith("llama.cpp"):
-                r["speedup"] = r["decode_tok_s"] / row["llama.cpp"]["decode_tok_s"]
-            acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
-            print(
-                f"  {name:22s} {r['output_tokens']:5d} tokens  decode {r['decode_tok_s']:6.1f}"
-                f" tok/s ({r['speedup']:.2f}x)  {r['seconds']:6.1f} s  {r['steps']:4d} steps"
-                f"  drafted {r['drafted']:5d}  accepted {r['accepted']:5d} ({acc})"
-                f"  cost switches {r.get('cost_switches', '-')}"
-            )
-        print(f"  same tokens (mlxserve engines): {same}")
-        print(f"  output starts: {plain['text'][:160]!r}")
-        results[wname] = {
-            "speedup": row["ngram"]["speedup"],
-            "same_tokens": same,
-            **{n: {k: v for k, v in r.items() if k != "token_ids"} for n, r in row.items()},
-        }
+        results[wname] = report(row, tok, shape, given)
+        if args.replay_k not in ("", "none") and len(prompts) == 1:
+            results[wname]["replay"] = replay_rows(args, row["plain"])
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return results
 
 
-def llama_cpp_rows(prompt: str, max_tokens: int, k: int, drafts: str) -> dict[str, dict]:
-    """llama-server on the embedded GGUF, greedy, one stream: plain, ngram-simple, and a
-    draft model (the same GGUF, as ``--draft self``). Skipped (with the reason) when the
-    bench's llama.cpp build is missing: building it takes ~10 minutes."""
-    import os
-    import subprocess
-    import tempfile
+def make_engines(args: argparse.Namespace) -> tuple[dict, dict]:
+    """plain, one n-gram engine per k (and without the cost back-off: --always), one per
+    draft model; and the first n-gram speculative_config."""
+    from mlxserve import LLM
 
-    from bench.peers.llamacpp import TARGETS, bin_dir
-    from mlxserve.loader import default_model_path
-
-    if not all((bin_dir() / t).exists() for t in TARGETS):
-        print("  llama.cpp: skipped (not built: python -m bench.peers.llamacpp builds it)")
-        return {}
-    gguf = str(default_model_path())
-    modes = {"llama.cpp": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"]}
-    if "self" in drafts.split(","):
-        modes["llama.cpp draft:self"] = ["-md", gguf, "--spec-type", "draft-simple"]
-    rows = {}
-    threads = str(os.cpu_count() or 2)
-    for name, extra in modes.items():
-        port = 18700 + len(rows)
-        cmd = [str(bin_dir() / "llama-server"), "-m", gguf, "-t", threads, "-c", "4096"]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-webui", "-np", "1"]
-        if extra:
-            cmd += extra + ["--spec-draft-n-max", str(k)]
-        with tempfile.TemporaryFile() as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                rows[name] = _llama_cpp_run(port, prompt, max_tokens, proc)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
-    return rows
+    ks = [int(k) for k in args.num_speculative_tokens.split(",")]
+    engines = {"plain": LLM(args.model)}
+    specs = []
+    for k in ks:
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": args.prompt_lookup_max,
+            "prompt_lookup_min": args.prompt_lookup_min,
+        }
+        if args.disable_by_batch_size is not None:
+            spec["disable_by_batch_size"] = args.disable_by_batch_size
+        suffix = "" if len(ks) == 1 else f" k={k}"
+        engines[f"ngram{suffix}"] = LLM(args.model, speculative_config=spec)
+        if args.always:
+            always = spec | {"disable_by_cost": False}
+            engines[f"ngram:always{suffix}"] = LLM(args.model, speculative_config=always)
+        specs.append(spec)
+    for name in args.draft.split(","):
+        if name and name != "none":
+            draft = {"model": draft_path(args.model, name), "num_speculative_tokens": ks[0]}
+            engines[f"draft:{name}"] = LLM(args.model, speculative_config=draft)
+    return engines, specs[0]
 
 
-def _llama_cpp_run(port: int, prompt: str, max_tokens: int, proc) -> dict:
-    import urllib.error
-    import urllib.request
+def make_workloads(args: argparse.Namespace, tok) -> dict[str, tuple[list[str], str, str]]:
+    """name -> (prompts, the edit shape scored or "", the answer's prefilled start)."""
+    workloads: dict[str, tuple[list[str], str, str]] = {}
+    for name in args.workloads.split(","):
+        if name == "edit" or name.startswith("edit:") or name == "copy":
+            shape = "copy" if name == "copy" else name.partition(":")[2] or "prefill"
+            text, given = prompt(tok, shape)
+            workloads[name] = ([text], shape, given)
+        elif name == "edit-old":
+            workloads[name] = ([old_edit_prompt(tok)], "", "")
+        elif name == "repeat":
+            workloads[name] = ([repeat_prompt(tok)], "", "")
+        elif name == "chat":
+            workloads[name] = ([chat(tok, CHAT[0])], "", "")
+        elif name not in ("", "none"):
+            raise SystemExit(f"unknown workload {name!r}")
+    if args.batch:
+        prompts = [chat(tok, f"{CHAT[i % len(CHAT)]} (#{i})") for i in range(args.batch)]
+        workloads[f"batch{args.batch}"] = (prompts, "", "")
+    return workloads
 
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited ({proc.returncode})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        time.sleep(0.2)
-    body = {
-        "prompt": prompt,
-        "n_predict": max_tokens,
-        "temperature": 0.0,
-        "top_k": 1,
-        "cache_prompt": False,
-    }
-    req = urllib.request.Request(
-        url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=900) as r:
-        out = json.loads(r.read())
-    wall = time.perf_counter() - t0
-    t = out.get("timings", {})
-    drafted, accepted = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
-    return {
-        "output_tokens": t.get("predicted_n", 0),
-        "decode_tok_s": t.get("predicted_per_second", 0.0),
-        "seconds": wall,
-        "steps": 0,
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance": accepted / drafted if drafted else None,
-        "text": out.get("content", ""),
-    }
+
+def report(row: dict[str, dict], tok, shape: str, given: str) -> dict:
+    """Print one workload's rows (speed-ups, drafts, what the model did); its results."""
+    plain = row["plain"]
+    same = all(r["token_ids"] == plain["token_ids"] for r in row.values() if "token_ids" in r)
+    for name, r in row.items():
+        base = row["llama.cpp"] if name.startswith("llama.cpp") else plain
+        r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+        acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+        print(
+            f"  {name:22s} {r['output_tokens']:5d} tokens  decode {r['decode_tok_s']:6.1f}"
+            f" tok/s ({r['speedup']:.2f}x)  {r['seconds']:6.1f} s  {r['steps']:4d} steps"
+            f"  drafted {r['drafted']:5d}  accepted {r['accepted']:5d} ({acc})"
+            f"  cost switches {r.get('cost_switches', '-')}"
+        )
+    print(f"  same tokens (mlxserve engines): {same}")
+    print(f"  output starts: {plain['text'][:160]!r}")
+    out: dict = {"same_tokens": same}
+    if shape:
+        out["did"] = score(tok, shape, given, plain["text"])
+        print(f"  the model {describe(out['did'], shape)}")
+        for name, r in row.items():
+            if name.startswith("llama.cpp"):
+                print(f"  {name}: {describe(score(tok, shape, given, r['text']), shape)}")
+    first = next((n for n in row if n.startswith("ngram")), None)
+    out["speedup"] = row[first]["speedup"] if first else None
+    # Plain's token ids stay in the results: bench/spec_sim.py can replay other settings.
+    hide = ("token_ids", "prompt_token_ids")
+    out["plain_ids"] = {"prompt": plain["prompt_token_ids"][0], "output": plain["token_ids"][0]}
+    return out | {n: {k: v for k, v in r.items() if k not in hide} for n, r in row.items()}
+
+
+def replay_rows(args: argparse.Namespace, plain: dict) -> dict[str, dict]:
+    """Print and return the n-gram replays of plain's greedy output (bench/spec_sim.py)."""
+    from bench.spec_sim import predicted_speedup, replay
+
+    row_cost = {1: 1.0}
+    for item in filter(None, args.row_cost.split(",")):
+        rows, _, cost = item.partition(":")
+        row_cost[int(rows)] = float(cost)
+    prompt_ids, output_ids = plain["prompt_token_ids"][0], plain["token_ids"][0]
+    out = {}
+    for item in args.replay_k.split(","):  # "8" or "8:1-6" (k, lookup min-max)
+        k_text, _, sizes = item.partition(":")
+        lo, _, hi = sizes.partition("-")
+        k = int(k_text)
+        lookup = (int(lo), int(hi)) if sizes else (args.prompt_lookup_min, args.prompt_lookup_max)
+        r = replay(prompt_ids, output_ids, k, *lookup, max_tokens=args.max_tokens)
+        r["predicted_speedup"] = predicted_speedup(r, len(output_ids), row_cost)
+        acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+        pred = r["predicted_speedup"]
+        print(
+            f"  replay k={k:<2d} lookup {lookup[0]}-{lookup[1]}: {r['steps']:4d} steps for "
+            f"{len(output_ids)} tokens, drafted {r['drafted']:5d} accepted {r['accepted']:5d} "
+            f"({100 * acc:.0f}%)" + ("" if pred is None else f", predicted {pred:.2f}x")
+        )
+        out[f"k={k} lookup {lookup[0]}-{lookup[1]}"] = r
+    return out
 
 
 if __name__ == "__main__":

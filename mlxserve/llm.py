@@ -128,8 +128,10 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Generate the assistant's reply to one conversation or a list of them."""
+        """Generate the assistant's reply to one conversation or a list of them
+        (``continue_final_message``: continue the final message instead, as vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts: list[Prompt] = []
@@ -139,6 +141,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 chat_template=chat_template,
+                continue_final_message=continue_final_message,
             )
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode_rendered_chat(text)})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -13,7 +13,7 @@ import pytest
 from bench import memory
 from mlxserve import blas
 from mlxserve.cli.main import main
-from tests.engine_helpers import make_tiny_model_dir
+from tests.engine_helpers import make_tiny_model_dir, write_tokenizer
 
 
 def test_mlxserve_bench_runs_on_the_tiny_model(tmp_path: Path, capsys) -> None:
@@ -186,16 +186,61 @@ def test_spec_decode_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:
     from bench import spec_decode
 
     _, model_dir = make_tiny_model_dir(tmp_path / "m")
-    argv = [str(model_dir), "--max-tokens", "6", "--workloads", "edit,copy,repeat"]
+    # edit, copy and the other edit shapes are one code path (bench/edit_workload.py).
+    argv = [str(model_dir), "--max-tokens", "6", "--workloads", "edit,edit-old"]
     argv += ["--batch", "2", "--always", "--disable-by-batch-size", "4"]
     results = spec_decode.main(argv)
-    assert set(results) == {"edit", "copy", "repeat", "batch2"}
+    assert set(results) == {"edit", "edit-old", "batch2"}
     for row in results.values():
         assert row["same_tokens"]  # greedy: speculation never changes the tokens
         assert row["plain"]["drafted"] == 0 and row["ngram"]["output_tokens"] > 0
         assert row["ngram:always"]["cost_switches"] == 0  # no cost back-off there
         # The model drafting for itself: its greedy drafts are the target's own tokens.
         assert row["draft:self"]["accepted"] == row["draft:self"]["drafted"]
+    # The replay of plain's output (bench/spec_sim.py) predicts what the n-gram engine
+    # without the cost back-off drafted and accepted, token for token.
+    for name, row in results.items():
+        if "replay" in row:
+            replayed = row["replay"]["k=4 lookup 2-4"]
+            counted = row["ngram:always"]
+            assert (replayed["drafted"], replayed["accepted"]) == (
+                counted["drafted"],
+                counted["accepted"],
+            ), name
+    # The edit's score: 6 random tokens after the prefilled first line reproduce at most
+    # that line and those tokens of the file.
+    did = results["edit"]["did"]
+    assert did["reproduced"] <= did["code_tokens"] <= did["file_tokens"]
+
+
+def test_edit_workload_scores_what_the_answer_reproduced(tmp_path: Path) -> None:
+    from bench import edit_workload as ew
+    from mlxserve.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    lines = ew.SOURCE.read_text().splitlines(keepends=True)[:95]
+    source = "".join(lines)
+    uses = source.count(ew.OLD_NAME)  # the attribute is never part of a longer name here
+    assert uses == 5 and ew.NEW_NAME not in source
+    text, given = ew.prompt(tok, "prefill", source)
+    assert text.endswith("```python\n" + lines[0]) and given == "```python\n" + lines[0]
+    edited = source.replace(ew.OLD_NAME, ew.NEW_NAME)
+
+    def did(shape: str, generated: str) -> dict:
+        return ew.score(tok, shape, given, generated, source)
+
+    # The whole edited file, closed: everything reproduced, every use renamed.
+    s = did("prefill", edited[len(lines[0]) :] + "```\nDone.")
+    assert s["reproduced"] == s["file_tokens"] == s["exact_prefix"] == len(tok.encode(edited))
+    assert (s["renamed"], s["old_left"], s["closed"]) == (uses, 0, True)
+    # The file copied unchanged and cut off: the uses left as they were.
+    s = did("prefill", source[len(lines[0]) :])
+    assert (s["renamed"], s["old_left"], s["closed"]) == (0, uses, False)
+    assert s["exact_prefix"] < s["reproduced"] < s["file_tokens"]
+    assert did("copy", source[len(lines[0]) :])["reproduced"] == len(tok.encode(source))
+    # A description instead of code: nothing reproduced.
+    assert ew.score(tok, "chat", "", "This file defines a queue.", source)["code_tokens"] == 0
 
 
 def test_kv_cache_dtype_bench_runs_on_the_tiny_model(tmp_path: Path) -> None:

@@ -96,6 +96,16 @@ def test_chat_renders_like_llama_cpp_and_answers() -> None:
     assert [tok.decode(o.prompt_token_ids, skip_special_tokens=False) for o in outs] == [
         c["prompt"] for c in chats
     ]
+    # Response prefill (vLLM's continue_final_message): llama.cpp's prompt, then the start.
+    start = "```python\n"
+    (cont,) = llm.chat(
+        [*chats[1]["messages"], {"role": "assistant", "content": start}],
+        short,
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    assert cont.prompt == chats[1]["prompt"] + start
     (one,) = llm.chat(
         [{"role": "user", "content": "What is the capital of France? Answer with one word."}],
         SamplingParams(temperature=0.0, max_tokens=12),

@@ -119,6 +119,11 @@ BAD_REQUESTS = [
         },
         "response_format.type",
     ),
+    (  # add_generation_prompt is true unless set false
+        "/v1/chat/completions",
+        {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+        "continue_final_message",
+    ),
 ]
 
 
@@ -385,6 +390,27 @@ def test_chat_accepts_text_parts_and_every_role(http, hf_tok) -> None:
     out = r.json()
     flat = [m | {"content": "a\nb"} if isinstance(m["content"], list) else m for m in messages]
     assert out["usage"]["prompt_tokens"] == len(hf_tok.encode(chatml(flat)).ids)
+
+
+def test_continue_final_message_continues_the_prefilled_reply(http, hf_tok) -> None:
+    prefill = "```python\nx = 1\n"  # trailing newline kept: the template renders it verbatim
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Code?"},
+        {"role": "assistant", "content": prefill},
+    ]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    by_hand = chatml(messages[:2]) + prefill  # the final turn left open
+    got = http.post("/tokenize", json={"messages": messages, **flags}).json()
+    assert got["tokens"] == hf_tok.encode(by_hand).ids
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0, **flags}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["prompt_tokens"] == len(hf_tok.encode(by_hand).ids)
+    # The reply holds only the continuation, as the same prompt through /v1/completions.
+    plain = completion(http, prompt=by_hand, max_tokens=3, temperature=0)
+    assert out["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
 
 
 def test_cors_is_off_by_default(http) -> None:

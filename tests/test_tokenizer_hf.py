@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from mlxserve.exceptions import ParameterError
 from mlxserve.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -299,16 +300,49 @@ def test_generation_tag_and_helpers_match_transformers(pair: tuple[Tokenizer, An
     assert ours.apply_chat_template(messages, **kwargs) == expected
 
 
-def test_continue_final_message_matches_transformers(pair: tuple[Tokenizer, Any]) -> None:
+TRIM_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content | trim }}\n{% endfor %}"
+CODE_PREFILL = "```python\nimport os\n"  # a reply pre-started with a fence and a line
+
+
+@pytest.mark.parametrize(
+    ("final", "template", "ends"),
+    [
+        ("It is", None, "It is"),
+        # The template renders the text verbatim: its trailing newline is kept.
+        (CODE_PREFILL, None, CODE_PREFILL),
+        # The template trims: so does the cut (transformers' semantics).
+        (CODE_PREFILL, TRIM_TEMPLATE, "import os"),
+        ([{"type": "text", "text": "a"}, {"type": "text", "text": "b "}], PARTS_TEMPLATE, "[b "),
+        ("", None, "<|im_start|>assistant\n"),
+    ],
+)
+def test_continue_final_message_matches_transformers(
+    pair: tuple[Tokenizer, Any], final: Any, template: str | None, ends: str
+) -> None:
     ours, hf = pair
-    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": "It is"}]
+    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": final}]
+    kwargs = {"chat_template": template, "add_generation_prompt": False}
     expected = hf.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        messages, tokenize=False, continue_final_message=True, **kwargs
     )
-    got = ours.apply_chat_template(
-        messages, add_generation_prompt=False, continue_final_message=True
-    )
-    assert got == expected and got.endswith("It is")
+    got = ours.apply_chat_template(messages, continue_final_message=True, **kwargs)
+    assert got == expected and got.endswith(ends)
+
+
+def test_continue_final_message_errors(pair: tuple[Tokenizer, Any]) -> None:
+    ours, _ = pair
+    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": "It is"}]
+    with pytest.raises(ParameterError, match="cannot both be true") as e:
+        ours.apply_chat_template(messages, continue_final_message=True)
+    assert e.value.parameter == "continue_final_message"
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    no_text = [*CONVERSATIONS[1], {"role": "assistant", "content": None}]
+    with pytest.raises(ParameterError, match="final message with text content"):
+        ours.apply_chat_template(no_text, **flags)
+    dropped = "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ParameterError, match="does not render the final message") as e:
+        ours.apply_chat_template(messages, chat_template=dropped, **flags)
+    assert e.value.parameter == "messages"
 
 
 def test_metaspace_tokenizer_matches_transformers(tmp_path: Path) -> None:

@@ -224,10 +224,13 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
             )
             try:
                 text = tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=body.add_generation_prompt
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
                 )
             except ValueError as e:
-                raise bad_request(str(e), "messages") from None
+                raise bad_request(str(e), getattr(e, "parameter", None) or "messages") from None
             if body.add_special_tokens:
                 return tokenizer.encode(text, add_special_tokens=True)
             return tokenizer.encode_rendered_chat(text)

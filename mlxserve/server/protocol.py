@@ -335,6 +335,7 @@ class TokenizeRequest(_Strict):
     tools: list[Tool] | None = None  # rendered as /v1/chat/completions renders them
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

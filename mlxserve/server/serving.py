@@ -260,7 +260,7 @@ class OpenAIServing:
                 **kwargs,
             )
         except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+            raise bad_request(str(e), getattr(e, "parameter", None) or "messages") from None
         return text, self.tokenizer.encode_rendered_chat(text)
 
     async def create_chat_completion(self, raw: Request, req: ChatCompletionRequest) -> Response:

@@ -12,6 +12,12 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mlxserve.exceptions import ParameterError
+
+# Put after the final message's text to find where it ends in the rendered prompt; its
+# trailing space tells whether the template kept the text's trailing whitespace.
+CONTINUE_MARK = "MLXSERVE_CONTINUE_FINAL_MESSAGE "
+
 
 class _GenerationTag(Extension):
     """Accept transformers' ``{% generation %}...{% endgeneration %}`` markers; render the body."""
@@ -123,13 +129,22 @@ class ChatTemplate:
         continue_final_message: bool = False,
         variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render messages to the prompt text."""
+        """Render messages to the prompt text.
+
+        ``continue_final_message`` ends the text with the final message, open, for the model
+        to continue (transformers' semantics: its trailing whitespace is kept when the
+        template renders the message verbatim).
+        """
         if continue_final_message and add_generation_prompt:
-            raise ValueError(
+            raise ParameterError(
                 "continue_final_message and add_generation_prompt cannot both be true "
-                "(one continues the last message, the other starts a new assistant turn)"
+                "(one continues the last message, the other starts a new assistant turn): "
+                "set add_generation_prompt to false",
+                "continue_final_message",
             )
         chat = self._prepare(messages)
+        if continue_final_message:
+            chat[-1] = self._mark_final(chat[-1])
         if tools is not None:
             tools = [self._check_tool(t) for t in tools]
         try:
@@ -142,7 +157,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat_template: {e}") from e
         if continue_final_message:
-            text = self._cut_after_final(text, chat)
+            text = self._cut_at_mark(text)
         return text
 
     def _prepare(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -167,16 +182,31 @@ class ChatTemplate:
         return tool
 
     @staticmethod
-    def _cut_after_final(text: str, chat: list[dict[str, Any]]) -> str:
-        final = chat[-1].get("content")
-        if isinstance(final, list):
-            final = _flatten_content(final, chat[-1].get("role"))
-        if not isinstance(final, str) or not final.strip():
-            raise ValueError("continue_final_message needs a final message with text content")
-        needle = final.strip()
-        at = text.rfind(needle)
+    def _mark_final(message: dict[str, Any]) -> dict[str, Any]:
+        """The final message with CONTINUE_MARK after its text (the last text part's)."""
+        content = message.get("content")
+        if isinstance(content, str):
+            return message | {"content": content + CONTINUE_MARK}
+        if isinstance(content, list):
+            parts = list(content)
+            for i in reversed(range(len(parts))):
+                part = parts[i]
+                if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                    parts[i] = {**part, "text": part["text"] + CONTINUE_MARK}
+                    return message | {"content": parts}
+        raise ParameterError(
+            "continue_final_message needs a final message with text content", "messages"
+        )
+
+    @staticmethod
+    def _cut_at_mark(text: str) -> str:
+        at = text.rfind(CONTINUE_MARK.strip())
         if at < 0:
-            raise ValueError(
-                "continue_final_message: the template does not render the final message verbatim"
+            raise ParameterError(
+                "continue_final_message: the chat template does not render the final "
+                "message's text as given, so it cannot be continued",
+                "messages",
             )
-        return text[: at + len(needle)]
+        if text.startswith(CONTINUE_MARK, at):
+            return text[:at]  # rendered verbatim: keep the message's trailing whitespace
+        return text[:at].rstrip()  # the template strips whitespace: so does the cut

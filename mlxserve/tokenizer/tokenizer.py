@@ -10,6 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
+from mlxserve.exceptions import ParameterError
 from mlxserve.gguf_file import read_gguf_metadata
 from mlxserve.tokenizer.chat_template import ChatTemplate, make_environment
 from mlxserve.tokenizer.gguf_vocab import build_gguf_vocab
@@ -284,8 +285,9 @@ class Tokenizer:
         """
         if self.chat_format == "harmony" and chat_template is None:
             if continue_final_message:
-                raise ValueError(
-                    "continue_final_message is not supported by the harmony chat format"
+                raise ParameterError(
+                    "continue_final_message is not supported by the harmony chat format",
+                    "continue_final_message",
                 )
             return render_harmony(
                 messages,
