@@ -170,15 +170,7 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
     act_bits: int = 0  # 8: activations rounded to int8 (use_kernels decides)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            self.group_size,
-            self.bits,
-            self.act_bits,
-        )
+        y = _layer_matmul(self, x)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -204,15 +196,20 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
         ).astype(self.out_dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            self.group_size,
-            self.bits,
-            self.act_bits,
-        )
+        return _layer_matmul(self, x)
+
+
+def _layer_matmul(layer: CpuQuantizedLinear | CpuQuantizedEmbedding, x: mx.array) -> mx.array:
+    """x times the layer's quantized weight (transposed), in the kernels."""
+    return quantized_matmul(
+        x,
+        layer["weight"],
+        layer["scales"],
+        layer["biases"],
+        layer.group_size,
+        layer.bits,
+        layer.act_bits,
+    )
 
 
 def supports(module: nn.Module) -> bool:
