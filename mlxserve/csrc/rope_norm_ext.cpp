@@ -37,16 +37,6 @@ namespace {
 
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
-struct RopeSpec {
-  std::vector<int> heads, head_dims;
-  int rotated, dims;
-  bool traditional;
-  bool operator==(const RopeSpec& o) const {
-    return heads == o.heads && head_dims == o.head_dims && rotated == o.rotated &&
-           dims == o.dims && traditional == o.traditional;
-  }
-};
-
 class CpuRopeSplit : public mx::Primitive {
  public:
   CpuRopeSplit(mx::Stream s, RopeSpec spec) : mx::Primitive(s), spec_(std::move(spec)) {}
@@ -68,40 +58,10 @@ class CpuRopeSplit : public mx::Primitive {
       const void* src = dense(x, kx);
       const void* cos_p = dense(cos_t, kc);
       const void* sin_p = dense(sin_t, ks);
-      const int type = elem_of(x.dtype());
-      const int half = spec.dims / 2;
-      const int64_t tokens = static_cast<int64_t>(cos_t.size()) / half;
-      int64_t row = 0;
-      for (size_t i = 0; i < spec.heads.size(); i++) row += int64_t{spec.heads[i]} * spec.head_dims[i];
-      std::vector<float> cs(2 * static_cast<size_t>(half));
-      for (int64_t t = 0; t < tokens; t++) {
-        for (int i = 0; i < half; i++) {
-          cs[i] = load(cos_p, type, t * half + i);
-          cs[half + i] = load(sin_p, type, t * half + i);
-        }
-        int64_t in = t * row;
-        for (size_t seg = 0; seg < spec.heads.size(); seg++) {
-          const int hd = spec.head_dims[seg];
-          void* dst = outs[seg].data<void>();
-          for (int h = 0; h < spec.heads[seg]; h++, in += hd) {
-            const int64_t out = (t * spec.heads[seg] + h) * int64_t{hd};
-            int d0 = 0;
-            if (static_cast<int>(seg) < spec.rotated) {
-              for (int i = 0; i < half; i++) {
-                const int a = spec.traditional ? 2 * i : i;
-                const int b = spec.traditional ? 2 * i + 1 : i + half;
-                const float x1 = load(src, type, in + a), x2 = load(src, type, in + b);
-                const float c = cs[i], s = cs[half + i];
-                // Each product rounded to the dtype, as MLX's elementwise ops round.
-                store(dst, type, out + a, round_to(type, x1 * c) - round_to(type, x2 * s));
-                store(dst, type, out + b, round_to(type, x1 * s) + round_to(type, x2 * c));
-              }
-              d0 = spec.dims;
-            }
-            for (int d = d0; d < hd; d++) store(dst, type, out + d, load(src, type, in + d));
-          }
-        }
-      }
+      std::vector<void*> dst;
+      for (auto& o : outs) dst.push_back(o.data<void>());
+      const int64_t tokens = static_cast<int64_t>(cos_t.size()) / (spec.dims / 2);
+      rope_split_rows(src, elem_of(x.dtype()), cos_p, sin_p, tokens, spec, dst.data());
     });
   }
 
@@ -169,23 +129,10 @@ class CpuRmsNorm : public mx::UnaryPrimitive {
       std::vector<char> kx, kw;
       const void* src = dense(x, kx);
       const void* weight = dense(w, kw);
-      const int xt = elem_of(x.dtype()), wt = elem_of(w.dtype()), yt = elem_of(y.dtype());
       const int64_t d = x.shape(-1);
       const int64_t rows = d ? static_cast<int64_t>(x.size()) / d : 0;
-      void* dst = y.data<void>();
-      const float inv_d = 1.0f / static_cast<float>(d);
-      for (int64_t r = 0; r < rows; r++) {
-        float sum = 0;  // in order, as MLX's CPU reduction adds them
-        for (int64_t i = 0; i < d; i++) {
-          const float v = load(src, xt, r * d + i);
-          sum += v * v;
-        }
-        const float inv = 1.0f / std::sqrt(sum * inv_d + eps);
-        for (int64_t i = 0; i < d; i++) {
-          const float normed = round_to(xt, load(src, xt, r * d + i) * inv);
-          store(dst, yt, r * d + i, normed * load(weight, wt, i));
-        }
-      }
+      rms_norm_rows(src, elem_of(x.dtype()), weight, elem_of(w.dtype()), y.data<void>(),
+                    elem_of(y.dtype()), rows, d, eps);
     });
   }
 

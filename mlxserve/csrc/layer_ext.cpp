@@ -1,0 +1,327 @@
+// A llama-family decoder layer's dense parts on the CPU as two MLX primitives, so a layer
+// is ~5 ops instead of ~19 (each op costs MLX ~11 us of dispatch on top of its work):
+//
+//   attention_input(x, norm_weight, eps, qkv, cos, sin, heads, head_dims, rotated, trad.)
+//       -> q, k, v: RMSNorm of x, the fused q|k|v projection (+ bias), then rope_split's
+//       split and rotation (rope_norm_ext.cpp).
+//   output_mlp(x, attn, o, norm_weight, eps, gate_up, down)
+//       -> x + a + down(silu(gate) * up), where a = o(attn), gate | up = gate_up(RMSNorm(x + a)):
+//       the attention's output projection, both residual adds, the MLP and its norm.
+//
+// A linear layer is (w, scales, biases[, bias]) with (group_size, bits, act_bits): the
+// quantized matmul kernels (qmm.h), exactly as CpuQuantizedMatmul calls them (same rows,
+// same problem), then the bias added in float32 as MLX's add does. The norms and the
+// rotation are decode_ext.h's, the SiLU is MLX's own Sigmoid from its CPU headers, and
+// nothing is fused into a multiply-add (built with -ffp-contract=off): each layer gives the
+// bits the separate primitives give, for any number of rows (decode, verification rows,
+// prefill chunks). The K/V writes and the attention stay separate ops (ops/cpu.py).
+// Activations are float32 (the CPU path's); intermediates live in scratch buffers.
+#include <algorithm>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <nanobind/stl/vector.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/unary_ops.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "decode_ext.h"
+#include "qmm.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mlxserve_decode {
+namespace {
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+// One quantized linear layer's settings; its arrays are consecutive primitive inputs.
+struct LinearSpec {
+  int group_size, bits, act_bits;
+  bool has_bias;
+  int num_inputs() const { return has_bias ? 4 : 3; }
+  bool operator==(const LinearSpec& o) const {
+    return group_size == o.group_size && bits == o.bits && act_bits == o.act_bits &&
+           has_bias == o.has_bias;
+  }
+};
+
+int scale_type(mx::Dtype t) {
+  if (t == mx::float32) return QMM_F32;
+  if (t == mx::float16) return QMM_F16;
+  if (t == mx::bfloat16) return QMM_BF16;
+  return -1;
+}
+
+// arrays = (w, scales, biases[, bias]) of a layer given from Python; checked against K.
+LinearSpec linear_spec(const std::vector<mx::array>& arrays, const std::vector<int>& settings,
+                       int64_t k, const std::string& name) {
+  check(settings.size() == 3, name + ": settings must be (group_size, bits, act_bits)");
+  check(arrays.size() == 3 || arrays.size() == 4, name + ": expected (w, scales, biases[, bias])");
+  const LinearSpec spec{settings[0], settings[1], settings[2], arrays.size() == 4};
+  const auto &w = arrays[0], &s = arrays[1], &b = arrays[2];
+  check(spec.bits >= 2 && spec.bits <= 8 && spec.bits != 7, name + ": bits");
+  check(spec.act_bits == 0 || spec.act_bits == 8, name + ": act_bits must be 0 or 8");
+  check(spec.group_size >= 32 && spec.group_size % 32 == 0, name + ": group_size");
+  check(w.dtype() == mx::uint32 && w.ndim() == 2, name + ": w must be a 2-D uint32 array");
+  check(int64_t{w.shape(1)} * 32 == k * spec.bits,
+        name + ": w holds rows of " + std::to_string(int64_t{w.shape(1)} * 32 / spec.bits) +
+            " values, the input has " + std::to_string(k));
+  check(k % spec.group_size == 0, name + ": K must be a multiple of group_size");
+  const mx::Shape groups = {w.shape(0), static_cast<int>(k / spec.group_size)};
+  check(scale_type(s.dtype()) >= 0 && b.dtype() == s.dtype() && s.shape() == groups &&
+            b.shape() == groups,
+        name + ": scales and biases must be (N, K / group_size), float32/float16/bfloat16");
+  if (spec.has_bias) {
+    const auto& bias = arrays[3];
+    check(elem_of(bias.dtype()) >= 0 && elem_of(bias.dtype()) != I8 && bias.ndim() == 1 &&
+              bias.shape(0) == w.shape(0),
+          name + ": bias must be (N,) floating point");
+  }
+  return spec;
+}
+
+// y (M, N) = x (M, K) @ dequantize(w).T (+ bias), with the layer's arrays at in[0..].
+void linear(const float* x, int64_t m, const mx::array* in, const LinearSpec& spec, float* y) {
+  std::vector<char> kw, ks, kb, kbias;
+  qmm_problem p;
+  p.x = x;
+  p.w = static_cast<const uint32_t*>(dense(in[0], kw));
+  p.scales = dense(in[1], ks);
+  p.biases = dense(in[2], kb);
+  p.y = y;
+  p.M = m;
+  p.N = in[0].shape(0);
+  p.K = int64_t{in[0].shape(1)} * 32 / spec.bits;
+  p.group_size = spec.group_size;
+  p.bits = spec.bits;
+  p.scale_type = scale_type(in[1].dtype());
+  p.act_bits = spec.act_bits;
+  const int err = mlxserve_qmm(&p);
+  if (err == -2) throw std::bad_alloc();
+  if (err != 0) throw std::runtime_error("mlxserve qmm: unsupported problem");
+  if (!spec.has_bias) return;
+  std::vector<char> keep;
+  const void* bias = dense(in[3], keep);
+  const int bt = elem_of(in[3].dtype());
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t n = 0; n < p.N; n++) y[r * p.N + n] += load(bias, bt, n);
+}
+
+int64_t out_features(const mx::array& w) { return w.shape(0); }
+
+// Every input in the encoder; weak copies for the task (MLX keeps the arrays alive).
+template <typename Outs>
+std::vector<mx::array> start(mx::Stream s, const std::vector<mx::array>& inputs, Outs& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    encoder.set_output_array(o);
+  }
+  std::vector<mx::array> all;
+  for (auto& a : inputs) all.push_back(mx::array::unsafe_weak_copy(a));
+  for (auto& o : outputs) all.push_back(mx::array::unsafe_weak_copy(o));
+  return all;
+}
+
+// Inputs: x, norm weight, the qkv layer's arrays, cos, sin. Outputs: the rope_split parts.
+class CpuAttentionInput : public mx::Primitive {
+ public:
+  CpuAttentionInput(mx::Stream s, float eps, LinearSpec qkv, RopeSpec rope)
+      : mx::Primitive(s), eps_(eps), qkv_(qkv), rope_(std::move(rope)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto arrays = start(stream(), inputs, outputs);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.dispatch([a = std::move(arrays), n_in = inputs.size(), eps = eps_, qkv = qkv_,
+                      rope = rope_]() mutable {
+      std::vector<char> kx, kn, kc, ks;
+      const mx::array &x = a[0], &norm = a[1];
+      const int64_t d = x.shape(-1), rows = x.shape(0);
+      std::vector<float> normed(static_cast<size_t>(rows * d));
+      rms_norm_rows(dense(x, kx), F32, dense(norm, kn), elem_of(norm.dtype()), normed.data(), F32,
+                    rows, d, eps);
+      const int64_t n = out_features(a[2]);
+      std::vector<float> y(static_cast<size_t>(rows * n));
+      linear(normed.data(), rows, &a[2], qkv, y.data());
+      const mx::array &cos_t = a[2 + qkv.num_inputs()], &sin_t = a[3 + qkv.num_inputs()];
+      std::vector<void*> dst;
+      for (size_t i = n_in; i < a.size(); i++) dst.push_back(a[i].data<void>());
+      rope_split_rows(y.data(), F32, dense(cos_t, kc), dense(sin_t, ks), rows, rope, dst.data());
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxserve's attention_input primitive runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxserveCpuAttentionInput"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const CpuAttentionInput&>(other);
+    return eps_ == o.eps_ && qkv_ == o.qkv_ && rope_ == o.rope_;
+  }
+
+ private:
+  float eps_;
+  LinearSpec qkv_;
+  RopeSpec rope_;
+};
+
+// Inputs: x, attn, o's arrays, norm weight, gate_up's arrays, down's arrays. One output.
+class CpuOutputMlp : public mx::UnaryPrimitive {
+ public:
+  CpuOutputMlp(mx::Stream s, float eps, LinearSpec o, LinearSpec gate_up, LinearSpec down)
+      : mx::UnaryPrimitive(s), eps_(eps), o_(o), gate_up_(gate_up), down_(down) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    std::vector<mx::array> outputs = {out};
+    auto arrays = start(stream(), inputs, outputs);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.dispatch([a = std::move(arrays), eps = eps_, o = o_, gu = gate_up_,
+                      down = down_]() mutable {
+      std::vector<char> kx, ka, kn;
+      const mx::array& x = a[0];
+      const int64_t d = x.shape(-1), rows = x.shape(0);
+      const float* xs = static_cast<const float*>(dense(x, kx));
+      const float* attn = static_cast<const float*>(dense(a[1], ka));
+      const mx::array* gate_up = &a[2 + o.num_inputs() + 1];
+      const mx::array* down_in = gate_up + gu.num_inputs();
+      const mx::array& norm = a[2 + o.num_inputs()];
+      float* y = a.back().data<float>();
+      // h = x + o(attn): y holds o's product, then the sum (MLX: x + a).
+      linear(attn, rows, &a[2], o, y);
+      for (int64_t i = 0; i < rows * d; i++) y[i] = xs[i] + y[i];
+      std::vector<float> normed(static_cast<size_t>(rows * d));
+      rms_norm_rows(y, F32, dense(norm, kn), elem_of(norm.dtype()), normed.data(), F32, rows, d,
+                    eps);
+      const int64_t width = out_features(gate_up[0]), hidden = width / 2;
+      std::vector<float> gu_out(static_cast<size_t>(rows * width));
+      linear(normed.data(), rows, gate_up, gu, gu_out.data());
+      // silu(gate) * up as MLX computes it (models/compiled.swiglu): (g * sigmoid(g)) * up.
+      std::vector<float> act(static_cast<size_t>(rows * hidden));
+      mx::detail::Sigmoid sigmoid;
+      for (int64_t r = 0; r < rows; r++) {
+        const float* g = gu_out.data() + r * width;
+        for (int64_t i = 0; i < hidden; i++) {
+          const float silu = g[i] * sigmoid(g[i]);
+          act[r * hidden + i] = silu * g[hidden + i];
+        }
+      }
+      std::vector<float> mlp(static_cast<size_t>(rows * d));
+      linear(act.data(), rows, down_in, down, mlp.data());
+      for (int64_t i = 0; i < rows * d; i++) y[i] = y[i] + mlp[i];
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxserve's output_mlp primitive runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxserveCpuOutputMlp"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const CpuOutputMlp&>(other);
+    return eps_ == o.eps_ && o_ == o.o_ && gate_up_ == o.gate_up_ && down_ == o.down_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+  LinearSpec o_, gate_up_, down_;
+};
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+void check_activations(const mx::array& x, const mx::array& norm_weight, const std::string& name) {
+  check(x.dtype() == mx::float32 && x.ndim() == 2, name + ": x must be (tokens, hidden) float32");
+  const int nt = elem_of(norm_weight.dtype());
+  check(nt >= 0 && nt != I8 && norm_weight.ndim() == 1 && norm_weight.shape(0) == x.shape(1),
+        name + ": norm_weight must be (hidden,) floating point");
+}
+
+std::vector<mx::array> attention_input(const mx::array& x, const mx::array& norm_weight, float eps,
+                                       const std::vector<mx::array>& qkv,
+                                       const std::vector<int>& qkv_settings, const mx::array& cos,
+                                       const mx::array& sin, std::vector<int> heads,
+                                       std::vector<int> head_dims, int rotated, bool traditional) {
+  const std::string name = "attention_input";
+  check_activations(x, norm_weight, name);
+  const LinearSpec spec = linear_spec(qkv, qkv_settings, x.shape(1), name + " (qkv)");
+  check(heads.size() == head_dims.size() && !heads.empty(), name + ": heads/head_dims");
+  check(rotated >= 0 && rotated <= static_cast<int>(heads.size()), name + ": rotated");
+  const int tokens = x.shape(0);
+  check(cos.dtype() == mx::float32 && sin.dtype() == mx::float32 && cos.shape() == sin.shape() &&
+            cos.ndim() >= 2 && cos.shape(0) == tokens && cos.shape(-1) > 0 &&
+            static_cast<int64_t>(cos.size()) == int64_t{tokens} * cos.shape(-1),
+        name + ": cos and sin must be (tokens, ..., dims / 2) float32");
+  const int dims = 2 * cos.shape(-1);
+  for (int i = 0; i < rotated; i++) check(head_dims[i] >= dims, name + ": head_dim < dims");
+  RopeSpec rope{std::move(heads), std::move(head_dims), rotated, dims, traditional};
+  check(rope.row() == out_features(qkv[0]),
+        name + ": heads * head_dims must add up to the projection's " +
+            std::to_string(out_features(qkv[0])) + " outputs");
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (size_t i = 0; i < rope.heads.size(); i++) {
+    shapes.push_back({tokens, rope.heads[i], rope.head_dims[i]});
+    dtypes.push_back(mx::float32);
+  }
+  std::vector<mx::array> inputs = {x, norm_weight};
+  inputs.insert(inputs.end(), qkv.begin(), qkv.end());
+  inputs.push_back(cos);
+  inputs.push_back(sin);
+  auto prim = std::make_shared<CpuAttentionInput>(cpu_stream(), eps, spec, std::move(rope));
+  return mx::array::make_arrays(std::move(shapes), dtypes, std::move(prim), std::move(inputs));
+}
+
+mx::array output_mlp(const mx::array& x, const mx::array& attn, const std::vector<mx::array>& o,
+                     const std::vector<int>& o_settings, const mx::array& norm_weight, float eps,
+                     const std::vector<mx::array>& gate_up, const std::vector<int>& gate_up_settings,
+                     const std::vector<mx::array>& down, const std::vector<int>& down_settings) {
+  const std::string name = "output_mlp";
+  check_activations(x, norm_weight, name);
+  check(attn.dtype() == mx::float32 && attn.ndim() >= 2 && attn.shape(0) == x.shape(0),
+        name + ": attn must be (tokens, ...) float32");
+  const int64_t attn_width = static_cast<int64_t>(attn.size()) / std::max(1, attn.shape(0));
+  const int hidden = x.shape(1);
+  const LinearSpec os = linear_spec(o, o_settings, attn_width, name + " (o)");
+  check(out_features(o[0]) == hidden, name + ": o's outputs must be x's width");
+  const LinearSpec gs = linear_spec(gate_up, gate_up_settings, hidden, name + " (gate_up)");
+  const int64_t width = out_features(gate_up[0]);
+  check(width % 2 == 0, name + ": gate_up's outputs must be gate | up (an even count)");
+  const LinearSpec ds = linear_spec(down, down_settings, width / 2, name + " (down)");
+  check(out_features(down[0]) == hidden, name + ": down's outputs must be x's width");
+  std::vector<mx::array> inputs = {x, attn};
+  inputs.insert(inputs.end(), o.begin(), o.end());
+  inputs.push_back(norm_weight);
+  inputs.insert(inputs.end(), gate_up.begin(), gate_up.end());
+  inputs.insert(inputs.end(), down.begin(), down.end());
+  auto prim = std::make_shared<CpuOutputMlp>(cpu_stream(), eps, os, gs, ds);
+  return mx::array(x.shape(), mx::float32, std::move(prim), std::move(inputs));
+}
+
+}  // namespace
+
+void register_layer(nb::module_& m) {
+  m.def("attention_input", &attention_input, "x"_a, "norm_weight"_a, "eps"_a, "qkv"_a,
+        "qkv_settings"_a, "cos"_a, "sin"_a, "heads"_a, "head_dims"_a, "rotated"_a,
+        "traditional"_a,
+        "RMSNorm, the q|k|v projection and rope_split of a layer's input rows (one op).");
+  m.def("output_mlp", &output_mlp, "x"_a, "attn"_a, "o"_a, "o_settings"_a, "norm_weight"_a,
+        "eps"_a, "gate_up"_a, "gate_up_settings"_a, "down"_a, "down_settings"_a,
+        "x + o(attn) + the SwiGLU MLP of its RMSNorm (one op).");
+}
+
+}  // namespace mlxserve_decode
