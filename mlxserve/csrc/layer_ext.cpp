@@ -1,9 +1,12 @@
 // A llama-family decoder layer's dense parts on the CPU as two MLX primitives, so a layer
 // is ~5 ops instead of ~19 (each op costs MLX ~11 us of dispatch on top of its work):
 //
-//   attention_input(x, norm_weight, eps, qkv, cos, sin, heads, head_dims, rotated, trad.)
+//   attention_input(x, norm_weight, eps, qkv, cos, sin, heads, head_dims, rotated, trad.,
+//                   kv_rows)
 //       -> q, k, v: RMSNorm of x, the fused q|k|v projection (+ bias), then rope_split's
-//       split and rotation (rope_norm_ext.cpp).
+//       split and rotation (rope_norm_ext.cpp); kv_rows: k and v come out as
+//       (tokens, 1, 1, heads, head_dim), the update shape of write_rows' scatter, so the
+//       K/V writes need no Reshape ops.
 //   output_mlp(x, attn, o, norm_weight, eps, gate_up, down)
 //       -> x + a + down(silu(gate) * up), where a = o(attn), gate | up = gate_up(RMSNorm(x + a)):
 //       the attention's output projection, both residual adds, the MLP and its norm.
@@ -255,7 +258,8 @@ std::vector<mx::array> attention_input(const mx::array& x, const mx::array& norm
                                        const std::vector<mx::array>& qkv,
                                        const std::vector<int>& qkv_settings, const mx::array& cos,
                                        const mx::array& sin, std::vector<int> heads,
-                                       std::vector<int> head_dims, int rotated, bool traditional) {
+                                       std::vector<int> head_dims, int rotated, bool traditional,
+                                       bool kv_rows) {
   const std::string name = "attention_input";
   check_activations(x, norm_weight, name);
   const LinearSpec spec = linear_spec(qkv, qkv_settings, x.shape(1), name + " (qkv)");
@@ -275,7 +279,10 @@ std::vector<mx::array> attention_input(const mx::array& x, const mx::array& norm
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
   for (size_t i = 0; i < rope.heads.size(); i++) {
-    shapes.push_back({tokens, rope.heads[i], rope.head_dims[i]});
+    if (i > 0 && kv_rows)  // k and v as write_rows' scatter takes them: no Reshape op
+      shapes.push_back({tokens, 1, 1, rope.heads[i], rope.head_dims[i]});
+    else
+      shapes.push_back({tokens, rope.heads[i], rope.head_dims[i]});
     dtypes.push_back(mx::float32);
   }
   std::vector<mx::array> inputs = {x, norm_weight};
@@ -317,8 +324,10 @@ mx::array output_mlp(const mx::array& x, const mx::array& attn, const std::vecto
 void register_layer(nb::module_& m) {
   m.def("attention_input", &attention_input, "x"_a, "norm_weight"_a, "eps"_a, "qkv"_a,
         "qkv_settings"_a, "cos"_a, "sin"_a, "heads"_a, "head_dims"_a, "rotated"_a,
-        "traditional"_a,
-        "RMSNorm, the q|k|v projection and rope_split of a layer's input rows (one op).");
+        "traditional"_a, "kv_rows"_a = false,
+        "RMSNorm, the q|k|v projection and rope_split of a layer's input rows (one op); "
+        "kv_rows: outputs after the first as (tokens, 1, 1, heads, head_dim), write_rows' "
+        "update shape.");
   m.def("output_mlp", &output_mlp, "x"_a, "attn"_a, "o"_a, "o_settings"_a, "norm_weight"_a,
         "eps"_a, "gate_up"_a, "gate_up_settings"_a, "down"_a, "down_settings"_a,
         "x + o(attn) + the SwiGLU MLP of its RMSNorm (one op).");

@@ -14,8 +14,9 @@
 //       one op instead of 3 (models/compiled.rms_norm) or 11.
 //   write_rows(pool, block_ids, offsets, rows)
 //       MLX's own scatter of rows into pool[block_ids[t], offsets[t]], built in C++ so the
-//       update needs no squeeze/broadcast/reshape ops (Python's indexing adds them); it
-//       is the same Scatter primitive, so it updates the pool in place when it can.
+//       update needs no squeeze/broadcast ops (Python's indexing adds them) and, for rows
+//       given as (tokens, 1, 1, heads, width), no reshape; it is the same Scatter
+//       primitive, so it updates the pool in place when it can.
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -169,12 +170,17 @@ mx::array write_rows(const mx::array& pool, const mx::array& block_ids, const mx
   check(pool.ndim() == 4, "write_rows: pool must be (blocks, block_size, heads, width)");
   check(block_ids.ndim() == 1 && offsets.shape() == block_ids.shape(),
         "write_rows: block_ids and offsets must be (tokens,)");
-  check(rows.ndim() == 3 && rows.shape(0) == block_ids.shape(0) &&
-            rows.shape(1) == pool.shape(2) && rows.shape(2) == pool.shape(3),
-        "write_rows: rows must be (tokens, heads, width) of the pool's heads and width");
+  const int tokens = block_ids.shape(0), heads = pool.shape(2), width = pool.shape(3);
+  // The scatter's update is (tokens, 1, 1, heads, width): rows in that shape already (the
+  // fused layer's k and v, layer_ext.cpp) need no Reshape op.
+  const mx::Shape update_shape = {tokens, 1, 1, heads, width};
+  check((rows.ndim() == 3 && rows.shape() == mx::Shape{tokens, heads, width}) ||
+            rows.shape() == update_shape,
+        "write_rows: rows must be (tokens, heads, width) or (tokens, 1, 1, heads, width) of "
+        "the pool's heads and width");
   auto s = cpu_stream();
-  auto update = mx::reshape(mx::astype(rows, pool.dtype(), s),
-                            {rows.shape(0), 1, 1, rows.shape(1), rows.shape(2)}, s);
+  auto update = mx::astype(rows, pool.dtype(), s);
+  if (rows.ndim() == 3) update = mx::reshape(update, update_shape, s);
   return mx::scatter(pool, {block_ids, offsets}, update, {0, 1}, s);
 }
 

@@ -385,8 +385,8 @@ def cached_attention(
     cache: KVCache,
     layer_idx: int,
     q: mx.array,  # (num_tokens, num_heads, head_dim)
-    k: mx.array,  # (num_tokens, num_kv_heads, head_dim)
-    v: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+    k: mx.array,  # (num_tokens, num_kv_heads, head_dim); CPU: or (num_tokens, 1, 1, ...)
+    v: mx.array,  # (num_tokens, num_kv_heads, head_dim) (see ops.cpu.write_kv)
     md: AttentionMetadata,
     scale: float,
 ) -> mx.array:  # (num_tokens, num_heads, head_dim)

@@ -5,7 +5,7 @@ layer used to be ~19 of them. With mlxserve's CPU primitives loaded and every li
 on the quantized matmul kernels, a layer runs::
 
     x -> attention_input: RMSNorm, q|k|v projection (+ bias), split + RoPE -> q, k, v
-         write_kv (MLX's scatter: the pools stay updated in place), paged attention
+         write_kv: 2 x MLX's scatter (the pools stay updated in place); paged attention
     x, attn -> output_mlp: o_proj, + x, RMSNorm, gate|up projection, SwiGLU, down, + h
 
 Each primitive runs the same kernels in the same order as the separate ops (the same
@@ -43,8 +43,12 @@ def attention_input(
     norm: nn.Module,  # its input RMSNorm
     x: mx.array,  # (num_tokens, hidden)
     positions: mx.array,  # (num_tokens,) int32
-) -> list[mx.array] | None:  # q (num_tokens, num_heads, head_dim), k, v (.., num_kv_heads, ..)
-    """q, k, v of the layer's attention in one op, or None where that does not apply."""
+) -> list[mx.array] | None:  # q (num_tokens, num_heads, head_dim), k, v (see below)
+    """q, k, v of the layer's attention in one op, or None where that does not apply.
+
+    k and v come out as (num_tokens, 1, 1, num_kv_heads, head_dim): the update shape of the
+    K/V write's scatter (ops.write_kv on the CPU), so the writes need no Reshape ops.
+    """
     if x.dtype != mx.float32 or "q_norm" in attn or "qkv_proj" not in attn:
         return None
     qkv = _linear(attn.qkv_proj)
@@ -55,7 +59,7 @@ def attention_input(
     cos, sin = attn.rope.tables(positions, x.dtype)  # once per step, shared by the layers
     return module.attention_input(
         x, norm["weight"], norm.eps, *qkv, cos, sin, heads, [attn.head_dim] * 3, 2,
-        attn.rope.traditional,
+        attn.rope.traditional, kv_rows=True,
     )  # fmt: skip
 
 
