@@ -17,9 +17,9 @@ import pytest
 
 from mlxserve import cpu, ops
 from mlxserve.loader import load_model
-from mlxserve.models import cpu_layer
+from mlxserve.models import KVCache, cpu_layer
 from mlxserve.models.fused import fuse_projections
-from mlxserve.ops import kv_quant
+from mlxserve.ops import AttentionMetadata, kv_quant
 from mlxserve.worker.pool_watch import buffer_address
 from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, tiny_config
 
@@ -133,6 +133,31 @@ def test_fused_layers_write_the_pools_in_place(
             got, want = kv_quant.dequantize(got, mx.float32), kv_quant.dequantize(want, mx.float32)
             atol = 2e-2
         np.testing.assert_allclose(np.array(got), np.array(want), atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_a_decode_layer_is_five_ops(checkpoints: dict[str, Path], model_type: str) -> None:
+    """One layer's graph, its inputs (and the step's RoPE tables and slots) evaluated."""
+    from bench.decode_profile import op_histogram
+
+    model = _load(checkpoints[model_type], 0)
+    layer = model.model.layers[0]
+    cache = KVCache.allocate_for(model, 8, 4, mx.float32)
+    md = AttentionMetadata.build([1, 1], [3, 6], [[1], [2, 3]], 4)
+    x = mx.random.normal((2, model.args.hidden_size), key=mx.random.key(2))
+    positions = mx.array([2, 5])
+    steps = (
+        layer.self_attn.rope.tables(positions, mx.float32),
+        ops.cpu._block_offsets(md.slot_mapping, 4),
+    )
+    mx.eval(x, cache.arrays(), steps)
+    out = layer(x, positions, md, cache)
+    assert op_histogram([out, *cache.arrays()]) == {
+        "Scatter": 2,  # K and V, no Reshape before them
+        "MlxserveCpuAttentionInput": 1,
+        "MlxserveCpuOutputMlp": 1,
+        "MlxserveCpuPagedAttention": 1,
+    }
 
 
 def test_layers_off_the_kernels_keep_the_separate_ops(
