@@ -70,7 +70,7 @@ class _Spy:
     """Counts the fused halves a forward pass used (returns other than None)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, off: bool = False) -> None:
-        self.used = {"attention_input": 0, "output_mlp": 0}
+        self.used = {"attention_input": 0, "output_mlp": 0, "embed": 0}
         for name in self.used:
             real = getattr(cpu_layer, name)
 
@@ -92,7 +92,8 @@ def test_fused_layers_give_the_separate_primitives_bits(
         spy = _Spy(m)
         fused_logits, fused_pools = _run(model)
     # 2 layers x 4 forward passes; qwen3's q/k norms keep its attention input unfused.
-    assert spy.used == {"attention_input": 0 if model_type == "qwen3" else 8, "output_mlp": 8}
+    attention_inputs = 0 if model_type == "qwen3" else 8
+    assert spy.used == {"attention_input": attention_inputs, "output_mlp": 8, "embed": 4}
     with monkeypatch.context() as m:
         spy = _Spy(m, off=True)
         separate_logits, separate_pools = _run(model)
@@ -101,12 +102,39 @@ def test_fused_layers_give_the_separate_primitives_bits(
     with ops.force_backend("fallback"):  # MLX's ops (the quantized matmuls stay the kernels)
         spy = _Spy(monkeypatch)
         ref_logits, ref_pools = _run(model)
-    assert spy.used == {"attention_input": 0, "output_mlp": 0}
+    assert spy.used == {"attention_input": 0, "output_mlp": 0, "embed": 0}
     for got, want in zip(fused_logits + fused_pools, ref_logits + ref_pools, strict=True):
         if act_bits == 0:
             np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
         else:  # MLX's ops differ in the last bits, and int8 rounding moves near ties a step
             assert np.linalg.norm(got - want) <= 0.05 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_embedding_rows_are_mlx_s_dequantized_rows(scale_dtype: mx.Dtype) -> None:
+    """Oracle: MLX's mx.dequantize of the gathered rows (CpuQuantizedEmbedding's lookup)."""
+    table = mx.random.normal((50, 192), key=mx.random.key(4))
+    ids = mx.array([7, 0, 49, 7, 13], dtype=mx.int32)
+    for bits in cpu.BITS:
+        for group_size in (32, 64):
+            layer = nn.QuantizedEmbedding.from_embedding(nn.Embedding(50, 192), group_size, bits)
+            w, scales, biases = mx.quantize(table, group_size=group_size, bits=bits)
+            layer.update({"weight": w, "scales": scales.astype(scale_dtype)})
+            layer.update({"biases": biases.astype(scale_dtype)})
+            layer = _as_kernel_layer(layer)
+            got = cpu_layer.embed(layer, ids)
+            assert got is not None and got.dtype == mx.float32
+            assert mx.array_equal(got, layer(ids)).item(), (bits, group_size)
+    # An id outside the table (the engine rejects those first): zeros, not a crash.
+    out = cpu.module().embed_rows(mx.array([3, 50, -1]), w, scales, biases, group_size, bits)
+    assert mx.array_equal(out[1:], mx.zeros((2, 192))).item()
+
+
+def _as_kernel_layer(layer: nn.Module) -> nn.Module:
+    holder = nn.Module()
+    holder.embed = layer
+    assert cpu.use_kernels(holder) == 1
+    return holder.embed
 
 
 @pytest.mark.parametrize("kv_dtype", [mx.float32, mx.int8], ids=["float-pool", "int8-pool"])

@@ -8,6 +8,8 @@ on the quantized matmul kernels, a layer runs::
          write_kv: 2 x MLX's scatter (the pools stay updated in place); paged attention
     x, attn -> output_mlp: o_proj, + x, RMSNorm, gate|up projection, SwiGLU, down, + h
 
+and a quantized embedding's lookup is one op too (``embed``).
+
 Each primitive runs the same kernels in the same order as the separate ops (the same
 bits, tests/test_cpu_layer.py). Where a half does not apply (other backends, the pure-MLX
 fallback forced, layers not on the kernels, q/k norms, unfused projections, tensor-parallel
@@ -23,9 +25,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxserve import ops
-from mlxserve.cpu import CpuQuantizedLinear
+from mlxserve.cpu import CpuQuantizedEmbedding, CpuQuantizedLinear
 
-__all__ = ["attention_input", "output_mlp"]
+__all__ = ["attention_input", "embed", "output_mlp"]
 
 
 def _linear(layer: Any) -> tuple[list[mx.array], list[int]] | None:
@@ -80,4 +82,25 @@ def output_mlp(
     norm = layer.post_attention_layernorm
     return module.output_mlp(
         x, attn_out, o, o_set, norm["weight"], norm.eps, gate_up, gate_up_set, down, down_set
+    )
+
+
+def embed(
+    embedding: nn.Module,  # the stack's embed_tokens
+    input_ids: mx.array,  # (num_tokens,) int32
+) -> mx.array | None:  # (num_tokens, hidden) float32
+    """A quantized embedding's lookup in one op (MLX's portable dequantize of the gathered
+    rows is ~30), or None where that does not apply."""
+    if type(embedding) is not CpuQuantizedEmbedding or embedding.out_dtype != mx.float32:
+        return None
+    module = ops.cpu_module() if input_ids.dtype == mx.int32 else None
+    if module is None:
+        return None
+    return module.embed_rows(
+        input_ids,
+        embedding["weight"],
+        embedding["scales"],
+        embedding["biases"],
+        embedding.group_size,
+        embedding.bits,
     )

@@ -245,7 +245,9 @@ class DecoderStack(nn.Module):
         cache: KVCache,
         logits_indices: mx.array | None,
     ) -> mx.array:  # (num_rows, hidden)
-        h = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        h = cpu_layer.embed(self.embed_tokens, input_ids)  # one op on the CPU kernels
+        if h is None:
+            h = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         for layer in self.layers:
             h = layer(h, positions, md, cache)
         return self.norm(select_rows(h, logits_indices))
