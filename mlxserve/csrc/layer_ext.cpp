@@ -96,7 +96,7 @@ LinearSpec linear_spec(const std::vector<mx::array>& arrays, const std::vector<i
 
 // y (M, N) = x (M, K) @ dequantize(w).T (+ bias), with the layer's arrays at in[0..].
 void linear(const float* x, int64_t m, const mx::array* in, const LinearSpec& spec, float* y) {
-  std::vector<char> kw, ks, kb, kbias;
+  std::vector<char> kw, ks, kb;
   qmm_problem p;
   p.x = x;
   p.w = static_cast<const uint32_t*>(dense(in[0], kw));
