@@ -25,8 +25,7 @@ from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, tiny_co
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="mlxserve's CPU kernels not built")
 
-# llama: no biases; qwen2: q/k/v biases; qwen3: q/k norms (its attention half keeps the
-# separate ops, its MLP half is fused).
+# llama: no biases; qwen2: q/k/v biases; qwen3: per-head q/k norms before RoPE.
 MODELS = {
     "llama": tiny_config("llama", num_hidden_layers=2),
     "qwen2": tiny_config("qwen2", num_hidden_layers=2),
@@ -91,9 +90,7 @@ def test_fused_layers_give_the_separate_primitives_bits(
     with monkeypatch.context() as m:
         spy = _Spy(m)
         fused_logits, fused_pools = _run(model)
-    # 2 layers x 4 forward passes; qwen3's q/k norms keep its attention input unfused.
-    attention_inputs = 0 if model_type == "qwen3" else 8
-    assert spy.used == {"attention_input": attention_inputs, "output_mlp": 8, "embed": 4}
+    assert spy.used == {"attention_input": 8, "output_mlp": 8, "embed": 4}  # 2 layers, 4 passes
     with monkeypatch.context() as m:
         spy = _Spy(m, off=True)
         separate_logits, separate_pools = _run(model)
@@ -163,7 +160,7 @@ def test_fused_layers_write_the_pools_in_place(
         np.testing.assert_allclose(np.array(got), np.array(want), atol=atol, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", list(MODELS))
 def test_a_decode_layer_is_five_ops(checkpoints: dict[str, Path], model_type: str) -> None:
     """One layer's graph, its inputs (and the step's RoPE tables and slots) evaluated."""
     from bench.decode_profile import op_histogram
@@ -250,5 +247,9 @@ def test_primitives_reject_inconsistent_shapes(checkpoints: dict[str, Path]) -> 
         call(x=mx.zeros((2, hidden), dtype=mx.float16))
     with pytest.raises(ValueError, match="act_bits must be 0 or 8"):
         call(qkv_settings=[qkv.group_size, qkv.bits, 4])
+    with pytest.raises(ValueError, match="qk_norms must be \\[\\] or \\[q, k\\]"):
+        call(qk_norms=[mx.ones((16,))])
+    with pytest.raises(ValueError, match="qk_norms must be \\(head_dim,\\)"):
+        call(qk_norms=[mx.ones((16,)), mx.ones((8,))])
     with pytest.raises(ValueError, match="cos and sin must be"):
         call(cos=mx.zeros((3, 1, attn.head_dim // 2)))

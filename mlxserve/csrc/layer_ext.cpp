@@ -2,9 +2,10 @@
 // is ~5 ops instead of ~19 (each op costs MLX ~11 us of dispatch on top of its work):
 //
 //   attention_input(x, norm_weight, eps, qkv, cos, sin, heads, head_dims, rotated, trad.,
-//                   kv_rows)
-//       -> q, k, v: RMSNorm of x, the fused q|k|v projection (+ bias), then rope_split's
-//       split and rotation (rope_norm_ext.cpp); kv_rows: k and v come out as
+//                   kv_rows, qk_norms, qk_eps)
+//       -> q, k, v: RMSNorm of x, the fused q|k|v projection (+ bias), [each q and k
+//       head's RMSNorm (qwen3's q_norm / k_norm),] then rope_split's split and rotation
+//       (rope_norm_ext.cpp); kv_rows: k and v come out as
 //       (tokens, 1, 1, heads, head_dim), the update shape of write_rows' scatter, so the
 //       K/V writes need no Reshape ops.
 //   output_mlp(x, attn, o, norm_weight, eps, gate_up, down)
@@ -141,15 +142,21 @@ std::vector<mx::array> start(mx::Stream s, const std::vector<mx::array>& inputs,
 // Inputs: x, norm weight, the qkv layer's arrays, cos, sin. Outputs: the rope_split parts.
 class CpuAttentionInput : public mx::Primitive {
  public:
-  CpuAttentionInput(mx::Stream s, float eps, LinearSpec qkv, RopeSpec rope)
-      : mx::Primitive(s), eps_(eps), qkv_(qkv), rope_(std::move(rope)) {}
+  CpuAttentionInput(mx::Stream s, float eps, LinearSpec qkv, RopeSpec rope, bool qk_norm,
+                    float qk_eps)
+      : mx::Primitive(s),
+        eps_(eps),
+        qkv_(qkv),
+        rope_(std::move(rope)),
+        qk_norm_(qk_norm),
+        qk_eps_(qk_eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto arrays = start(stream(), inputs, outputs);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.dispatch([a = std::move(arrays), n_in = inputs.size(), eps = eps_, qkv = qkv_,
-                      rope = rope_]() mutable {
-      std::vector<char> kx, kn, kc, ks;
+                      rope = rope_, qk_norm = qk_norm_, qk_eps = qk_eps_]() mutable {
+      std::vector<char> kx, kn, kc, ks, kq, kk;
       const mx::array &x = a[0], &norm = a[1];
       const int64_t d = x.shape(-1), rows = x.shape(0);
       std::vector<float> normed(static_cast<size_t>(rows * d));
@@ -159,6 +166,20 @@ class CpuAttentionInput : public mx::Primitive {
       std::vector<float> y(static_cast<size_t>(rows * n));
       linear(normed.data(), rows, &a[2], qkv, y.data());
       const mx::array &cos_t = a[2 + qkv.num_inputs()], &sin_t = a[3 + qkv.num_inputs()];
+      if (qk_norm) {  // per-head RMSNorm of q's and k's heads (qwen3), in place, before RoPE
+        const mx::array &qn = a[4 + qkv.num_inputs()], &kn_w = a[5 + qkv.num_inputs()];
+        const void* weights[2] = {dense(qn, kq), dense(kn_w, kk)};
+        const int types[2] = {elem_of(qn.dtype()), elem_of(kn_w.dtype())};
+        const int64_t row = rope.row();
+        for (int64_t t = 0; t < rows; t++) {
+          float* head = y.data() + t * row;
+          for (int seg = 0; seg < 2; seg++) {
+            const int64_t hd = rope.head_dims[seg], heads = rope.heads[seg];
+            rms_norm_rows(head, F32, weights[seg], types[seg], head, F32, heads, hd, qk_eps);
+            head += heads * hd;
+          }
+        }
+      }
       std::vector<void*> dst;
       for (size_t i = n_in; i < a.size(); i++) dst.push_back(a[i].data<void>());
       rope_split_rows(y.data(), F32, dense(cos_t, kc), dense(sin_t, ks), rows, rope, dst.data());
@@ -173,13 +194,16 @@ class CpuAttentionInput : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CpuAttentionInput&>(other);
-    return eps_ == o.eps_ && qkv_ == o.qkv_ && rope_ == o.rope_;
+    return eps_ == o.eps_ && qkv_ == o.qkv_ && rope_ == o.rope_ && qk_norm_ == o.qk_norm_ &&
+           qk_eps_ == o.qk_eps_;
   }
 
  private:
   float eps_;
   LinearSpec qkv_;
   RopeSpec rope_;
+  bool qk_norm_;
+  float qk_eps_;
 };
 
 // Inputs: x, attn, o's arrays, norm weight, gate_up's arrays, down's arrays. One output.
@@ -326,7 +350,8 @@ std::vector<mx::array> attention_input(const mx::array& x, const mx::array& norm
                                        const std::vector<int>& qkv_settings, const mx::array& cos,
                                        const mx::array& sin, std::vector<int> heads,
                                        std::vector<int> head_dims, int rotated, bool traditional,
-                                       bool kv_rows) {
+                                       bool kv_rows, const std::vector<mx::array>& qk_norms,
+                                       float qk_eps) {
   const std::string name = "attention_input";
   check_activations(x, norm_weight, name);
   const LinearSpec spec = linear_spec(qkv, qkv_settings, x.shape(1), name + " (qkv)");
@@ -340,6 +365,13 @@ std::vector<mx::array> attention_input(const mx::array& x, const mx::array& norm
   const int dims = 2 * cos.shape(-1);
   for (int i = 0; i < rotated; i++) check(head_dims[i] >= dims, name + ": head_dim < dims");
   RopeSpec rope{std::move(heads), std::move(head_dims), rotated, dims, traditional};
+  check(qk_norms.empty() || qk_norms.size() == 2, name + ": qk_norms must be [] or [q, k]");
+  for (size_t i = 0; i < qk_norms.size(); i++) {
+    const int t = elem_of(qk_norms[i].dtype());
+    check(rope.heads.size() >= 2 && t >= 0 && t != I8 && qk_norms[i].ndim() == 1 &&
+              qk_norms[i].shape(0) == rope.head_dims[i],
+          name + ": qk_norms must be (head_dim,) floating point for q and k");
+  }
   check(rope.row() == out_features(qkv[0]),
         name + ": heads * head_dims must add up to the projection's " +
             std::to_string(out_features(qkv[0])) + " outputs");
@@ -356,7 +388,9 @@ std::vector<mx::array> attention_input(const mx::array& x, const mx::array& norm
   inputs.insert(inputs.end(), qkv.begin(), qkv.end());
   inputs.push_back(cos);
   inputs.push_back(sin);
-  auto prim = std::make_shared<CpuAttentionInput>(cpu_stream(), eps, spec, std::move(rope));
+  inputs.insert(inputs.end(), qk_norms.begin(), qk_norms.end());
+  auto prim = std::make_shared<CpuAttentionInput>(cpu_stream(), eps, spec, std::move(rope),
+                                                  !qk_norms.empty(), qk_eps);
   return mx::array::make_arrays(std::move(shapes), dtypes, std::move(prim), std::move(inputs));
 }
 
@@ -403,10 +437,11 @@ mx::array embed_rows(const mx::array& ids, const mx::array& w, const mx::array& 
 void register_layer(nb::module_& m) {
   m.def("attention_input", &attention_input, "x"_a, "norm_weight"_a, "eps"_a, "qkv"_a,
         "qkv_settings"_a, "cos"_a, "sin"_a, "heads"_a, "head_dims"_a, "rotated"_a,
-        "traditional"_a, "kv_rows"_a = false,
+        "traditional"_a, "kv_rows"_a = false, "qk_norms"_a = std::vector<mx::array>{},
+        "qk_eps"_a = 0.0f,
         "RMSNorm, the q|k|v projection and rope_split of a layer's input rows (one op); "
         "kv_rows: outputs after the first as (tokens, 1, 1, heads, head_dim), write_rows' "
-        "update shape.");
+        "update shape; qk_norms: [q_norm, k_norm] weights, each head's RMSNorm before RoPE.");
   m.def("output_mlp", &output_mlp, "x"_a, "attn"_a, "o"_a, "o_settings"_a, "norm_weight"_a,
         "eps"_a, "gate_up"_a, "gate_up_settings"_a, "down"_a, "down_settings"_a,
         "x + o(attn) + the SwiGLU MLP of its RMSNorm (one op).");

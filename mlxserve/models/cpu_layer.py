@@ -4,7 +4,7 @@ Each op MLX evaluates costs ~11 us of dispatch here, on top of its (small) work,
 layer used to be ~19 of them. With mlxserve's CPU primitives loaded and every linear layer
 on the quantized matmul kernels, a layer runs::
 
-    x -> attention_input: RMSNorm, q|k|v projection (+ bias), split + RoPE -> q, k, v
+    x -> attention_input: RMSNorm, q|k|v projection (+ bias), [q/k norms,] split + RoPE
          write_kv: 2 x MLX's scatter (the pools stay updated in place); paged attention
     x, attn -> output_mlp: o_proj, + x, RMSNorm, gate|up projection, SwiGLU, down, + h
 
@@ -12,8 +12,8 @@ and a quantized embedding's lookup is one op too (``embed``).
 
 Each primitive runs the same kernels in the same order as the separate ops (the same
 bits, tests/test_cpu_layer.py). Where a half does not apply (other backends, the pure-MLX
-fallback forced, layers not on the kernels, q/k norms, unfused projections, tensor-parallel
-shards, activations other than float32) these return None and the layer builds today's
+fallback forced, layers not on the kernels, unfused projections, tensor-parallel shards,
+activations other than float32) these return None and the layer builds today's
 graph.
 """
 
@@ -51,17 +51,22 @@ def attention_input(
     k and v come out as (num_tokens, 1, 1, num_kv_heads, head_dim): the update shape of the
     K/V write's scatter (ops.write_kv on the CPU), so the writes need no Reshape ops.
     """
-    if x.dtype != mx.float32 or "q_norm" in attn or "qkv_proj" not in attn:
+    if x.dtype != mx.float32 or "qkv_proj" not in attn:
         return None
     qkv = _linear(attn.qkv_proj)
     module = ops.cpu_module() if qkv is not None else None
     if module is None:
         return None
     heads = [attn.num_heads, attn.num_kv_heads, attn.num_kv_heads]
+    qk_norms, qk_eps = [], 0.0
+    if "q_norm" in attn:  # qwen3: each head of q and k normed before RoPE
+        qk_norms, qk_eps = [attn.q_norm["weight"], attn.k_norm["weight"]], attn.q_norm.eps
+        if attn.k_norm.eps != qk_eps:
+            return None
     cos, sin = attn.rope.tables(positions, x.dtype)  # once per step, shared by the layers
     return module.attention_input(
         x, norm["weight"], norm.eps, *qkv, cos, sin, heads, [attn.head_dim] * 3, 2,
-        attn.rope.traditional, kv_rows=True,
+        attn.rope.traditional, kv_rows=True, qk_norms=qk_norms, qk_eps=qk_eps,
     )  # fmt: skip
 
 
