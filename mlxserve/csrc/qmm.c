@@ -195,14 +195,17 @@ int mlxserve_qmm(const qmm_problem *p) {
  * microseconds apart), then sleep on a condition variable. Items are claimed from a
  * ticket that carries the call's generation, so a worker that wakes late (the OS ran
  * something else on its core) finds the call over and touches nothing: the caller
- * waits only for items actually claimed, never for a worker to show up. A claim takes a
- * share of the items left (qmm.h: claims): a one-row call of 12-64 small items (a few
+ * waits only for items actually claimed, never for a worker to show up. A claim can take
+ * a share of the items left (qmm.h: claims): a one-row call of 12-64 small items (a few
  * microseconds each) then costs a handful of contended atomics instead of two per item.
  */
 
 #define MAX_THREADS 256
 
-static atomic_long spin_ns = 200000L, claim_div = 2;
+/* One item a claim by default: under oversubscription (more runnable threads than cores) a
+ * helper descheduled while holding a large claim stalls the caller; the share (qmm.h) is
+ * for a quiet machine, where bench/gemv_shapes.py --claim-div measures it. */
+static atomic_long spin_ns = 200000L, claim_div = 0;
 
 long mlxserve_qmm_set_claim_div(long div) {
     return div >= 0 ? atomic_exchange(&claim_div, div) : atomic_load(&claim_div);
