@@ -133,6 +133,14 @@ def run_offline(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     return res | acct.finish(res["tokens"]) | {"steps": steps}
 
 
+def steps(llm) -> int:
+    return getattr(llm, "num_steps", -1)  # -1: an AsyncLLM from before the counters
+
+
+def handoffs(llm) -> int:
+    return getattr(llm, "num_handoffs", -1)
+
+
 def run_async(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     """C consumers of AsyncLLM.generate on this thread's event loop."""
 
@@ -147,10 +155,10 @@ def run_async(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, float
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
     roles = {threading.get_native_id(): "loop", llm._thread.native_id: "engine"}  # noqa: SLF001
-    acct, counts = Accounting(roles), (llm.num_steps, llm.num_handoffs)
+    acct, counts = Accounting(roles), (steps(llm), handoffs(llm))
     res = summarize(asyncio.run(main()))
     res |= acct.finish(res["tokens"])
-    return res | {"steps": llm.num_steps - counts[0], "handoffs": llm.num_handoffs - counts[1]}
+    return res | {"steps": steps(llm) - counts[0], "handoffs": handoffs(llm) - counts[1]}
 
 
 class HttpServer:
@@ -184,7 +192,7 @@ class HttpServer:
 def run_http(llm, server: HttpServer, texts: list[str], max_tokens: int) -> dict[str, float]:
     """C streaming clients in a child process against ``server``."""
     roles = {server.thread.native_id: "loop", llm._thread.native_id: "engine"}  # noqa: SLF001
-    acct, counts = Accounting(roles), (llm.num_steps, llm.num_handoffs)
+    acct, counts = Accounting(roles), (steps(llm), handoffs(llm))
     child = subprocess.run(
         [sys.executable, "-c", CLIENT, f"http://127.0.0.1:{server.port}", str(max_tokens)],
         input=json.dumps(texts),
@@ -194,7 +202,7 @@ def run_http(llm, server: HttpServer, texts: list[str], max_tokens: int) -> dict
     )
     res = summarize(json.loads(child.stdout))
     res |= acct.finish(res["tokens"])
-    return res | {"steps": llm.num_steps - counts[0], "handoffs": llm.num_handoffs - counts[1]}
+    return res | {"steps": steps(llm) - counts[0], "handoffs": handoffs(llm) - counts[1]}
 
 
 def main(argv: list[str] | None = None) -> int:
