@@ -43,7 +43,7 @@ import asyncio, json, sys, time
 import httpx
 
 async def one(c, prompt, max_tokens):
-    times = []
+    times = [time.perf_counter()]  # sent, then each text event
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True}
     async with c.stream("POST", "/v1/completions", json=body) as r:
@@ -96,14 +96,18 @@ class Accounting:
         return res
 
 
-def summarize(per_request: list[list[float]]) -> dict[str, float]:
-    """TPOT median (ms) and decode tok/s from each request's token arrival times."""
+def summarize(sent_and_times: list[list[float]]) -> dict[str, float]:
+    """TTFT and TPOT medians (ms), decode tok/s, from each request's send time followed by
+    its tokens' arrival times."""
     import numpy as np
 
+    ttft = [t[1] - t[0] for t in sent_and_times]
+    per_request = [t[1:] for t in sent_and_times]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in per_request if len(t) > 1]
     start = min(t[0] for t in per_request)
     end = max(t[-1] for t in per_request)
     return {
+        "ttft_p50_ms": float(np.median(ttft)) * 1000,
         "tpot_p50_ms": float(np.median(tpot)),
         "decode_tok_s": sum(len(t) - 1 for t in per_request) / max(end - start, 1e-9),
         "tokens": sum(len(t) for t in per_request),
@@ -120,7 +124,9 @@ def run_offline(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     """Add every prompt, then step until done; token times as the step returns them."""
     times: dict[str, list[float]] = {}
     for i, ids in enumerate(prompts):
-        engine.add_request(f"off-{i}-{time.time()}", None, params(max_tokens), prompt_token_ids=ids)
+        rid = f"off-{i}-{time.time()}"
+        times[rid] = [time.perf_counter()]
+        engine.add_request(rid, None, params(max_tokens), prompt_token_ids=ids)
     acct = Accounting({threading.get_native_id(): "engine"})
     steps = 0
     while engine.has_unfinished_requests():
@@ -145,7 +151,7 @@ def run_async(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, float
     """C consumers of AsyncLLM.generate on this thread's event loop."""
 
     async def one(i: int, ids: list[int]) -> list[float]:
-        times = []
+        times = [time.perf_counter()]
         rid = f"as-{i}-{time.time()}"
         async for out in llm.generate(rid, None, params(max_tokens), prompt_token_ids=ids):
             times.extend([time.perf_counter()] * len(out.outputs[0].token_ids))
@@ -213,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="offline,async,http")
     p.add_argument("--rounds", type=int, default=1, help="repeat each case; best TPOT kept")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: serve's")
+    p.add_argument(
+        "--pipelined",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="LLMEngine.pipelined (auto: the engine's choice; on: the CPU's order before "
+        "2026-12-01, outputs returned one call late)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -223,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     # The server's step budget in every mode, so that each mode runs the same steps.
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(serving=True)
     engine = make_engine(args.model, max_num_batched_tokens=budget)
+    if args.pipelined != "auto":
+        engine.pipelined = args.pipelined == "on"
     tok = engine.tokenizer
-    print(f"budget {budget} tokens per step; load average at start: {os.getloadavg()}")
+    print(f"pipelined {engine.pipelined}; budget {budget} tokens per step")
+    print(f"load average at start: {os.getloadavg()}")
     run_offline(engine, make_prompts(tok, 2, 32, start=900), 8)  # warm up
     results: dict[str, dict] = {}
     llm = server = None

@@ -1,4 +1,5 @@
-"""AsyncLLM hands a step's outputs to each event loop in one wakeup, not one per request.
+"""Outputs reach callers without delay: AsyncLLM hands a step's outputs to each event loop
+in one wakeup, not one per request; on the CPU a step returns the token it computed.
 
 Before, every output of a step was its own ``call_soon_threadsafe`` (a self-pipe write and
 a callback on the loop): 32 streams woke the server's loop 32 times per step. The tokens
@@ -14,6 +15,7 @@ import pytest
 
 from mlxserve import LLM, SamplingParams
 from mlxserve.engine.async_llm import AsyncLLM
+from mlxserve.utils import uses_gpu
 from tests.engine_helpers import make_tiny_model_dir
 
 PROMPTS = [[5, 6, 7 + i, 9, 10 + 2 * i] for i in range(6)]
@@ -102,3 +104,20 @@ def test_streams_on_two_event_loops_each_get_their_outputs(llm, reference) -> No
         engine.shutdown()
     assert results[0] == reference[0::2]
     assert results[1] == reference[1::2]
+
+
+@pytest.mark.skipif(uses_gpu(), reason="on Metal the engine pipelines: outputs trail a step")
+def test_on_the_cpu_a_step_returns_the_token_it_computed(llm, reference) -> None:
+    """MLX's async_eval returns near the end of a CPU step, so step() collects the step
+    it launched: each call returns its own token (it returned the previous step's, one
+    call late, the first call nothing: a token reached its caller a whole step late)."""
+    engine = llm.engine
+    assert not engine.pipelined
+    engine.add_request("one", None, GREEDY, prompt_token_ids=PROMPTS[0])
+    tokens = []
+    for _ in range(GREEDY.max_tokens):
+        (out,) = engine.step(delta=True)
+        assert len(out.outputs[0].token_ids) == 1
+        tokens += out.outputs[0].token_ids
+    assert out.finished and tokens == reference[0]
+    assert not engine.has_unfinished_requests()
