@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.repeat):
             for name, llm in engines.items():
                 r = run(llm, prompts, params)
-                least_cpu = min(r["cpu_seconds"], row.get(name, r)["least_cpu_seconds"])
+                least_cpu = min(r["cpu_seconds"], row.get(name, {}).get("least_cpu_seconds", 1e9))
                 if name not in row or r["decode_tok_s"] > row[name]["decode_tok_s"]:
                     row[name] = r
                 row[name]["least_cpu_seconds"] = least_cpu
