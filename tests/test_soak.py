@@ -61,8 +61,11 @@ def test_soak_8_clients_mixed_apis_with_disconnects(server, tmp_path) -> None:
     (tmp_path / "soak-report.json").write_text(json.dumps(report, indent=1))
     print(f"soak report: {tmp_path / 'soak-report.json'}")
     load = report["load"]
-    # The check has teeth: the mix really ran (calls of every kind, some abandoned).
-    assert load["ok"] >= 10 and load["aborted"] >= 1, summary_line(report)
+    # The check has teeth: the mix really ran (calls of every kind, some abandoned), and
+    # at least every client's first call (run to its end past the deadline) was answered
+    # or abandoned as planned, however few calls a loaded machine manages in the window.
+    planned_ok = sum(1 for c in first if c.disconnect_after is None and c.cancel_after is None)
+    assert load["ok"] >= planned_ok and load["aborted"] >= 1, summary_line(report)
     assert len(load["by_kind"]) == 5, summary_line(report)
     assert report["server"]["vllm:generation_tokens_total"] > 0
     assert report["failures"] == [], summary_line(report)

@@ -235,3 +235,68 @@ def test_the_draft_models_feeds_follow_the_target_and_catch_up() -> None:
     run((8, 16), 0, [31])  # 12 behind: still no drafts
     run((16, 22), 4, [32])  # 5 behind: caught up, then drafts
     assert (r.num_computed_tokens, r.num_drafter_tokens) == (22, 22)
+
+
+def test_the_draft_models_catch_up_after_plain_steps_is_not_a_drafting_cost() -> None:
+    """While the cost back-off runs plain steps the draft model is not fed; the first
+    step that drafts again first computes everything it missed. That catch-up is what
+    switching modes costs, not what a step with drafts costs, so it must not enter the
+    drafts' cost average: counted, a catch-up of hundreds of tokens (the probe interval
+    grows to 512 steps) makes drafts look dear exactly when they are probed, and
+    speculation stays off after drafts have become cheap.
+
+    Fake clock: a plain step 0.1 s; a step with k=4 drafts (all accepted, 5 tokens)
+    costs 0.1 s plus ``verify`` plus 0.02 s per draft-model forward, and every token the
+    draft model catches up on costs 0.01 s (a tenth of a decode step)."""
+    from mlxserve.core.scheduler_output import ModelRunnerOutput
+
+    now = [0.0]
+    sched = Scheduler(
+        SchedulerConfig(4096, 8, 512),
+        CacheConfig(600, 16, True),
+        SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=4),
+        clock=lambda: now[0],
+    )
+    # A context of 1,030-2,047 tokens throughout: one bucket of the cost back-off.
+    r = req("a", [i % 50 for i in range(1030)], max_tokens=None)
+    sched.add_request(r)
+    verify = 0.5  # drafts first lose: (0.1 + 0.5 + 0.08 + ~0.02) / 5 tokens > 0.1
+
+    def run(num_steps: int) -> list[bool]:
+        drafted = []
+        for _ in range(num_steps):
+            so = sched.schedule()
+            num_drafts = len(so.draft_token_ids.get("a", ()))
+            fed = sum(end - start for start, end in so.drafter_feeds.values())
+            now[0] += 0.1 + (verify + 0.02 * num_drafts if num_drafts else 0.0) + 0.01 * fed
+            new = [7] * (1 + num_drafts) if "a" in so.sampling_request_ids else []
+            sched.update_from_output(so, ModelRunnerOutput({"a": new}))
+            drafted.append(num_drafts > 0)
+        return drafted
+
+    run(3)  # the prompt, 512 tokens a step
+    # Drafts lose: off after the first plain probe; spec probes after 32 and 64 plain
+    # steps confirm it. A probe measures 4 steps with drafts, not counting its first
+    # (the catch-up), so it drafts in 5.
+    first = run(8 + 4 + 32 + 5 + 64 + 5 + 120)
+    assert runs(first)[:2] == [(True, 8), (False, 4 + 32)] and not any(first[-100:])
+    assert sched.spec.cost.num_switches == 1
+    # Drafts become cheap ((0.1 + 0.1 + 0.08 + 0.02) / 5 = 0.06 s per token, 40% less
+    # than plain): the next spec probe (after 128 plain steps, in a few steps) must see it,
+    # though its first step also computes the ~130 tokens the draft model missed (1.3 s).
+    verify = 0.1
+    second = run(40)
+    assert second[-20:] == [True] * 20, runs(second)
+    assert r.num_tokens < 2048
+    assert sched.spec.cost.num_switches == 2
+
+
+def runs(flags: list[bool]) -> list[tuple[bool, int]]:
+    """The flags as (value, run length) pairs."""
+    out: list[tuple[bool, int]] = []
+    for f in flags:
+        if out and out[-1][0] == f:
+            out[-1] = (f, out[-1][1] + 1)
+        else:
+            out.append((f, 1))
+    return out

@@ -40,7 +40,11 @@ Back-off, so speculation does not cost more than it saves:
 - by cost (``disable_by_cost``, core/spec_cost.py): the wall time per emitted token of
   steps with and without drafts, per batch size; nothing is proposed while drafts cost
   more per token, with a few probe steps now and then to notice when that changes.
-  The clock is the scheduler's caller's (``clock``; None: no cost back-off).
+  The clock is the scheduler's caller's (``clock``; None: no cost back-off). A step in
+  which the draft model catches up on more than k + 1 tokens of a request is not
+  measured: that is what it missed while not speculating (plain steps, a pause, a
+  prefix hit), the price of switching modes rather than of drafting (a step that drafts
+  feeds it at most 2: the last token and a draft it accepted).
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.is_on = False  # this step speculates (begin_step)
         self.catchup_left = 0  # draft model: catch-up tokens left in this step
+        self._step_catchup = 0  # draft model: the most known tokens fed to a request this step
 
     def begin_step(self, num_running: int, budget: int, context_len: int = 0) -> bool:
         """Start a step; whether it speculates at all (the batch-size and cost back-offs).
@@ -92,7 +97,7 @@ class SpecDecoder:
         self.is_on = num_running <= self.config.disable_by_batch_size
         if self.is_on and self.clock is not None:
             self.is_on = self.cost.should_speculate(num_running, context_len)
-        self.catchup_left = budget
+        self.catchup_left, self._step_catchup = budget, 0
         self._step_batch, self._step_context = num_running, context_len
         self._step_start = None if self.clock is None else self.clock()
         return self.is_on
@@ -110,7 +115,13 @@ class SpecDecoder:
             and not so.preempted_request_ids
             and num_requests == self._step_batch
         )
-        if is_decode_only and self._step_batch <= self.config.disable_by_batch_size:
+        # A long catch-up is the price of the plain steps before it, not of drafting.
+        is_catching_up = self._step_catchup > self.config.num_speculative_tokens + 1
+        if (
+            is_decode_only
+            and not is_catching_up
+            and self._step_batch <= self.config.disable_by_batch_size
+        ):
             speculated = bool(so.draft_token_ids)
             self.cost.observe(self._step_batch, speculated, seconds, num_tokens, self._step_context)
 
@@ -159,6 +170,7 @@ class SpecDecoder:
             self.catchup_left -= min(lag, self.catchup_left)
             if end <= begin:
                 return None
+        self._step_catchup = max(self._step_catchup, end - begin)
         # It feeds its drafts but the last (that one's K/V is computed next step if kept).
         request.num_drafter_tokens = end + max(num_drafts - 1, 0)
         return begin, end
