@@ -125,7 +125,7 @@ def test_the_hand_rounding_is_what_its_docstring_says() -> None:
 # 8 / 16 / 24 columns and the panels' 32 / 48, M past the tiles' 4 rows.
 SHAPES = [(1, 96, 7), (2, 64, 33), (3, 160, 1), (4, 192, 29), (5, 128, 17), (6, 64, 50)]
 SHAPES += [(7, 96, 9), (8, 320, 21), (9, 96, 13), (32, 64, 50), (33, 128, 7), (64, 192, 29)]
-SHAPES += [(129, 64, 100)]
+SHAPES += [(129, 64, 100), (1, 256, 60)]  # one row: whole vectors in place, then a partial one
 
 
 @pytest.mark.parametrize("bits", [4, 8])

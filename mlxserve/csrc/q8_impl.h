@@ -139,7 +139,15 @@ static void q8_item(void *vctx, int64_t item) {
                          packed_floats + 4 * pg + Q8_RM * (size_t)Q8_PANEL);
     uint8_t *pw = (uint8_t *)buf;
     float *sc = buf + packed_floats, *bi = sc + pg, *tmp = bi + pg, *f = tmp + 2 * pg;
-    for (int v = 0; v < nv; v++) {
+    /* One row of 4-bit weights (decode): whole vectors of columns are read where they are
+     * (q8_tile_raw4), packing them would cost as much as the dot products; the partial
+     * last vector is packed. */
+#ifdef Q8_RAW4
+    const int raw_vectors = bits == 4 && m_end - m_first == 1 ? ncols / Q8_VC : 0;
+#else
+    const int raw_vectors = 0;
+#endif
+    for (int v = raw_vectors; v < nv; v++) {
         const int cols = ncols - v * Q8_VC < Q8_VC ? ncols - v * Q8_VC : Q8_VC;
         q8_pack((const uint8_t *)p->w + (n0 + v * Q8_VC) * row_bytes, row_bytes, cols, nb, bits,
                 pw + v * Q8_VC * 4, nv);
@@ -151,8 +159,29 @@ static void q8_item(void *vctx, int64_t item) {
         const int8_t *qm = c->q->q + m0 * K;
         const float *dm = c->q->d + m0 * nb, *xs = c->xs + m0 * g;
         const int tile_rn = kind == Q8_SMALL ? Q8_RN : Q8_RN_BYTE;
-        for (int c0 = 0; c0 < nv; c0 += tile_rn) {
-            const int rn = nv - c0 < tile_rn ? nv - c0 : tile_rn;
+        for (int c0 = 0, rn; c0 < nv; c0 += rn) {
+            rn = nv - c0 < tile_rn ? nv - c0 : tile_rn;
+#ifdef Q8_RAW4
+            if (c0 < raw_vectors) {
+                rn = raw_vectors - c0 < rn ? raw_vectors - c0 : rn;
+                const uint8_t *raw = (const uint8_t *)p->w + (n0 + c0 * Q8_VC) * row_bytes;
+                switch (rn) {
+#define Q8_RAW_TILE(RN)                                                                       \
+    case RN:                                                                                  \
+        q8_tile_raw4(raw, row_bytes, qm, K, dm, nb, sc + c0 * Q8_VC, bi + c0 * Q8_VC, xs, g, \
+                     subs, f + c0 * Q8_VC, RN);                                               \
+        break;
+                    Q8_RAW_TILE(1)
+#if Q8_RN >= 2
+                    Q8_RAW_TILE(2)
+#endif
+#if Q8_RN >= 3
+                    Q8_RAW_TILE(3)
+#endif
+#undef Q8_RAW_TILE
+                }
+            } else
+#endif
             switch (rm * 16 + rn) {
                 Q8_TILE(1, 1)
                 Q8_TILE(2, 1)

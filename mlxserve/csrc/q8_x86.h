@@ -18,7 +18,37 @@ static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K
                            int64_t g, int subs, float *f, const int rm,
                            const int rn, const int kind);
 
+static inline void q8_tile_raw4(const uint8_t *raw, int64_t row_bytes, const int8_t *q, int64_t K,
+                                const float *d, int64_t nb, const float *sc, const float *bi,
+                                const float *xs, int64_t g, int subs, float *f, const int rn);
+static inline void q8_tile_any(const uint8_t *pw, int nv, const uint8_t *raw, int64_t row_bytes,
+                               const int8_t *q, int64_t K, const float *d, int64_t nb,
+                               const float *sc, const float *bi, const float *xs, int64_t g,
+                               int subs, float *f, const int rm, const int rn, const int kind,
+                               const int is_raw);
+#define Q8_RAW4 1 /* q8_tile_raw4: one row of 4-bit weights without packing */
+
 #include "q8_impl.h"
+
+/* Quads 0-7 of one block (its 16 bytes at p) of 8 whole columns of 4-bit weights (row_bytes
+ * apart), one register each, as q8_pack lays them out: the 4 words of each column
+ * transposed (word t of columns 0-7 in one register), low nibbles quad t, high ones t + 4. */
+static inline __attribute__((always_inline)) void q8_quads4(const uint8_t *p, int64_t row_bytes,
+                                                            __m256i v[8]) {
+    const __m256i low = _mm256_set1_epi8(15);
+#define Q8_PAIR(j) \
+    _mm256_loadu2_m128i((const __m128i *)(p + ((j) + 4) * row_bytes), (const __m128i *)(p + (j) * row_bytes))
+    const __m256i r0 = Q8_PAIR(0), r1 = Q8_PAIR(1), r2 = Q8_PAIR(2), r3 = Q8_PAIR(3);
+#undef Q8_PAIR
+    const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
+    const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
+    const __m256i w[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                          _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    for (int t = 0; t < 4; t++) {
+        v[t] = _mm256_and_si256(w[t], low);
+        v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(w[t], 4), low);
+    }
+}
 
 /* 4-bit: the 16 bytes of a block of 8 columns as 4 words each, transposed (word t of
  * columns 0-7 in one register); the low nibbles of word t are quad t, the high ones quad
@@ -30,24 +60,13 @@ static inline void q8_pack(const uint8_t *w0, int64_t row_bytes, int ncols, int6
         return;
     }
     const int64_t tstride = (int64_t)nv * Q8_VC * 4, bstride = 8 * tstride;
-    const __m256i low = _mm256_set1_epi8(15);
 #define Q8_ST(t, v) _mm256_storeu_si256((__m256i *)(out + (t) * tstride), v)
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *out = dst + b * bstride;
         if (bits == 4) {
-            const uint8_t *p = w0 + b * 16;
-#define Q8_PAIR(j) \
-    _mm256_loadu2_m128i((const __m128i *)(p + ((j) + 4) * row_bytes), (const __m128i *)(p + (j) * row_bytes))
-            const __m256i r0 = Q8_PAIR(0), r1 = Q8_PAIR(1), r2 = Q8_PAIR(2), r3 = Q8_PAIR(3);
-#undef Q8_PAIR
-            const __m256i t0 = _mm256_unpacklo_epi32(r0, r1), t1 = _mm256_unpackhi_epi32(r0, r1);
-            const __m256i t2 = _mm256_unpacklo_epi32(r2, r3), t3 = _mm256_unpackhi_epi32(r2, r3);
-            const __m256i v[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                                  _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-            for (int t = 0; t < 4; t++) {
-                Q8_ST(t, _mm256_and_si256(v[t], low));
-                Q8_ST(t + 4, _mm256_and_si256(_mm256_srli_epi16(v[t], 4), low));
-            }
+            __m256i v[8];
+            q8_quads4(w0 + b * 16, row_bytes, v);
+            for (int t = 0; t < 8; t++) Q8_ST(t, v[t]);
         } else {
             const uint8_t *p = w0 + b * 32;
             __m256i r[8], u[8], v[8];
@@ -130,18 +149,56 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int
                                                           float *f,
                                                           const int rm, const int rn,
                                                           const int kind) {
+    q8_tile_any(pw, nv, NULL, 0, q, K, d, nb, sc, bi, xs, g, subs, f, rm, rn, kind, 0);
+}
+
+/* One row by rn vectors of whole columns of 4-bit weights read where they are (raw: the
+ * first column's row, row_bytes apart), unpacked in registers: no packed panel. The same
+ * integer dot products (exact in any order) and float32 operations as q8_tile. */
+static inline __attribute__((always_inline)) void q8_tile_raw4(const uint8_t *raw,
+                                                               int64_t row_bytes,
+                                                               const int8_t *q, int64_t K,
+                                                               const float *d, int64_t nb,
+                                                               const float *sc, const float *bi,
+                                                               const float *xs, int64_t g,
+                                                               int subs, float *f, const int rn) {
+    q8_tile_any(NULL, 0, raw, row_bytes, q, K, d, nb, sc, bi, xs, g, subs, f, 1, rn, Q8_SMALL, 1);
+}
+
+static inline __attribute__((always_inline)) void q8_tile_any(const uint8_t *pw, int nv,
+                                                              const uint8_t *raw,
+                                                              int64_t row_bytes,
+                                                              const int8_t *q, int64_t K,
+                                                              const float *d, int64_t nb,
+                                                              const float *sc, const float *bi,
+                                                              const float *xs, int64_t g,
+                                                              int subs, float *f, const int rm,
+                                                              const int rn, const int kind,
+                                                              const int is_raw) {
     const int64_t tstride = (int64_t)nv * 32;
     __m256 acc[Q8_RM][Q8_RN];
     for (int m = 0; m < rm; m++)
         for (int c = 0; c < rn; c++) acc[m][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = pw + b * 8 * tstride;
+        const uint8_t *wb = is_raw ? NULL : pw + b * 8 * tstride;
         const int8_t *qb = q + b * 32;
 #ifdef Q8_DPBUSD
         (void)kind;
         __m256i dot[Q8_RM][Q8_RN];
         for (int m = 0; m < rm; m++)
             for (int c = 0; c < rn; c++) dot[m][c] = _mm256_setzero_si256();
+        if (is_raw) /* rm == 1: a vector's 8 quads at a time */
+            for (int c = 0; c < rn; c++) {
+                __m256i w[8];
+                q8_quads4(raw + c * 8 * row_bytes + b * 16, row_bytes, w);
+#pragma GCC unroll 8
+                for (int t = 0; t < 8; t++) {
+                    int32_t x4;
+                    memcpy(&x4, qb + 4 * t, 4);
+                    dot[0][c] = Q8_DPBUSD(dot[0][c], w[t], _mm256_set1_epi32(x4));
+                }
+            }
+        else
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             __m256i w[Q8_RN];
@@ -161,6 +218,19 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int
         const __m256i low = _mm256_set1_epi8(15);
         for (int m = 0; m < rm; m++)
             for (int c = 0; c < rn; c++) lo[m][c] = hi[m][c] = _mm256_setzero_si256();
+        if (is_raw) /* rm == 1, values below 16: a vector's 8 quads at a time */
+            for (int c = 0; c < rn; c++) {
+                __m256i w[8];
+                q8_quads4(raw + c * 8 * row_bytes + b * 16, row_bytes, w);
+#pragma GCC unroll 8
+                for (int t = 0; t < 8; t++) {
+                    int32_t x4;
+                    memcpy(&x4, qb + 4 * t, 4);
+                    lo[0][c] = _mm256_add_epi16(lo[0][c],
+                                                _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(x4)));
+                }
+            }
+        else
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             __m256i wl[Q8_RN], wh[Q8_RN];

@@ -195,11 +195,25 @@ int mlxserve_qmm(const qmm_problem *p) {
  * microseconds apart), then sleep on a condition variable. Items are claimed from a
  * ticket that carries the call's generation, so a worker that wakes late (the OS ran
  * something else on its core) finds the call over and touches nothing: the caller
- * waits only for items actually claimed, never for a worker to show up.
+ * waits only for items actually claimed, never for a worker to show up. A claim can take
+ * a share of the items left (qmm.h: claims): a one-row call of 12-64 small items (a few
+ * microseconds each) then costs a handful of contended atomics instead of two per item.
  */
 
 #define MAX_THREADS 256
-#define SPIN_NS 200000L
+
+/* One item a claim by default: under oversubscription (more runnable threads than cores) a
+ * helper descheduled while holding a large claim stalls the caller; the share (qmm.h) is
+ * for a quiet machine, where bench/gemv_shapes.py --claim-div measures it. */
+static atomic_long spin_ns = 200000L, claim_div = 0;
+
+long mlxserve_qmm_set_claim_div(long div) {
+    return div >= 0 ? atomic_exchange(&claim_div, div) : atomic_load(&claim_div);
+}
+
+long mlxserve_qmm_set_spin_ns(long ns) {
+    return ns >= 0 ? atomic_exchange(&spin_ns, ns) : atomic_load(&spin_ns);
+}
 
 static struct {
     pthread_mutex_t mu;
@@ -213,6 +227,7 @@ static struct {
     _Atomic(qmm_work_fn) fn;
     _Atomic(void *) ctx;
     atomic_long n_items;
+    atomic_long share; /* claim_div * threads of the current call; 0: one item a claim */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER};
 
 static long now_ns(void) {
@@ -221,15 +236,19 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* Claim and run items of call `gen` until none is left (or the call is over). */
-static void run_items(long gen, qmm_work_fn fn, void *ctx, long n) {
+/* Claim and run items of call `gen` until none is left (or the call is over): a share of
+ * what is left per claim (qmm.h: claims), the items of a claim in order. */
+static void run_items(long gen, qmm_work_fn fn, void *ctx, long n, long share) {
     uint_fast64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     for (;;) {
-        if ((long)(t >> 32) != (gen & 0xFFFFFFFFL) || (long)(t & 0xFFFFFFFFu) >= n) return;
-        if (atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel,
-                                                  memory_order_acquire)) {
-            fn(ctx, (int64_t)(t & 0xFFFFFFFFu));
-            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        const long next = (long)(t & 0xFFFFFFFFu);
+        if ((long)(t >> 32) != (gen & 0xFFFFFFFFL) || next >= n) return;
+        long take = share > 0 ? (n - next) / share : 1;
+        if (take < 1) take = 1;
+        if (atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + (uint_fast64_t)take,
+                                                  memory_order_acq_rel, memory_order_acquire)) {
+            for (long i = next; i < next + take; i++) fn(ctx, (int64_t)i);
+            atomic_fetch_add_explicit(&pool.done, take, memory_order_release);
             t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
         }
     }
@@ -240,7 +259,7 @@ static void *worker(void *arg) {
     for (;;) {
         long g = atomic_load_explicit(&pool.generation, memory_order_acquire);
         if (g == seen) {
-            const long until = now_ns() + SPIN_NS;
+            const long until = now_ns() + atomic_load_explicit(&spin_ns, memory_order_relaxed);
             for (int i = 0; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) ==
                             seen;
                  i++) {
@@ -257,9 +276,13 @@ static void *worker(void *arg) {
             }
         }
         seen = g;
-        run_items(g, atomic_load_explicit(&pool.fn, memory_order_relaxed),
-                  atomic_load_explicit(&pool.ctx, memory_order_relaxed),
-                  atomic_load_explicit(&pool.n_items, memory_order_relaxed));
+        /* Acquire: should any of these be a later call's (this worker ran late), that
+         * call's caller closed call g's ticket before writing it, so run_items sees a
+         * closed or newer ticket and claims nothing with a mismatched set. */
+        run_items(g, atomic_load_explicit(&pool.fn, memory_order_acquire),
+                  atomic_load_explicit(&pool.ctx, memory_order_acquire),
+                  atomic_load_explicit(&pool.n_items, memory_order_acquire),
+                  atomic_load_explicit(&pool.share, memory_order_acquire));
     }
     return NULL;
 }
@@ -314,9 +337,11 @@ void mlxserve_qmm_parallel_for(int64_t n_items, qmm_work_fn fn, void *ctx) {
     }
     start_pool();
     const long gen = ++pool.calls;
-    atomic_store_explicit(&pool.fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&pool.ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&pool.n_items, n_items, memory_order_relaxed);
+    atomic_store_explicit(&pool.fn, fn, memory_order_release);
+    atomic_store_explicit(&pool.ctx, ctx, memory_order_release);
+    atomic_store_explicit(&pool.n_items, n_items, memory_order_release);
+    const long share = atomic_load_explicit(&claim_div, memory_order_relaxed) * want;
+    atomic_store_explicit(&pool.share, share, memory_order_release);
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.ticket, (uint_fast64_t)(gen & 0xFFFFFFFFL) << 32,
                           memory_order_release);
@@ -324,12 +349,16 @@ void mlxserve_qmm_parallel_for(int64_t n_items, qmm_work_fn fn, void *ctx) {
     pthread_mutex_lock(&pool.mu);
     if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.mu);
-    run_items(gen, fn, ctx, n_items);
+    run_items(gen, fn, ctx, n_items, share);
     for (int i = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < n_items; i++) {
         if (i < 4096)
             cpu_relax();
         else
             sched_yield(); /* a helper holding an item was descheduled: give it the core */
     }
+    /* Closed: a worker that still holds this call's generation claims nothing more, even
+     * if it reads the next call's fn, ctx or n_items (worker()). */
+    atomic_store_explicit(&pool.ticket, (uint_fast64_t)(gen & 0xFFFFFFFFL) << 32 | 0xFFFFFFFFu,
+                          memory_order_release);
     pthread_mutex_unlock(&pool.call);
 }

@@ -52,6 +52,15 @@ const char *mlxserve_qmm_isa_name(int isa);
 int mlxserve_qmm_set_threads(int n);
 int mlxserve_qmm_threads(void);
 
+/* The pool's tuning (bench/gemv_shapes.py interleaves settings in one process); each
+ * setter returns the previous value, and a negative argument only reads it.
+ * Claims: a thread takes (items left) / (claim_div * threads) items at once (at least
+ * one), so a call of many small items costs a few claims instead of one contended atomic
+ * per item, and the last claims stay single items for balance; 0: always one item.
+ * Spin: how long (nanoseconds) the workers spin for the next call before sleeping. */
+long mlxserve_qmm_set_claim_div(long div);
+long mlxserve_qmm_set_spin_ns(long ns);
+
 /* Work spread over the pool (used by the per-instruction-set files). */
 typedef void (*qmm_work_fn)(void *ctx, int64_t item);
 void mlxserve_qmm_parallel_for(int64_t n_items, qmm_work_fn fn, void *ctx);

@@ -192,6 +192,11 @@ NB_MODULE(MLXSERVE_EXT_NAME, m) {
         "Use int8 instruction set n ('auto': the best); False if unsupported.");
   m.def("set_threads", &mlxserve_qmm_set_threads, "n"_a, "Threads per call (0: default).");
   m.def("threads", &mlxserve_qmm_threads, "Threads per call now.");
+  m.def("set_claim_div", &mlxserve_qmm_set_claim_div, "div"_a,
+        "Pool claims take (items left) / (div * threads) items (0: one); returns the previous.");
+  m.def("set_spin_us", [](long us) { return mlxserve_qmm_set_spin_ns(us * 1000) / 1000; }, "us"_a,
+        "How long pool workers spin for the next call before sleeping; returns the previous.");
+  m.def("spin_us", []() { return mlxserve_qmm_set_spin_ns(-1) / 1000; }, "The pool's spin window.");
   mlxserve_decode::register_attention(m);  // attn_ext.cpp
   mlxserve_decode::register_rope_norm(m);  // rope_norm_ext.cpp
   mlxserve_decode::register_layer(m);  // layer_ext.cpp
