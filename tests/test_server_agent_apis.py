@@ -62,6 +62,10 @@ def test_anthropic_tool_use_round_trip(server) -> None:
     ]
     answer = client.messages.create(messages=turns, **args | {"max_tokens": 24})
     assert answer.content[0].type == "text" and answer.content[0].text
+    # Cut by max_tokens half written: "max_tokens", and the call's raw markup is no text.
+    cut = client.messages.create(messages=question, tool_choice=forced, **args | {"max_tokens": 6})
+    assert cut.stop_reason == "max_tokens"
+    assert not any(b.type == "text" and b.text for b in cut.content)
     with_tools = client.messages.count_tokens(model=MODEL, messages=turns, tools=[tool])
     without = client.messages.count_tokens(model=MODEL, messages=question)
     assert with_tools.input_tokens > without.input_tokens

@@ -255,6 +255,22 @@ def test_tool_choice_required_and_named_give_valid_calls(client) -> None:
     assert not any(c.choices[0].delta.content for c in chunks)  # never as raw text
 
 
+def test_a_forced_call_cut_by_max_tokens_is_not_content(client) -> None:
+    # The grammar makes the reply a call; max_tokens ends it half written. The client
+    # must see "length" and no content (the call's raw markup is not an answer), streamed
+    # or not (vLLM #47903 leaks the markup into content).
+    kwargs = dict(
+        model=MODEL, messages=ask("What is the weather in Paris?"), tools=[WEATHER],
+        tool_choice="required", max_tokens=6, temperature=0,
+    )  # fmt: skip
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content is None and not choice.message.tool_calls
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].delta.content or c.choices[0].delta.tool_calls for c in chunks)
+
+
 def test_a_two_turn_tool_loop_through_the_chat_template(server, client) -> None:
     messages = ask("What is the weather in Oslo?")
     r = client.chat.completions.create(

@@ -48,6 +48,7 @@ class ChatPlan:
     parallel_tool_calls: bool
     reasoning: type[ReasoningParser] | None
     harmony: bool = False  # gpt-oss: the reply's channels say what is reasoning and calls
+    forced: bool = False  # tool_choice "required" or a named function: a grammar makes calls
 
     def output_parser(self, prompt: str) -> OutputParser | HarmonyReplyParser | None:
         """A fresh parser for one sample's reply (None: the reply is all content)."""
@@ -57,7 +58,7 @@ class ChatPlan:
             return None
         tools = TOOL_PARSERS[self.tool_parser](self.tool_defs) if self.tool_parser else None
         reasoning = self.reasoning(prompt) if self.reasoning else None
-        return OutputParser(reasoning, tools)
+        return OutputParser(reasoning, tools, calls_only=self.forced)
 
     def grammar_starts_after(self, prompt: str, params: SamplingParams) -> str | None:
         """With a constraint and a reasoning model: it applies after the reasoning, unless
@@ -184,6 +185,7 @@ class ChatFeatures:
             parallel_tool_calls,
             self.reasoning,
             self.harmony,
+            forced=choice not in ("none", "auto"),
         )
 
 
@@ -219,6 +221,7 @@ class ReplyFormatter:
     def __init__(self, plan: ChatPlan, prompt: str) -> None:
         self.parser = plan.output_parser(prompt)
         self.has_reasoning = plan.reasoning is not None or plan.harmony
+        self.forced = plan.forced
         self.parallel = plan.parallel_tool_calls
         self.num_calls = 0
 
@@ -229,7 +232,8 @@ class ReplyFormatter:
         parsed = self.parser.parse(text)
         calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
         self.num_calls = len(calls)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        content = parsed.content or (None if self.forced else "")  # a call cut short: none
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["content"] = parsed.content or None
             message["tool_calls"] = [
