@@ -2,6 +2,7 @@
 // loads in float32 from MLX's float dtypes, row-major views of inputs, registration.
 #pragma once
 
+#include <cmath>
 #include <cstring>
 #include <cstdint>
 #include <vector>
@@ -75,7 +76,81 @@ inline const void* dense(const mx::array& a, std::vector<char>& keep) {
   return keep.data();
 }
 
+// The portable mx.fast.rms_norm's arithmetic in its order, over `rows` rows of d values: a
+// sequential float32 sum of squares, times 1 / d, plus eps, 1 / sqrt; each value times
+// that rounded to x's type, times the weight, stored in y's type. (CpuRmsNorm, and the
+// fused layer parts of layer_ext.cpp: one definition, so they give the same bits.)
+inline void rms_norm_rows(const void* x, int xt, const void* weight, int wt, void* y, int yt,
+                          int64_t rows, int64_t d, float eps) {
+  const float inv_d = 1.0f / static_cast<float>(d);
+  for (int64_t r = 0; r < rows; r++) {
+    float sum = 0;  // in order, as MLX's CPU reduction adds them
+    for (int64_t i = 0; i < d; i++) {
+      const float v = load(x, xt, r * d + i);
+      sum += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(sum * inv_d + eps);
+    for (int64_t i = 0; i < d; i++) {
+      const float normed = round_to(xt, load(x, xt, r * d + i) * inv);
+      store(y, yt, r * d + i, normed * load(weight, wt, i));
+    }
+  }
+}
+
+// How rows of concatenated heads are split and rotated (rope_split's arguments).
+struct RopeSpec {
+  std::vector<int> heads, head_dims;  // per output: heads and values per head
+  int rotated, dims;                  // the first `rotated` outputs: first `dims` of a head
+  bool traditional;                   // pairs (2i, 2i + 1), else (i, i + dims / 2)
+  bool operator==(const RopeSpec& o) const {
+    return heads == o.heads && head_dims == o.head_dims && rotated == o.rotated &&
+           dims == o.dims && traditional == o.traditional;
+  }
+  int64_t row() const {  // values per token
+    int64_t n = 0;
+    for (size_t i = 0; i < heads.size(); i++) n += int64_t{heads[i]} * head_dims[i];
+    return n;
+  }
+};
+
+// `tokens` rows of src (type `type`) split into dst[i] (tokens, heads_i, head_dims_i), the
+// first `rotated` with RoPE by each token's cos and sin (dims / 2 values each, same type):
+// x1 * cos - x2 * sin, x1 * sin + x2 * cos, each product rounded as MLX's ops round.
+inline void rope_split_rows(const void* src, int type, const void* cos_p, const void* sin_p,
+                            int64_t tokens, const RopeSpec& spec, void* const* dst) {
+  const int half = spec.dims / 2;
+  const int64_t row = spec.row();
+  std::vector<float> cs(2 * static_cast<size_t>(half));
+  for (int64_t t = 0; t < tokens; t++) {
+    for (int i = 0; i < half; i++) {
+      cs[i] = load(cos_p, type, t * half + i);
+      cs[half + i] = load(sin_p, type, t * half + i);
+    }
+    int64_t in = t * row;
+    for (size_t seg = 0; seg < spec.heads.size(); seg++) {
+      const int hd = spec.head_dims[seg];
+      for (int h = 0; h < spec.heads[seg]; h++, in += hd) {
+        const int64_t out = (t * spec.heads[seg] + h) * int64_t{hd};
+        int d0 = 0;
+        if (static_cast<int>(seg) < spec.rotated) {
+          for (int i = 0; i < half; i++) {
+            const int a = spec.traditional ? 2 * i : i;
+            const int b = spec.traditional ? 2 * i + 1 : i + half;
+            const float x1 = load(src, type, in + a), x2 = load(src, type, in + b);
+            const float c = cs[i], s = cs[half + i];
+            store(dst[seg], type, out + a, round_to(type, x1 * c) - round_to(type, x2 * s));
+            store(dst[seg], type, out + b, round_to(type, x1 * s) + round_to(type, x2 * c));
+          }
+          d0 = spec.dims;
+        }
+        for (int d = d0; d < hd; d++) store(dst[seg], type, out + d, load(src, type, in + d));
+      }
+    }
+  }
+}
+
 void register_attention(nanobind::module_& m);
 void register_rope_norm(nanobind::module_& m);
+void register_layer(nanobind::module_& m);
 
 }  // namespace mlxserve_decode

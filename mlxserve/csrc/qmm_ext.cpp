@@ -194,4 +194,5 @@ NB_MODULE(MLXSERVE_EXT_NAME, m) {
   m.def("threads", &mlxserve_qmm_threads, "Threads per call now.");
   mlxserve_decode::register_attention(m);  // attn_ext.cpp
   mlxserve_decode::register_rope_norm(m);  // rope_norm_ext.cpp
+  mlxserve_decode::register_layer(m);  // layer_ext.cpp
 }

@@ -14,8 +14,9 @@
 //       one op instead of 3 (models/compiled.rms_norm) or 11.
 //   write_rows(pool, block_ids, offsets, rows)
 //       MLX's own scatter of rows into pool[block_ids[t], offsets[t]], built in C++ so the
-//       update needs no squeeze/broadcast/reshape ops (Python's indexing adds them); it
-//       is the same Scatter primitive, so it updates the pool in place when it can.
+//       update needs no squeeze/broadcast ops (Python's indexing adds them) and, for rows
+//       given as (tokens, 1, 1, heads, width), no reshape; it is the same Scatter
+//       primitive, so it updates the pool in place when it can.
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -36,16 +37,6 @@ namespace mlxserve_decode {
 namespace {
 
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
-
-struct RopeSpec {
-  std::vector<int> heads, head_dims;
-  int rotated, dims;
-  bool traditional;
-  bool operator==(const RopeSpec& o) const {
-    return heads == o.heads && head_dims == o.head_dims && rotated == o.rotated &&
-           dims == o.dims && traditional == o.traditional;
-  }
-};
 
 class CpuRopeSplit : public mx::Primitive {
  public:
@@ -68,40 +59,10 @@ class CpuRopeSplit : public mx::Primitive {
       const void* src = dense(x, kx);
       const void* cos_p = dense(cos_t, kc);
       const void* sin_p = dense(sin_t, ks);
-      const int type = elem_of(x.dtype());
-      const int half = spec.dims / 2;
-      const int64_t tokens = static_cast<int64_t>(cos_t.size()) / half;
-      int64_t row = 0;
-      for (size_t i = 0; i < spec.heads.size(); i++) row += int64_t{spec.heads[i]} * spec.head_dims[i];
-      std::vector<float> cs(2 * static_cast<size_t>(half));
-      for (int64_t t = 0; t < tokens; t++) {
-        for (int i = 0; i < half; i++) {
-          cs[i] = load(cos_p, type, t * half + i);
-          cs[half + i] = load(sin_p, type, t * half + i);
-        }
-        int64_t in = t * row;
-        for (size_t seg = 0; seg < spec.heads.size(); seg++) {
-          const int hd = spec.head_dims[seg];
-          void* dst = outs[seg].data<void>();
-          for (int h = 0; h < spec.heads[seg]; h++, in += hd) {
-            const int64_t out = (t * spec.heads[seg] + h) * int64_t{hd};
-            int d0 = 0;
-            if (static_cast<int>(seg) < spec.rotated) {
-              for (int i = 0; i < half; i++) {
-                const int a = spec.traditional ? 2 * i : i;
-                const int b = spec.traditional ? 2 * i + 1 : i + half;
-                const float x1 = load(src, type, in + a), x2 = load(src, type, in + b);
-                const float c = cs[i], s = cs[half + i];
-                // Each product rounded to the dtype, as MLX's elementwise ops round.
-                store(dst, type, out + a, round_to(type, x1 * c) - round_to(type, x2 * s));
-                store(dst, type, out + b, round_to(type, x1 * s) + round_to(type, x2 * c));
-              }
-              d0 = spec.dims;
-            }
-            for (int d = d0; d < hd; d++) store(dst, type, out + d, load(src, type, in + d));
-          }
-        }
-      }
+      std::vector<void*> dst;
+      for (auto& o : outs) dst.push_back(o.data<void>());
+      const int64_t tokens = static_cast<int64_t>(cos_t.size()) / (spec.dims / 2);
+      rope_split_rows(src, elem_of(x.dtype()), cos_p, sin_p, tokens, spec, dst.data());
     });
   }
 
@@ -169,23 +130,10 @@ class CpuRmsNorm : public mx::UnaryPrimitive {
       std::vector<char> kx, kw;
       const void* src = dense(x, kx);
       const void* weight = dense(w, kw);
-      const int xt = elem_of(x.dtype()), wt = elem_of(w.dtype()), yt = elem_of(y.dtype());
       const int64_t d = x.shape(-1);
       const int64_t rows = d ? static_cast<int64_t>(x.size()) / d : 0;
-      void* dst = y.data<void>();
-      const float inv_d = 1.0f / static_cast<float>(d);
-      for (int64_t r = 0; r < rows; r++) {
-        float sum = 0;  // in order, as MLX's CPU reduction adds them
-        for (int64_t i = 0; i < d; i++) {
-          const float v = load(src, xt, r * d + i);
-          sum += v * v;
-        }
-        const float inv = 1.0f / std::sqrt(sum * inv_d + eps);
-        for (int64_t i = 0; i < d; i++) {
-          const float normed = round_to(xt, load(src, xt, r * d + i) * inv);
-          store(dst, yt, r * d + i, normed * load(weight, wt, i));
-        }
-      }
+      rms_norm_rows(src, elem_of(x.dtype()), weight, elem_of(w.dtype()), y.data<void>(),
+                    elem_of(y.dtype()), rows, d, eps);
     });
   }
 
@@ -222,12 +170,17 @@ mx::array write_rows(const mx::array& pool, const mx::array& block_ids, const mx
   check(pool.ndim() == 4, "write_rows: pool must be (blocks, block_size, heads, width)");
   check(block_ids.ndim() == 1 && offsets.shape() == block_ids.shape(),
         "write_rows: block_ids and offsets must be (tokens,)");
-  check(rows.ndim() == 3 && rows.shape(0) == block_ids.shape(0) &&
-            rows.shape(1) == pool.shape(2) && rows.shape(2) == pool.shape(3),
-        "write_rows: rows must be (tokens, heads, width) of the pool's heads and width");
+  const int tokens = block_ids.shape(0), heads = pool.shape(2), width = pool.shape(3);
+  // The scatter's update is (tokens, 1, 1, heads, width): rows in that shape already (the
+  // fused layer's k and v, layer_ext.cpp) need no Reshape op.
+  const mx::Shape update_shape = {tokens, 1, 1, heads, width};
+  check((rows.ndim() == 3 && rows.shape() == mx::Shape{tokens, heads, width}) ||
+            rows.shape() == update_shape,
+        "write_rows: rows must be (tokens, heads, width) or (tokens, 1, 1, heads, width) of "
+        "the pool's heads and width");
   auto s = cpu_stream();
-  auto update = mx::reshape(mx::astype(rows, pool.dtype(), s),
-                            {rows.shape(0), 1, 1, rows.shape(1), rows.shape(2)}, s);
+  auto update = mx::astype(rows, pool.dtype(), s);
+  if (rows.ndim() == 3) update = mx::reshape(update, update_shape, s);
   return mx::scatter(pool, {block_ids, offsets}, update, {0, 1}, s);
 }
 

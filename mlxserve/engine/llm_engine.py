@@ -36,6 +36,7 @@ from mlxserve.loader import LoadedModel, load_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
+from mlxserve.utils import uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
 from mlxserve.worker.memory import tree_bytes
@@ -125,6 +126,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        # Whether step() returns the previous step's outputs while launching the next (see
+        # _step). On the CPU, MLX's async_eval returns only when ~10 ops of the step are
+        # left (it evaluates at most that far ahead of its compute thread): there is almost
+        # nothing to overlap, and the outputs would reach callers a whole step late.
+        self.pipelined = uses_gpu()
         # Prompt tokens computed so far (prefix-cache hits excluded), for throughput logs.
         self.num_prompt_tokens_computed = 0
 
@@ -260,22 +266,18 @@ class LLMEngine:
     def _step(self, delta: bool = False) -> list[RequestOutput]:
         """Advance by one forward pass; outputs of the requests that changed.
 
-        Pipelined: the step launched by the previous call is collected first, the next
-        one is scheduled and launched, and the collected step's outputs are detokenized
-        while the new one computes. So outputs trail the launch by one call, and a
-        request stopped by a stop string may have computed one extra token, discarded.
+        Pipelined (on Metal): the step launched by the previous call is collected first,
+        the next one is scheduled and launched, and the collected step's outputs are
+        detokenized while the new one computes. So outputs trail the launch by one call,
+        and a request stopped by a stop string may have computed one extra token,
+        discarded. Otherwise (the CPU) the step launched is collected in the same call.
         A request the runner reports as failed ends with finish_reason "error".
         """
         collected = None
         if self._in_flight is not None:
-            so, handle = self._in_flight
-            self._in_flight = None
-            try:
-                ro = self.runner.collect(handle)
-            except KVCacheLostError as e:
-                return self._fail_everything(str(e), delta)
-            failures = self._fail(ro.failed, delta)
-            collected = (so, ro, self.scheduler.update_from_output(so, ro), failures)
+            collected = self._collect(delta)
+            if isinstance(collected, list):  # the KV pool is lost: every request failed
+                return collected
         so = self.scheduler.schedule()
         if so.scheduled_requests or so.finished_request_ids:
             slots = self.state_pool.num_allocated_slots if self.state_pool is not None else 0
@@ -287,9 +289,37 @@ class LLMEngine:
                 self.abort_request([p.request_id for p in parents])
                 raise
             self._note_scheduled(so)
+        if not self.pipelined and self._in_flight is not None:
+            assert collected is None  # nothing was in flight when this call began
+            collected = self._collect(delta)
+            if isinstance(collected, list):
+                return collected
         if collected is None:
             return []
-        return self._process(*collected, delta=delta)
+        outputs = self._process(*collected, delta=delta)
+        if not self.pipelined:
+            self._flush_finished()
+        return outputs
+
+    def _flush_finished(self) -> None:
+        """Pass requests that finished to the runner (it frees their state) when no step
+        follows to carry them: pipelined, the call that collected the last step did."""
+        if self.scheduler.finished_request_ids and not self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()  # nothing to compute: only the finished ids
+            self.scheduler.update_from_output(so, self.runner.collect(self.runner.launch(so)))
+
+    def _collect(self, delta: bool) -> tuple | list[RequestOutput]:
+        """Wait for the step in flight: (its SchedulerOutput, ModelRunnerOutput, the
+        requests it changed, outputs of the requests it failed); or, if the KV pool was
+        lost, the final outputs of every request."""
+        so, handle = self._in_flight
+        self._in_flight = None
+        try:
+            ro = self.runner.collect(handle)
+        except KVCacheLostError as e:
+            return self._fail_everything(str(e), delta)
+        failures = self._fail(ro.failed, delta)
+        return (so, ro, self.scheduler.update_from_output(so, ro), failures)
 
     def _fail(self, failed: dict[str, str], delta: bool) -> list[RequestOutput]:
         """End the user requests of engine requests whose step failed; their outputs."""

@@ -162,7 +162,7 @@ class RotaryEmbedding(nn.Module):
             self._freqs = mx.array(periods, dtype=mx.float32)
             self._base = None
 
-        self._memo = _RopeTables()  # CPU: the last positions' cos and sin (see _tables)
+        self._memo = _RopeTables()  # CPU: the last positions' cos and sin (see tables)
 
     def split_rotate(
         self,
@@ -178,7 +178,7 @@ class RotaryEmbedding(nn.Module):
         this module on each."""
         module = None if uses_gpu() else ops.cpu_module()
         if module is not None:
-            cos, sin = self._tables(positions, x.dtype)  # once per step (MLX's cos and sin)
+            cos, sin = self.tables(positions, x.dtype)  # once per step (MLX's cos and sin)
             return module.rope_split(x, cos, sin, heads, head_dims, rotated, self.traditional)
         sizes = [h * d for h, d in zip(heads, head_dims, strict=True)]
         bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
@@ -187,7 +187,7 @@ class RotaryEmbedding(nn.Module):
         out = [p.reshape(num_tokens, h, d) for p, h, d in zip(parts, heads, head_dims, strict=True)]
         return [self(p, positions) if i < rotated else p for i, p in enumerate(out)]
 
-    def _tables(
+    def tables(
         self, positions: mx.array, dtype: mx.Dtype
     ) -> tuple[mx.array, mx.array]:  # 2 x (num_tokens, 1, dims // 2)
         """cos and sin of every token's angles, made once per ``positions`` array.
@@ -240,7 +240,7 @@ class RotaryEmbedding(nn.Module):
         if not uses_gpu():
             if ops.cpu_module() is not None:
                 return self.split_rotate(x, positions, [x.shape[1]], [x.shape[2]], 1)[0]
-            return self._rotate(x, *self._tables(positions, x.dtype))
+            return self._rotate(x, *self.tables(positions, x.dtype))
         # Each token is its own "batch" row of length 1, so offset=positions rotates it
         # by its own position.
         y = mx.fast.rope(
@@ -385,8 +385,8 @@ def cached_attention(
     cache: KVCache,
     layer_idx: int,
     q: mx.array,  # (num_tokens, num_heads, head_dim)
-    k: mx.array,  # (num_tokens, num_kv_heads, head_dim)
-    v: mx.array,  # (num_tokens, num_kv_heads, head_dim)
+    k: mx.array,  # (num_tokens, num_kv_heads, head_dim); CPU: or (num_tokens, 1, 1, ...)
+    v: mx.array,  # (num_tokens, num_kv_heads, head_dim) (see ops.cpu.write_kv)
     md: AttentionMetadata,
     scale: float,
 ) -> mx.array:  # (num_tokens, num_heads, head_dim)

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve.models import compiled
+from mlxserve.models import compiled, cpu_layer
 from mlxserve.models.base import (
     BaseModelArgs,
     KVCache,
@@ -136,24 +136,37 @@ class Attention(nn.Module):
         md: AttentionMetadata,
         cache: KVCache,
     ) -> mx.array:  # (num_tokens, hidden)
+        out = self.attend(self.project(x, positions), md, cache)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def project(
+        self,
+        x: mx.array,  # (num_tokens, hidden)
+        positions: mx.array,  # (num_tokens,)
+    ) -> list[mx.array]:  # q (num_tokens, num_heads, head_dim), k, v (.., num_kv_heads, ..)
+        """q, k and v of the (normed) input rows, rotated."""
         num_tokens = x.shape[0]
         heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         if "qkv_proj" in self and "q_norm" not in self:  # fused at load (models/fused.py)
             dims = (self.head_dim,) * 3  # split, reshaped and q, k rotated (one op on the CPU)
-            q, k, v = self.rope.split_rotate(self.qkv_proj(x), positions, heads, dims, 2)
+            return self.rope.split_rotate(self.qkv_proj(x), positions, heads, dims, 2)
+        if "qkv_proj" in self:
+            q, k, v = mx.split(self.qkv_proj(x), self._qkv_split, axis=-1)
         else:
-            if "qkv_proj" in self:
-                q, k, v = mx.split(self.qkv_proj(x), self._qkv_split, axis=-1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if "q_norm" in self:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rope(q, positions), self.rope(k, positions)
-        out = cached_attention(cache, self.layer_idx, q, k, v, md, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))  # (num_tokens, hidden)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return [self.rope(q, positions), self.rope(k, positions), v]
+
+    def attend(
+        self, qkv: list[mx.array], md: AttentionMetadata, cache: KVCache
+    ) -> mx.array:  # (num_tokens, num_heads, head_dim)
+        """Write k and v to the cache, then attend over each row's context."""
+        q, k, v = qkv
+        return cached_attention(cache, self.layer_idx, q, k, v, md, self.scale)
 
     def fuse_qkv(self, qkv_proj: nn.Module, sizes: list[int]) -> None:
         """Replace q/k/v_proj by one layer whose output rows are q | k | v (``sizes``)."""
@@ -198,7 +211,16 @@ class DecoderLayer(nn.Module):
     def __call__(
         self, x: mx.array, positions: mx.array, md: AttentionMetadata, cache: KVCache
     ) -> mx.array:  # (num_tokens, hidden)
-        h = x + self.self_attn(self.input_layernorm(x), positions, md, cache)
+        attn = self.self_attn
+        # On the CPU kernels each half is one op (models/cpu_layer.py), else None.
+        qkv = cpu_layer.attention_input(attn, self.input_layernorm, x, positions)
+        if qkv is None:
+            qkv = attn.project(self.input_layernorm(x), positions)
+        out = attn.attend(qkv, md, cache)  # (num_tokens, num_heads, head_dim)
+        h = cpu_layer.output_mlp(self, x, out)
+        if h is not None:
+            return h
+        h = x + attn.o_proj(out.reshape(x.shape[0], -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -223,7 +245,9 @@ class DecoderStack(nn.Module):
         cache: KVCache,
         logits_indices: mx.array | None,
     ) -> mx.array:  # (num_rows, hidden)
-        h = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        h = cpu_layer.embed(self.embed_tokens, input_ids)  # one op on the CPU kernels
+        if h is None:
+            h = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         for layer in self.layers:
             h = layer(h, positions, md, cache)
         return self.norm(select_rows(h, logits_indices))

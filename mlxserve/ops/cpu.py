@@ -53,12 +53,14 @@ def write_kv(
     module: ModuleType,
     k_cache: mx.array,  # (num_blocks, block_size, num_kv_heads, k_width)
     v_cache: mx.array,
-    keys: mx.array,  # (num_tokens, num_kv_heads, k_head_dim)
+    keys: mx.array,  # (num_tokens, num_kv_heads, k_head_dim) or (num_tokens, 1, 1, ...)
     values: mx.array,
     slot_mapping: mx.array,  # (num_tokens,) int32
 ) -> tuple[mx.array, mx.array]:
-    """fallback.write_kv with MLX's scatter built in C++ (no ops around it); the old pools
-    are consumed (drop them so the scatter can update them in place)."""
+    """fallback.write_kv with MLX's scatter built in C++ (no ops around it; rows already in
+    the scatter's (num_tokens, 1, 1, heads, width) shape, as the fused layer makes them,
+    need no reshape either); the old pools are consumed (drop them so the scatter can update
+    them in place)."""
     if kv_quant.is_quantized(k_cache):
         keys, values = kv_quant.quantize(keys), kv_quant.quantize(values)
     blocks, offsets = _block_offsets(slot_mapping, k_cache.shape[1])

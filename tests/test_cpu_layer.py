@@ -1,0 +1,255 @@
+"""The fused CPU layer primitives (models/cpu_layer.py, csrc/layer_ext.cpp).
+
+Oracles: the same model with the fused halves switched off (the separate CPU primitives:
+the same kernels in the same order, so bit for bit) and with the pure-MLX fallback forced
+(MLX's own norm, RoPE, SwiGLU and attention: within float32 tolerance). Every step mixes
+a prefill chunk, decodes and a verification's rows, so the primitives see any row count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxserve import cpu, ops
+from mlxserve.loader import load_model
+from mlxserve.models import KVCache, cpu_layer
+from mlxserve.models.fused import fuse_projections
+from mlxserve.ops import AttentionMetadata, kv_quant
+from mlxserve.worker.pool_watch import buffer_address
+from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, tiny_config
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="mlxserve's CPU kernels not built")
+
+# llama: no biases; qwen2: q/k/v biases; qwen3: per-head q/k norms before RoPE.
+MODELS = {
+    "llama": tiny_config("llama", num_hidden_layers=2),
+    "qwen2": tiny_config("qwen2", num_hidden_layers=2),
+    "qwen3": tiny_config("qwen3", num_hidden_layers=2, head_dim=16),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cpu_layer")
+    quantize = {"group_size": 32, "bits": 4}
+    return {
+        name: make_mlx_lm_checkpoint(root / name, config, seed=5, quantize=quantize)[1]
+        for name, config in MODELS.items()
+    }
+
+
+def _load(path: Path, act_bits: int) -> nn.Module:
+    """As the engine loads it on the CPU: kernels, then fused projections."""
+    model = load_model(str(path), skip_tokenizer_init=True).model
+    fuse_projections(model)
+    for _, m in model.named_modules():
+        if isinstance(m, cpu.CpuQuantizedLinear | cpu.CpuQuantizedEmbedding):
+            m.act_bits = act_bits  # what MLXSERVE_CPU_INT8 sets at load
+    return model
+
+
+def _run(model: nn.Module) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Logits of a prefill, batched decodes (one padded), a verification; then the pools."""
+    runner = BlockPoolRunner(model, num_blocks=32, block_size=4)
+    logits = [runner.step([("a", list(range(3, 14)))], all_logits=True)["a"]]
+    for i in range(2):
+        out = runner.step([("a", [20 + i]), ("b", [5, 6, 7] if i == 0 else [30])], pad_to=4)
+        logits += [out["a"], out["b"]]
+    logits.append(runner.step([("a", [40, 41, 42, 43])], all_logits=True)["a"])  # 4 rows
+    pools = [np.array(p) for p in runner.cache.keys + runner.cache.values]
+    return logits, pools
+
+
+class _Spy:
+    """Counts the fused halves a forward pass used (returns other than None)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, off: bool = False) -> None:
+        self.used = {"attention_input": 0, "output_mlp": 0, "embed": 0}
+        for name in self.used:
+            real = getattr(cpu_layer, name)
+
+            def spy(*args, _real=real, _name=name):
+                out = None if off else _real(*args)
+                self.used[_name] += out is not None
+                return out
+
+            monkeypatch.setattr(cpu_layer, name, spy)
+
+
+@pytest.mark.parametrize("act_bits", [0, 8], ids=["float", "int8"])
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_fused_layers_give_the_separate_primitives_bits(
+    checkpoints: dict[str, Path], model_type: str, act_bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _load(checkpoints[model_type], act_bits)
+    with monkeypatch.context() as m:
+        spy = _Spy(m)
+        fused_logits, fused_pools = _run(model)
+    assert spy.used == {"attention_input": 8, "output_mlp": 8, "embed": 4}  # 2 layers, 4 passes
+    with monkeypatch.context() as m:
+        spy = _Spy(m, off=True)
+        separate_logits, separate_pools = _run(model)
+    for got, want in zip(fused_logits + fused_pools, separate_logits + separate_pools, strict=True):
+        np.testing.assert_array_equal(got, want)
+    with ops.force_backend("fallback"):  # MLX's ops (the quantized matmuls stay the kernels)
+        spy = _Spy(monkeypatch)
+        ref_logits, ref_pools = _run(model)
+    assert spy.used == {"attention_input": 0, "output_mlp": 0, "embed": 0}
+    for got, want in zip(fused_logits + fused_pools, ref_logits + ref_pools, strict=True):
+        if act_bits == 0:
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+        else:  # MLX's ops differ in the last bits, and int8 rounding moves near ties a step
+            assert np.linalg.norm(got - want) <= 0.05 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_embedding_rows_are_mlx_s_dequantized_rows(scale_dtype: mx.Dtype) -> None:
+    """Oracle: MLX's mx.dequantize of the gathered rows (CpuQuantizedEmbedding's lookup)."""
+    table = mx.random.normal((50, 192), key=mx.random.key(4))
+    ids = mx.array([7, 0, 49, 7, 13], dtype=mx.int32)
+    for bits in cpu.BITS:
+        for group_size in (32, 64):
+            layer = nn.QuantizedEmbedding.from_embedding(nn.Embedding(50, 192), group_size, bits)
+            w, scales, biases = mx.quantize(table, group_size=group_size, bits=bits)
+            layer.update({"weight": w, "scales": scales.astype(scale_dtype)})
+            layer.update({"biases": biases.astype(scale_dtype)})
+            layer = _as_kernel_layer(layer)
+            got = cpu_layer.embed(layer, ids)
+            assert got is not None and got.dtype == mx.float32
+            assert mx.array_equal(got, layer(ids)).item(), (bits, group_size)
+    # An id outside the table (the engine rejects those first): zeros, not a crash.
+    out = cpu.module().embed_rows(mx.array([3, 50, -1]), w, scales, biases, group_size, bits)
+    assert mx.array_equal(out[1:], mx.zeros((2, 192))).item()
+
+
+def _as_kernel_layer(layer: nn.Module) -> nn.Module:
+    holder = nn.Module()
+    holder.embed = layer
+    assert cpu.use_kernels(holder) == 1
+    return holder.embed
+
+
+@pytest.mark.parametrize("kv_dtype", [mx.float32, mx.int8], ids=["float-pool", "int8-pool"])
+def test_fused_layers_write_the_pools_in_place(
+    checkpoints: dict[str, Path], kv_dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """k and v come out in the scatter's shape (no Reshape op); the write stays in place."""
+    model = _load(checkpoints["llama"], 0)
+    spy = _Spy(monkeypatch)
+    runner = BlockPoolRunner(model, num_blocks=16, block_size=4, dtype=kv_dtype)
+    addresses = []
+    for tokens in ([3, 4, 5, 6, 7], [8], [9], [10, 11, 12]):
+        runner.step([("a", tokens)])
+        addresses.append([buffer_address(a) for a in runner.cache.keys + runner.cache.values])
+    assert spy.used["attention_input"] == 8
+    assert addresses[1:] == addresses[:-1]  # every step wrote the same buffers
+    with ops.force_backend("fallback"):
+        reference = BlockPoolRunner(model, num_blocks=16, block_size=4, dtype=kv_dtype)
+        for tokens in ([3, 4, 5, 6, 7], [8], [9], [10, 11, 12]):
+            reference.step([("a", tokens)])
+    atol = 1e-5
+    for got, want in zip(runner.cache.keys, reference.cache.keys, strict=True):
+        if kv_dtype == mx.int8:  # rows and their scales: compare what they hold (a quantum)
+            got, want = kv_quant.dequantize(got, mx.float32), kv_quant.dequantize(want, mx.float32)
+            atol = 2e-2
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_a_decode_layer_is_five_ops(checkpoints: dict[str, Path], model_type: str) -> None:
+    """One layer's graph, its inputs (and the step's RoPE tables and slots) evaluated."""
+    from bench.decode_profile import op_histogram
+
+    model = _load(checkpoints[model_type], 0)
+    layer = model.model.layers[0]
+    cache = KVCache.allocate_for(model, 8, 4, mx.float32)
+    md = AttentionMetadata.build([1, 1], [3, 6], [[1], [2, 3]], 4)
+    x = mx.random.normal((2, model.args.hidden_size), key=mx.random.key(2))
+    positions = mx.array([2, 5])
+    steps = (
+        layer.self_attn.rope.tables(positions, mx.float32),
+        ops.cpu._block_offsets(md.slot_mapping, 4),
+    )
+    mx.eval(x, cache.arrays(), steps)
+    out = layer(x, positions, md, cache)
+    assert op_histogram([out, *cache.arrays()]) == {
+        "Scatter": 2,  # K and V, no Reshape before them
+        "MlxserveCpuAttentionInput": 1,
+        "MlxserveCpuOutputMlp": 1,
+        "MlxserveCpuPagedAttention": 1,
+    }
+
+
+def test_layers_off_the_kernels_keep_the_separate_ops(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _load(checkpoints["llama"], 0)
+    layer = model.model.layers[0]
+    x = mx.random.normal((3, model.args.hidden_size), key=mx.random.key(1))
+    attn_out = mx.zeros((3, layer.self_attn.num_heads, layer.self_attn.head_dim))
+    positions = mx.array([0, 1, 2])
+    assert cpu_layer.output_mlp(layer, x, attn_out) is not None
+    # Activations other than float32: the primitives are float32 only.
+    assert cpu_layer.output_mlp(layer, x.astype(mx.float16), attn_out) is None
+    # A linear that is not the kernels' (e.g. a tensor-parallel shard's wrapper).
+    down = layer.mlp.down_proj
+    layer.mlp.down_proj = nn.Linear(model.args.intermediate_size, model.args.hidden_size)
+    assert cpu_layer.output_mlp(layer, x, attn_out) is None
+    layer.mlp.down_proj = down
+    # Unfused gate/up projections (fusion refused: e.g. their settings differ).
+    unfused = load_model(str(checkpoints["llama"]), skip_tokenizer_init=True).model
+    unfused_layer = unfused.model.layers[0]
+    assert cpu_layer.output_mlp(unfused_layer, x, attn_out) is None
+    args = (unfused_layer.self_attn, unfused_layer.input_layernorm, x, positions)
+    assert cpu_layer.attention_input(*args) is None
+    # MLXSERVE_CPU_KERNELS=off / kernels="fallback" leave ops.cpu_module() None.
+    with ops.force_backend("fallback"):
+        assert cpu_layer.output_mlp(layer, x, attn_out) is None
+    monkeypatch.setattr(ops, "cpu_module", lambda: None)
+    assert cpu_layer.output_mlp(layer, x, attn_out) is None
+    assert cpu_layer.attention_input(layer.self_attn, layer.input_layernorm, x, positions) is None
+
+
+def test_primitives_reject_inconsistent_shapes(checkpoints: dict[str, Path]) -> None:
+    model = _load(checkpoints["llama"], 0)
+    layer = model.model.layers[0]
+    attn, module = layer.self_attn, cpu.module()
+    qkv = attn.qkv_proj
+    hidden = model.args.hidden_size
+
+    def call(**changed):
+        args = {
+            "x": mx.zeros((2, hidden)),
+            "norm_weight": layer.input_layernorm.weight,
+            "eps": 1e-5,
+            "qkv": [qkv.weight, qkv.scales, qkv.biases],
+            "qkv_settings": [qkv.group_size, qkv.bits, 0],
+            "cos": mx.zeros((2, 1, attn.head_dim // 2)),
+            "sin": mx.zeros((2, 1, attn.head_dim // 2)),
+            "heads": [4, 2, 2],
+            "head_dims": [16] * 3,
+            "rotated": 2,
+            "traditional": False,
+        }
+        return module.attention_input(**(args | changed))
+
+    assert [a.shape for a in call()] == [(2, 4, 16), (2, 2, 16), (2, 2, 16)]
+    with pytest.raises(ValueError, match="must add up to the projection's 128 outputs"):
+        call(heads=[4, 4, 2])
+    with pytest.raises(ValueError, match="w holds rows of 64 values, the input has 32"):
+        call(x=mx.zeros((2, 32)), norm_weight=mx.ones((32,)))
+    with pytest.raises(ValueError, match="x must be \\(tokens, hidden\\) float32"):
+        call(x=mx.zeros((2, hidden), dtype=mx.float16))
+    with pytest.raises(ValueError, match="act_bits must be 0 or 8"):
+        call(qkv_settings=[qkv.group_size, qkv.bits, 4])
+    with pytest.raises(ValueError, match="qk_norms must be \\[\\] or \\[q, k\\]"):
+        call(qk_norms=[mx.ones((16,))])
+    with pytest.raises(ValueError, match="qk_norms must be \\(head_dim,\\)"):
+        call(qk_norms=[mx.ones((16,)), mx.ones((8,))])
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        call(cos=mx.zeros((3, 1, attn.head_dim // 2)))
