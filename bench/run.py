@@ -39,7 +39,7 @@ from mlxserve.cli.bench import OfflineSpec, make_prompts  # noqa: E402
 SECTIONS = ("offline", "serving", "mixed", "busy", "prefix", "memory")
 PEERS = ("mlxserve", "mlxserve-float", "mlxserve-int8", "mlx-lm", "llama.cpp")
 # mlxserve with int8 activations (MLXSERVE_CPU_INT8=on): the offline section only.
-MLXSERVE_VARIANTS = {  # mlxserve as configured (float activations unless MLXSERVE_CPU_INT8)
+MLXSERVE_VARIANTS = {  # mlxserve as configured (int8 activations where the CPU has them)
     "mlxserve": {},
     "mlxserve-float": {"MLXSERVE_CPU_INT8": "off"},
     "mlxserve-int8": {"MLXSERVE_CPU_INT8": "on"},

@@ -2,7 +2,12 @@
 
 Greedy answers do not depend on the batch they ran in, nor on how they were asked for
 (streamed or not, n, logprobs, usage chunk); seeded ones neither (the sampler keys its
-noise on the request's seed and output length). So every answer to the same output key
+noise on the request's seed and output length). On the CPU with int8 activations (the
+default) that holds bit for bit by construction, whatever the server's chunking and
+prefix-cache hits: the int8 matmul is row-exact and every row's attention is the per-row
+primitive (bench/README.md: the soak's two answers, isolated); float activations keep
+~1e-5-nat differences across chunkings, which only an exact tie could turn into another
+token. So every answer to the same output key
 must be the same text with the same finish_reason, and what an aborted stream received
 must be a prefix of it. Every response for the same prompt must count the same prompt
 tokens, from /tokenize as from the usage of completions and chats.

@@ -219,10 +219,11 @@ def test_the_setting_picks_the_layers_activations(monkeypatch: pytest.MonkeyPatc
         return model.layers[0].act_bits
 
     simd = cpu._module().q8_isa() != "scalar"
-    monkeypatch.delenv("MLXSERVE_CPU_INT8", raising=False)  # opt-in (README: CPU performance)
-    assert act_bits() == 0 and "float activations" in cpu.status()
-    monkeypatch.setenv("MLXSERVE_CPU_INT8", "off")
-    assert act_bits() == 0
+    monkeypatch.delenv("MLXSERVE_CPU_INT8", raising=False)  # auto (README: CPU performance)
+    assert act_bits() == (8 if simd else 0)
+    for off in ("off", "0"):
+        monkeypatch.setenv("MLXSERVE_CPU_INT8", off)
+        assert act_bits() == 0 and "float activations" in cpu.status()
     monkeypatch.setenv("MLXSERVE_CPU_INT8", "on")
     assert act_bits() == 8 and "int8 activations" in cpu.status()
     monkeypatch.setenv("MLXSERVE_CPU_INT8", "auto")  # on wherever a SIMD integer path exists

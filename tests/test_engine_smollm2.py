@@ -112,3 +112,27 @@ def test_chat_renders_like_llama_cpp_and_answers() -> None:
         use_tqdm=False,
     )
     assert one.outputs[0].text == "The capital of France is Paris."
+
+
+def test_int8_greedy_bits_do_not_depend_on_chunks_prefix_hits_or_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The soak's near tie: with int8 activations one greedy request once got "... the
+    Golden Delicious," and "... the Golden Delicious Golden" from one server. Its
+    logprobs must be the same bits computed in 17-token chunks beside another request and
+    after a prefix-cache hit (when prefill attention depended on the chunk's shape,
+    chunking moved them by up to 0.4 nats)."""
+    monkeypatch.setenv("MLXSERVE_CPU_INT8", "on")  # read when the model loads
+    question = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    other = [{"role": "user", "content": "What do bees make?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
+
+    def answers(llm: LLM, *convs: list) -> list[tuple]:
+        outs = llm.chat(list(convs), params, use_tqdm=False)
+        return [(o.num_cached_tokens, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    llm = LLM(None, num_blocks=64, max_num_batched_tokens=17)
+    beside, _ = answers(llm, question, other)  # 37 tokens in chunks shared with other
+    (hit,) = answers(llm, question)  # 32 from the prefix cache, then 5 in one chunk
+    assert beside[0] == 0 and hit[0] == 32
+    assert hit[1:] == beside[1:]

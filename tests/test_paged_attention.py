@@ -305,3 +305,48 @@ def test_decode_groups_need_one_table_and_consecutive_positions() -> None:
     assert build([1, 1], [5, 6], [[1, 2], [1, 3]], 4).decode_group_sizes == ()  # two tables
     md = build([1, 1, 1, 4], [3, 4, 9, 4], [[1], [1], [2, 3, 4], [5]], 4)
     assert md.decode_group_sizes == (2, 1)  # the prefill chunk is not a decode
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_cpu_rows_do_not_depend_on_their_chunk(window: int | None) -> None:
+    """On the CPU primitives a token's attention has the same bits whatever chunk of its
+    prompt it is computed in: whole, in chunks of any size, after a cached prefix, beside
+    another request, or as a decode row. (The fallback's causal matmul per chunk changes in
+    the last bits with the chunk's shape; int8 activations, rounding x per block, turned
+    that into greedy answers that depended on the server's chunking.)"""
+    use_backend("cpu")
+    rng = np.random.default_rng(18)
+    n, bs = 45, 16
+    # Request 0 is another sequence's decode row, request 1 the prompt.
+    tables, num_blocks, ks, vs, qs = make_case(rng, bs, [(1, 20), (n, n)], 9, 3, 64)
+
+    def rows(chunks: list[int], beside: bool = False) -> np.ndarray:
+        """The prompt's rows computed chunk by chunk (``beside``: after the decode row)."""
+        out, start = [], 0
+        for size in chunks:
+            end = start + size
+            picked = [(0, (1, 20), 20, slice(0, 1))] if beside else []  # decodes first
+            picked.append((1, (size, end), end, slice(start, end)))
+            with ops.force_backend("cpu"):
+                got = run_paged(
+                    [r for _, r, _, _ in picked],
+                    [tables[i] for i, _, _, _ in picked],
+                    num_blocks,
+                    [ks[i][:c] for i, _, c, _ in picked],
+                    [vs[i][:c] for i, _, c, _ in picked],
+                    [qs[i][s] for i, _, _, s in picked],
+                    bs,
+                    mx.float32,
+                    0.125,
+                    window=window,
+                )
+            out.append(got[len(picked) - 1 :])  # the prompt's rows
+            start = end
+        return np.concatenate(out)
+
+    whole = rows([n])
+    want = dense_attention(qs[1], ks[1], vs[1], 0.125, window)
+    np.testing.assert_allclose(whole, want, atol=2e-5, rtol=2e-5)  # right, to start with
+    for chunks, beside in [([8, 17, 20], False), ([32, 13], False), ([3, 42], True)]:
+        np.testing.assert_array_equal(rows(chunks, beside), whole, err_msg=str(chunks))
+    np.testing.assert_array_equal(rows([1] * n), whole, err_msg="decode rows")

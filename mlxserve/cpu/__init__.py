@@ -17,10 +17,10 @@ which.
     MLXSERVE_CPU_KERNELS=auto (default)  build (once) and use them for quantized layers
     MLXSERVE_CPU_KERNELS=off             never (MLX's quantized_matmul or dequantized)
     MLXSERVE_CPU_THREADS=N               threads per matmul (default: this process's CPUs)
-    MLXSERVE_CPU_INT8=off (default)|on|auto  round activations to int8 per block of 32
+    MLXSERVE_CPU_INT8=auto (default)|on|off  round activations to int8 per block of 32
                                          and use integer dot products (qmm.h), as llama.cpp
-                                         does; auto: on when this CPU has an integer SIMD
-                                         path (not the scalar one)
+                                         does; auto: when this CPU has an integer SIMD path
+                                         (not the scalar one); off (or 0): float activations
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def int8_activations() -> bool:
     module = _module()
     if module is None:
         return False
-    setting = os.environ.get("MLXSERVE_CPU_INT8", "off").strip().lower()
+    setting = os.environ.get("MLXSERVE_CPU_INT8", "auto").strip().lower()
     if setting in _OFF:
         return False
     if setting in _ON:

@@ -5,11 +5,17 @@ through the block table, transposes, a masked softmax) and the pool write ~12 (P
 indexing adds squeezes, broadcasts and reshapes), each dispatched on its own (~11 us an
 op here). With the extension loaded (mlxserve/cpu):
 
-* decode rows (and a speculative verification's rows: one request's consecutive rows,
-  each up to its own position) are one ``paged_attention`` op per layer, for float32,
-  float16, bfloat16 and int8 pools, GQA, sliding windows, sinks and K/V head sizes that
-  differ;
-* prefill chunks stay on the fallback (one causal matmul per chunk: BLAS does that well);
+* every row of a step (decode rows, a speculative verification's rows, prefill chunks'
+  rows: each attends to its sequence's keys up to its own position) is one
+  ``paged_attention`` op per layer, for float32, float16, bfloat16 and int8 pools, GQA,
+  sliding windows, sinks and K/V head sizes that differ. A token's attention is then one
+  fixed sequence of float32 operations over its keys, whatever chunk it came in and
+  whatever else the step holds: the same bits whether a prompt is computed whole, in
+  chunks of any size or after a prefix-cache hit, and the same as a decode row's. (The
+  fallback's causal matmul per chunk changes in the last bits with the chunk's shape,
+  which int8 activations, rounding x per block, can turn into whole quanta: greedy
+  answers at near ties then depended on the server's chunking.) It also costs less CPU
+  time than the fallback's chunk matmuls and softmax (bench/README.md);
 * the K/V write is MLX's scatter built in C++ (``write_rows``): the same Scatter primitive,
   in place when the pool can be donated, with no extra ops around it.
 
@@ -22,8 +28,9 @@ from __future__ import annotations
 from types import ModuleType
 
 import mlx.core as mx
+import numpy as np
 
-from mlxserve.ops import fallback, kv_quant
+from mlxserve.ops import kv_quant
 from mlxserve.ops.metadata import AttentionMetadata
 
 # The last slot mapping's (block ids, offsets): every layer of a step writes the same slots,
@@ -73,16 +80,22 @@ def paged_attention(
     window: int | None = None,
     sinks: mx.array | None = None,  # (num_heads,)
 ) -> mx.array:  # (num_tokens, num_heads, v_head_dim)
-    """fallback.paged_attention with every decode row in the primitive."""
-    if md.num_decodes == 0:
-        return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)
-    tables, ctx, rows = md.block_tables, md.context_lens, md.num_decodes
+    """fallback.paged_attention with every row in the primitive (padding rows: zeros)."""
+    tables, ctx, rows = _rows(md)
+    return module.paged_attention(q, k_cache, v_cache, tables, ctx, rows, scale, window or 0, sinks)
 
-    def decode(qd: mx.array) -> mx.array:  # rows from num_decodes on come out as zeros
-        return module.paged_attention(
-            qd, k_cache, v_cache, tables, ctx, rows, scale, window or 0, sinks
-        )
 
-    if md.num_decodes == md.num_reqs:  # only decodes (and bucketing padding): one op
-        return decode(q)
-    return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks, decode=decode)
+def _rows(md: AttentionMetadata) -> tuple[mx.array, mx.array, int]:
+    """Each token's block table and context length (up to its own position) and the number
+    of tokens: made once per step, shared by the layers."""
+    if md.num_decodes == md.num_reqs:  # one row per request already
+        return md.block_tables, md.context_lens, md.num_decodes
+    key = ("cpu rows",)
+    if key not in md.derived:
+        lens, ctx = np.asarray(md.query_lens), np.asarray(md.context_lens_host)
+        req = np.repeat(np.arange(md.num_reqs, dtype=np.int32), lens)
+        first = np.repeat(ctx - lens, lens)  # position of each request's first new token
+        pos = first + np.arange(len(req)) - np.repeat(np.cumsum(lens) - lens, lens)
+        md.derived[key] = (md.block_tables[mx.array(req)], mx.array((pos + 1).astype(np.int32)))
+    tables, ctx_rows = md.derived[key]
+    return tables, ctx_rows, ctx_rows.shape[0]

@@ -18,7 +18,6 @@ quantizes, the attention dequantizes the gathered rows to the query's dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -68,23 +67,18 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,  # (num_heads,)
-    decode: Callable[[mx.array], mx.array] | None = None,
 ) -> mx.array:  # (num_tokens, num_heads, v_head_dim)
     """Varlen attention: batched decodes first, then one causal block per prefill chunk.
 
     GQA is folded into the query rows so each KV head is read once per group and the
     score matmul is one (group * q_len, head_dim) x (head_dim, ctx) product.
-    ``decode``: computes the decode rows' attention instead (ops/cpu.py's primitive).
     """
     num_tokens, num_heads, _ = q.shape
     v_head_dim = kv_quant.pool_head_dim(v_cache)
     outs = []
     if md.num_decodes:
         qd = q[: md.num_decodes]
-        if decode is not None:
-            outs.append(decode(qd))
-        else:
-            outs.append(_decode_attention(qd, k_cache, v_cache, md, scale, window, sinks))
+        outs.append(_decode_attention(qd, k_cache, v_cache, md, scale, window, sinks))
     start = md.num_decodes
     for i in range(md.num_decodes, md.num_reqs):
         q_len, ctx = md.query_lens[i], md.context_lens_host[i]
