@@ -64,12 +64,14 @@ struct AttnProblem {
   float scale;
 };
 
-// The work items are compiled for AVX-512, AVX2 + FMA and baseline x86-64 and the best
-// the CPU has is picked at load time (GCC/clang function multiversioning on Linux); the
-// loops below are written so the compiler vectorizes them (16 independent sums).
+// The work items are compiled for AVX-512, AVX2 and baseline x86-64 and the best the CPU
+// has is picked at load time (GCC/clang function multiversioning on Linux) by feature, not
+// CPU model (a virtual "Intel Xeon Processor" is no skylake-avx512: it ran baseline). No
+// fused multiply-adds (build.py): every clone computes the same bits. The loops below are
+// written so the compiler vectorizes them (16 independent sums).
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #define MLXSERVE_CLONES \
-  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+  __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MLXSERVE_CLONES
 #endif
@@ -81,6 +83,27 @@ inline float dot(const float* a, const float* b, int n) {
     for (int u = 0; u < 16; u++) acc[u] += a[i + u] * b[i + u];
   float tail = 0;
   for (; i < n; i++) tail += a[i] * b[i];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int u = 0; u < w; u++) acc[u] += acc[u + w];
+  return acc[0] + tail;
+}
+
+// dot() of one query with kKeys keys at once, keys transposed (kt[d * kKeys + j]): the
+// same sums in the same order per key as dot(), vectorized across the keys instead.
+constexpr int kKeys = 16;
+typedef float Keys __attribute__((vector_size(kKeys * sizeof(float))));  // one per key
+__attribute__((always_inline)) inline Keys key_lanes(const float* kt, int d) {
+  Keys k;  // unaligned load: the buffer is a float vector
+  std::memcpy(&k, kt + static_cast<size_t>(d) * kKeys, sizeof k);
+  return k;
+}
+__attribute__((always_inline)) inline Keys dots(const float* q, const float* kt, int n) {
+  Keys acc[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int u = 0; u < 16; u++) acc[u] += q[i + u] * key_lanes(kt, i + u);
+  Keys tail = {};
+  for (; i < n; i++) tail += q[i] * key_lanes(kt, i);
   for (int w = 8; w >= 1; w /= 2)
     for (int u = 0; u < w; u++) acc[u] += acc[u + w];
   return acc[0] + tail;
@@ -131,13 +154,25 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
     return (static_cast<int64_t>(table[pos / p.block_size]) * p.block_size +
             pos % p.block_size) * p.kv_heads + kvh;
   };
-  for (int j = 0; j < n; j++) {
-    const float* k = row_f32(p.k + pool_row(lo + j) * p.k_row_bytes, p.k_type, p.dk, tmp);
+  std::vector<float> kt(static_cast<size_t>(p.dk) * kKeys);  // kKeys keys, transposed
+  float* ktf = kt.data();
+  for (int j0 = 0; j0 < n; j0 += kKeys) {
+    const int jn = std::min(kKeys, n - j0);
+    for (int j = 0; j < kKeys; j++) {
+      if (j < jn) {
+        const float* k = row_f32(p.k + pool_row(lo + j0 + j) * p.k_row_bytes, p.k_type, p.dk, tmp);
+        for (int d = 0; d < p.dk; d++) ktf[d * kKeys + j] = k[d];
+      } else {
+        for (int d = 0; d < p.dk; d++) ktf[d * kKeys + j] = 0.0f;
+      }
+    }
     for (int t = 0; t < rows; t++) {
-      if (j < row_lo[t] || j >= row_hi[t]) continue;
+      if (j0 + jn <= row_lo[t] || j0 >= row_hi[t]) continue;
       for (int g = 0; g < group; g++) {
         const int i = t * group + g;
-        scores[static_cast<size_t>(i) * n + j] = dot(qf + i * p.dk, k, p.dk) * p.scale;
+        const Keys dot_out = dots(qf + i * p.dk, kt.data(), p.dk);
+        float* s = scores + static_cast<size_t>(i) * n + j0;  // keys out of the row's range
+        for (int j = 0; j < jn; j++) s[j] = dot_out[j] * p.scale;  // are never read
       }
     }
   }
