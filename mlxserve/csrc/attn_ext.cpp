@@ -76,20 +76,9 @@ struct AttnProblem {
 #define MLXSERVE_CLONES
 #endif
 
-inline float dot(const float* a, const float* b, int n) {
-  float acc[16] = {};
-  int i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int u = 0; u < 16; u++) acc[u] += a[i + u] * b[i + u];
-  float tail = 0;
-  for (; i < n; i++) tail += a[i] * b[i];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int u = 0; u < w; u++) acc[u] += acc[u + w];
-  return acc[0] + tail;
-}
-
-// dot() of one query with kKeys keys at once, keys transposed (kt[d * kKeys + j]): the
-// same sums in the same order per key as dot(), vectorized across the keys instead.
+// Dot products of one query with kKeys keys at once, keys transposed (kt[d * kKeys + j]),
+// vectorized across the keys. Per key it is one fixed sequence of rounded operations (16
+// partial sums over d, halved 8/4/2/1, plus the tail), the one a single row always used.
 constexpr int kKeys = 16;
 typedef float Keys __attribute__((vector_size(kKeys * sizeof(float))));  // one per key
 __attribute__((always_inline)) inline Keys key_lanes(const float* kt, int d) {
