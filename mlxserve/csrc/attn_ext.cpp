@@ -81,10 +81,13 @@ struct AttnProblem {
 // partial sums over d, halved 8/4/2/1, plus the tail), the one a single row always used.
 constexpr int kKeys = 16;
 typedef float Keys __attribute__((vector_size(kKeys * sizeof(float))));  // one per key
-__attribute__((always_inline)) inline Keys key_lanes(const float* kt, int d) {
-  Keys k;  // unaligned load: the buffer is a float vector
-  std::memcpy(&k, kt + static_cast<size_t>(d) * kKeys, sizeof k);
+__attribute__((always_inline)) inline Keys lanes(const float* x) {
+  Keys k;  // 16 floats from x, unaligned
+  std::memcpy(&k, x, sizeof k);
   return k;
+}
+__attribute__((always_inline)) inline Keys key_lanes(const float* kt, int d) {
+  return lanes(kt + static_cast<size_t>(d) * kKeys);
 }
 __attribute__((always_inline)) inline Keys dots(const float* q, const float* kt, int n) {
   Keys acc[16] = {};
@@ -182,15 +185,30 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
     if (p.sinks) sum += std::exp(sink - m);
     denom[i] = sum;
   }
-  for (int j = 0; j < n; j++) {
-    const float* v = row_f32(p.v + pool_row(lo + j) * p.v_row_bytes, p.v_type, p.dv, tmp);
+  // Values kKeys keys at a time: a row's accumulator stays in registers over the block
+  // (16 elements at once), each element summing the keys in order as before.
+  std::vector<float> vb(static_cast<size_t>(kKeys) * p.dv);  // (kKeys, dv)
+  for (int j0 = 0; j0 < n; j0 += kKeys) {
+    const int jn = std::min(kKeys, n - j0);
+    for (int j = 0; j < jn; j++) {
+      float* dst = vb.data() + static_cast<size_t>(j) * p.dv;
+      const float* v = row_f32(p.v + pool_row(lo + j0 + j) * p.v_row_bytes, p.v_type, p.dv, dst);
+      if (v != dst) std::memcpy(dst, v, sizeof(float) * p.dv);
+    }
     for (int t = 0; t < rows; t++) {
-      if (j < row_lo[t] || j >= row_hi[t]) continue;
-      for (int g = 0; g < group; g++) {
+      const int ja = std::max(j0, row_lo[t]) - j0, jb = std::min(j0 + jn, row_hi[t]) - j0;
+      for (int g = 0; ja < jb && g < group; g++) {
         const int i = t * group + g;
-        const float w = scores[static_cast<size_t>(i) * n + j];
+        const float* w = scores + static_cast<size_t>(i) * n + j0;
         float* a = acc + i * p.dv;
-        for (int d = 0; d < p.dv; d++) a[d] += w * v[d];
+        int d = 0;
+        for (; d + kKeys <= p.dv; d += kKeys) {
+          Keys sum = lanes(a + d);
+          for (int j = ja; j < jb; j++) sum += w[j] * lanes(vb.data() + j * p.dv + d);
+          std::memcpy(a + d, &sum, sizeof sum);
+        }
+        for (; d < p.dv; d++)
+          for (int j = ja; j < jb; j++) a[d] += w[j] * vb[j * p.dv + d];
       }
     }
   }
