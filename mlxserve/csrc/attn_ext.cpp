@@ -14,8 +14,8 @@
 //   GQA: the num_heads / num_kv_heads query heads of a KV head read its keys once.
 //
 // Work items are (tile, KV head) pairs (a tile: up to 8 consecutive rows of one table, each
-// key loaded once for all of them, each row's sums the same as alone), spread over the kernels' thread pool (qmm.c) when
-// there is enough of it.
+// key loaded once for all of them, each row's sums the same as alone), spread over the
+// kernels' thread pool (qmm.c) when there is enough of it.
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -147,16 +147,12 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
             pos % p.block_size) * p.kv_heads + kvh;
   };
   std::vector<float> kt(static_cast<size_t>(p.dk) * kKeys);  // kKeys keys, transposed
-  float* ktf = kt.data();
   for (int j0 = 0; j0 < n; j0 += kKeys) {
     const int jn = std::min(kKeys, n - j0);
     for (int j = 0; j < kKeys; j++) {
-      if (j < jn) {
-        const float* k = row_f32(p.k + pool_row(lo + j0 + j) * p.k_row_bytes, p.k_type, p.dk, tmp);
-        for (int d = 0; d < p.dk; d++) ktf[d * kKeys + j] = k[d];
-      } else {
-        for (int d = 0; d < p.dk; d++) ktf[d * kKeys + j] = 0.0f;
-      }
+      const char* row = p.k + pool_row(lo + j0 + std::min(j, jn - 1)) * p.k_row_bytes;
+      const float* k = row_f32(row, p.k_type, p.dk, tmp);  // past jn: a copy, never read
+      for (int d = 0; d < p.dk; d++) kt[d * kKeys + j] = k[d];
     }
     for (int t = 0; t < rows; t++) {
       if (j0 + jn <= row_lo[t] || j0 >= row_hi[t]) continue;
@@ -320,7 +316,8 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
       // same at any size: only how often keys are loaded changes).
       const int64_t threads = parallel ? std::max(1, mlxserve_qmm_threads()) : 1;
       const int64_t fit = rows * p.kv_heads / (2 * threads);
-      const int max_rows = threads == 1 ? kMaxTile : static_cast<int>(std::clamp<int64_t>(fit, 1, kMaxTile));
+      const int max_rows =
+          static_cast<int>(threads == 1 ? kMaxTile : std::clamp<int64_t>(fit, 1, kMaxTile));
       const std::vector<Tile> tiles = make_tiles(p, max_rows);
       p.tiles = tiles.data();
       const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
