@@ -34,7 +34,7 @@ HEADERS = ["qmm.h", "qmm_common.h", "qmm_impl.h", "q8_impl.h", "q8_x86.h", "deco
 # multiply-adds there.
 EXT_SOURCES = ["qmm_ext.cpp", "attn_ext.cpp", "rope_norm_ext.cpp", "layer_ext.cpp"]
 EXT_FLAGS = {
-    "attn_ext.cpp": ["-O3"],
+    "attn_ext.cpp": ["-O3", "-ffp-contract=off"],  # the same bits on every instruction set
     "rope_norm_ext.cpp": ["-ffp-contract=off"],
     "layer_ext.cpp": ["-O3", "-ffp-contract=off"],  # the same bits as the separate ops
 }

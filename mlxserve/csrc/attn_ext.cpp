@@ -13,8 +13,9 @@
 //   int8 rows of head_dim values followed by their float32 scale (ops/kv_quant.py).
 //   GQA: the num_heads / num_kv_heads query heads of a KV head read its keys once.
 //
-// Work items are (row, KV head) pairs, spread over the kernels' thread pool (qmm.c) when
-// there is enough of it.
+// Work items are (tile, KV head) pairs (a tile: up to 8 consecutive rows of one table, each
+// key loaded once for all of them, each row's sums the same as alone), spread over the
+// kernels' thread pool (qmm.c) when there is enough of it.
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -37,6 +38,16 @@ using namespace nb::literals;
 namespace mlxserve_decode {
 namespace {
 
+// Consecutive rows that read one table's keys together: key positions [lo, hi) are the
+// union of the rows' own ranges, each key row is loaded (dequantized) once for the tile.
+struct Tile {
+  int64_t first;
+  int count;
+  int lo, hi;
+};
+constexpr int kMaxTile = 8;
+constexpr int64_t kTileFloats = int64_t{1} << 20;  // a tile's scores (4 MB) at most
+
 struct AttnProblem {
   const void* q;
   const char* k;  // pools as bytes: row i at i * k_row_bytes
@@ -44,6 +55,7 @@ struct AttnProblem {
   const int32_t* tables;
   const int32_t* ctx;
   const float* sinks;  // (num_heads,) or null
+  const Tile* tiles;
   void* out;
   int q_type, k_type, v_type;
   int64_t rows, out_rows, max_blocks, num_blocks;
@@ -52,23 +64,38 @@ struct AttnProblem {
   float scale;
 };
 
-// The work items are compiled for AVX-512, AVX2 + FMA and baseline x86-64 and the best
-// the CPU has is picked at load time (GCC/clang function multiversioning on Linux); the
-// loops below are written so the compiler vectorizes them (16 independent sums).
+// The work items are compiled for AVX-512, AVX2 and baseline x86-64 and the best the CPU
+// has is picked at load time (GCC/clang function multiversioning on Linux) by feature, not
+// CPU model (a virtual "Intel Xeon Processor" is no skylake-avx512: it ran baseline). No
+// fused multiply-adds (build.py): every clone computes the same bits. The loops below are
+// written so the compiler vectorizes them (16 independent sums).
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #define MLXSERVE_CLONES \
-  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+  __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MLXSERVE_CLONES
 #endif
 
-inline float dot(const float* a, const float* b, int n) {
-  float acc[16] = {};
+// Dot products of one query with kKeys keys at once, keys transposed (kt[d * kKeys + j]),
+// vectorized across the keys. Per key it is one fixed sequence of rounded operations (16
+// partial sums over d, halved 8/4/2/1, plus the tail), the one a single row always used.
+constexpr int kKeys = 16;
+typedef float Keys __attribute__((vector_size(kKeys * sizeof(float))));  // one per key
+__attribute__((always_inline)) inline Keys lanes(const float* x) {
+  Keys k;  // 16 floats from x, unaligned
+  std::memcpy(&k, x, sizeof k);
+  return k;
+}
+__attribute__((always_inline)) inline Keys key_lanes(const float* kt, int d) {
+  return lanes(kt + static_cast<size_t>(d) * kKeys);
+}
+__attribute__((always_inline)) inline Keys dots(const float* q, const float* kt, int n) {
+  Keys acc[16] = {};
   int i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int u = 0; u < 16; u++) acc[u] += a[i + u] * b[i + u];
-  float tail = 0;
-  for (; i < n; i++) tail += a[i] * b[i];
+    for (int u = 0; u < 16; u++) acc[u] += q[i + u] * key_lanes(kt, i + u);
+  Keys tail = {};
+  for (; i < n; i++) tail += q[i] * key_lanes(kt, i);
   for (int w = 8; w >= 1; w /= 2)
     for (int u = 0; u < w; u++) acc[u] += acc[u + w];
   return acc[0] + tail;
@@ -90,59 +117,134 @@ inline const float* row_f32(const char* row, int type, int d, float* dst) {
 
 MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   const AttnProblem& p = *static_cast<const AttnProblem*>(arg);
-  const int64_t r = item / p.kv_heads;
+  const Tile& tile = p.tiles[item / p.kv_heads];
   const int kvh = static_cast<int>(item % p.kv_heads);
   const int group = p.heads / p.kv_heads;
-  const int c = p.ctx[r];
-  const int lo = p.window > 0 ? std::max(0, c - p.window) : 0;
-  const int n = std::max(0, c - lo);
-  std::vector<float> buf(static_cast<size_t>(group) * (p.dk + p.dv + n) + p.dk + p.dv);
-  float* qf = buf.data();                                 // (group, dk)
-  float* acc = qf + static_cast<size_t>(group) * p.dk;    // (group, dv)
-  float* scores = acc + static_cast<size_t>(group) * p.dv;  // (group, n)
-  float* tmp = scores + static_cast<size_t>(group) * n;   // one dequantized row
+  const int rows = tile.count;   // rows tile.first.. of one table
+  const int nq = rows * group;   // query heads of the tile: (row, g) at t * group + g
+  const int lo = tile.lo, n = tile.hi - tile.lo;
+  std::vector<float> buf(static_cast<size_t>(nq) * (p.dk + p.dv + n) + p.dk + p.dv);
+  float* qf = buf.data();                                // (nq, dk)
+  float* acc = qf + static_cast<size_t>(nq) * p.dk;      // (nq, dv)
+  float* scores = acc + static_cast<size_t>(nq) * p.dv;  // (nq, n): keys lo.. of the tile
+  float* tmp = scores + static_cast<size_t>(nq) * n;     // one dequantized row
+  int row_lo[kMaxTile], row_hi[kMaxTile];  // each row's keys [row_lo, row_hi) - lo
   const int h0 = kvh * group;
-  for (int g = 0; g < group; g++)
-    for (int d = 0; d < p.dk; d++)
-      qf[g * p.dk + d] = load(p.q, p.q_type, ((r * p.heads) + h0 + g) * p.dk + d);
-  const int32_t* table = p.tables + r * p.max_blocks;
+  for (int t = 0; t < rows; t++) {
+    const int64_t r = tile.first + t;
+    const int c = p.ctx[r];
+    row_lo[t] = (p.window > 0 ? std::max(0, c - p.window) : 0) - lo;
+    row_hi[t] = std::max(row_lo[t], c - lo);
+    for (int g = 0; g < group; g++)
+      for (int d = 0; d < p.dk; d++)
+        qf[(t * group + g) * p.dk + d] = load(p.q, p.q_type, ((r * p.heads) + h0 + g) * p.dk + d);
+  }
+  // Every row's keys are in the first row's table (make_tiles); each row's arithmetic is
+  // the same sequence over its own keys as if it were alone: only the loads are shared.
+  const int32_t* table = p.tables + tile.first * p.max_blocks;
   auto pool_row = [&](int pos) {  // (slot, KV head) row index of key position pos
     return (static_cast<int64_t>(table[pos / p.block_size]) * p.block_size +
             pos % p.block_size) * p.kv_heads + kvh;
   };
-  for (int j = 0; j < n; j++) {
-    const float* k = row_f32(p.k + pool_row(lo + j) * p.k_row_bytes, p.k_type, p.dk, tmp);
-    for (int g = 0; g < group; g++) scores[g * n + j] = dot(qf + g * p.dk, k, p.dk) * p.scale;
+  std::vector<float> kt(static_cast<size_t>(p.dk) * kKeys);  // kKeys keys, transposed
+  for (int j0 = 0; j0 < n; j0 += kKeys) {
+    const int jn = std::min(kKeys, n - j0);
+    for (int j = 0; j < kKeys; j++) {
+      const char* row = p.k + pool_row(lo + j0 + std::min(j, jn - 1)) * p.k_row_bytes;
+      const float* k = row_f32(row, p.k_type, p.dk, tmp);  // past jn: a copy, never read
+      for (int d = 0; d < p.dk; d++) kt[d * kKeys + j] = k[d];
+    }
+    for (int t = 0; t < rows; t++) {
+      if (j0 + jn <= row_lo[t] || j0 >= row_hi[t]) continue;
+      for (int g = 0; g < group; g++) {
+        const int i = t * group + g;
+        const Keys dot_out = dots(qf + i * p.dk, kt.data(), p.dk);
+        float* s = scores + static_cast<size_t>(i) * n + j0;  // keys out of the row's range
+        for (int j = 0; j < jn; j++) s[j] = dot_out[j] * p.scale;  // are never read
+      }
+    }
   }
-  std::fill(acc, acc + static_cast<size_t>(group) * p.dv, 0.0f);
-  std::vector<float> denom(group);
-  for (int g = 0; g < group; g++) {
-    float* s = scores + g * n;
+  std::fill(acc, acc + static_cast<size_t>(nq) * p.dv, 0.0f);
+  std::vector<float> denom(nq);
+  for (int i = 0; i < nq; i++) {
+    const int t = i / group;
+    float* s = scores + static_cast<size_t>(i) * n;
     float m = -INFINITY;
-    for (int j = 0; j < n; j++) m = std::max(m, s[j]);
-    const float sink = p.sinks ? p.sinks[h0 + g] : -INFINITY;
+    for (int j = row_lo[t]; j < row_hi[t]; j++) m = std::max(m, s[j]);
+    const float sink = p.sinks ? p.sinks[h0 + i % group] : -INFINITY;
     m = std::max(m, sink);
     float sum = 0;
-    for (int j = 0; j < n; j++) {
+    for (int j = row_lo[t]; j < row_hi[t]; j++) {
       s[j] = std::exp(s[j] - m);
       sum += s[j];
     }
     if (p.sinks) sum += std::exp(sink - m);
-    denom[g] = sum;
+    denom[i] = sum;
   }
-  for (int j = 0; j < n; j++) {
-    const float* v = row_f32(p.v + pool_row(lo + j) * p.v_row_bytes, p.v_type, p.dv, tmp);
-    for (int g = 0; g < group; g++) {
-      const float w = scores[g * n + j];
-      float* a = acc + g * p.dv;
-      for (int d = 0; d < p.dv; d++) a[d] += w * v[d];
+  // Values kKeys keys at a time: a row's accumulator stays in registers over the block
+  // (16 elements at once), each element summing the keys in order as before.
+  std::vector<float> vb(static_cast<size_t>(kKeys) * p.dv);  // (kKeys, dv)
+  for (int j0 = 0; j0 < n; j0 += kKeys) {
+    const int jn = std::min(kKeys, n - j0);
+    for (int j = 0; j < jn; j++) {
+      float* dst = vb.data() + static_cast<size_t>(j) * p.dv;
+      const float* v = row_f32(p.v + pool_row(lo + j0 + j) * p.v_row_bytes, p.v_type, p.dv, dst);
+      if (v != dst) std::memcpy(dst, v, sizeof(float) * p.dv);
+    }
+    for (int t = 0; t < rows; t++) {
+      const int ja = std::max(j0, row_lo[t]) - j0, jb = std::min(j0 + jn, row_hi[t]) - j0;
+      for (int g = 0; ja < jb && g < group; g++) {
+        const int i = t * group + g;
+        const float* w = scores + static_cast<size_t>(i) * n + j0;
+        float* a = acc + i * p.dv;
+        int d = 0;
+        for (; d + kKeys <= p.dv; d += kKeys) {
+          Keys sum = lanes(a + d);
+          for (int j = ja; j < jb; j++) sum += w[j] * lanes(vb.data() + j * p.dv + d);
+          std::memcpy(a + d, &sum, sizeof sum);
+        }
+        for (; d < p.dv; d++)
+          for (int j = ja; j < jb; j++) a[d] += w[j] * vb[j * p.dv + d];
+      }
     }
   }
-  for (int g = 0; g < group; g++) {
-    const float inv = denom[g] > 0 ? 1.0f / denom[g] : 0.0f;
-    for (int d = 0; d < p.dv; d++)
-      store(p.out, p.q_type, ((r * p.heads) + h0 + g) * p.dv + d, acc[g * p.dv + d] * inv);
+  for (int t = 0; t < rows; t++) {
+    const int64_t r = tile.first + t;
+    for (int g = 0; g < group; g++) {
+      const int i = t * group + g;
+      const float inv = denom[i] > 0 ? 1.0f / denom[i] : 0.0f;
+      for (int d = 0; d < p.dv; d++)
+        store(p.out, p.q_type, ((r * p.heads) + h0 + g) * p.dv + d, acc[i * p.dv + d] * inv);
+    }
   }
+}
+
+// Groups consecutive rows into tiles of at most max_rows: a row joins the tile when its
+// keys are in the tile's first row's table (the same blocks: a verification or prefill
+// run of one request) and touch the tile's keys (so every key the tile walks is some row's).
+std::vector<Tile> make_tiles(const AttnProblem& p, int max_rows) {
+  std::vector<Tile> tiles;
+  const int group = p.heads / p.kv_heads;
+  for (int64_t r = 0; r < p.rows; r++) {
+    const int c = p.ctx[r];
+    const int lo = p.window > 0 ? std::max(0, c - p.window) : 0;
+    if (!tiles.empty()) {
+      Tile& t = tiles.back();
+      const int new_lo = std::min(t.lo, lo), new_hi = std::max(t.hi, c);
+      bool joins = t.count < max_rows && lo <= t.hi && c >= t.lo &&
+                   int64_t{t.count + 1} * group * (new_hi - new_lo) <= kTileFloats;
+      const int32_t* first = p.tables + t.first * p.max_blocks;
+      const int32_t* mine = p.tables + r * p.max_blocks;
+      for (int b = lo / p.block_size; joins && b * p.block_size < c; b++)
+        joins = mine[b] == first[b];
+      if (joins) {
+        t.count++, t.lo = new_lo, t.hi = new_hi;
+        continue;
+      }
+    }
+    tiles.push_back({r, 1, lo, std::max(lo, c)});
+  }
+  return tiles;
 }
 
 // Checks every row's context length and blocks; returns how many keys the rows read.
@@ -209,8 +311,17 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
       p.v_row_bytes = static_cast<int64_t>(v.shape(3)) * v.itemsize();
       p.scale = scale;
       const int64_t keys = check_rows(p);
-      const int64_t items = rows * p.kv_heads;
-      if (keys * p.heads * (p.dk + p.dv) >= (int64_t{1} << 17)) {  // ~multiply-adds
+      const bool parallel = keys * p.heads * (p.dk + p.dv) >= (int64_t{1} << 17);  // ~MACs
+      // Tiles as large as leave every thread about two work items (a tile's result is the
+      // same at any size: only how often keys are loaded changes).
+      const int64_t threads = parallel ? std::max(1, mlxserve_qmm_threads()) : 1;
+      const int64_t fit = rows * p.kv_heads / (2 * threads);
+      const int max_rows =
+          static_cast<int>(threads == 1 ? kMaxTile : std::clamp<int64_t>(fit, 1, kMaxTile));
+      const std::vector<Tile> tiles = make_tiles(p, max_rows);
+      p.tiles = tiles.data();
+      const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
+      if (parallel) {
         mlxserve_qmm_parallel_for(items, attend, &p);
       } else {
         for (int64_t i = 0; i < items; i++) attend(&p, i);
