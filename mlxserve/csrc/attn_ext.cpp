@@ -276,16 +276,14 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(s), rows_(rows), scale_(scale), window_(window), sinks_(sinks) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    std::vector<mx::array> outputs = {out};
+    auto in = start(stream(), inputs, outputs);  // inputs, then the output
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    std::vector<mx::array> in;
-    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([in = std::move(in), y = mx::array::unsafe_weak_copy(out), rows = rows_,
-                      scale = scale_, window = window_, sinks = sinks_]() mutable {
+    encoder.dispatch([in = std::move(in), rows = rows_, scale = scale_, window = window_,
+                      sinks = sinks_]() mutable {
       std::vector<char> kq, kk, kv, kt, kc, ks;
       const mx::array &q = in[0], &k = in[1], &v = in[2];
+      mx::array& y = in.back();
       AttnProblem p;
       p.q = dense(q, kq);
       p.k = static_cast<const char*>(dense(k, kk));

@@ -9,7 +9,9 @@
 
 #include <nanobind/nanobind.h>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 
 namespace mlxserve_decode {
 
@@ -152,5 +154,21 @@ inline void rope_split_rows(const void* src, int type, const void* cos_p, const 
 void register_attention(nanobind::module_& m);
 void register_rope_norm(nanobind::module_& m);
 void register_layer(nanobind::module_& m);
+
+// A primitive's eval_cpu: its outputs allocated, every array in the encoder, and weak
+// copies of the inputs then the outputs for the task (MLX keeps the arrays alive).
+template <typename Outs>
+std::vector<mx::array> start(mx::Stream s, const std::vector<mx::array>& inputs, Outs& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    encoder.set_output_array(o);
+  }
+  std::vector<mx::array> all;
+  for (auto& a : inputs) all.push_back(mx::array::unsafe_weak_copy(a));
+  for (auto& o : outputs) all.push_back(mx::array::unsafe_weak_copy(o));
+  return all;
+}
 
 }  // namespace mlxserve_decode

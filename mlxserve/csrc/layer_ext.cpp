@@ -124,21 +124,6 @@ void linear(const float* x, int64_t m, const mx::array* in, const LinearSpec& sp
 
 int64_t out_features(const mx::array& w) { return w.shape(0); }
 
-// Every input in the encoder; weak copies for the task (MLX keeps the arrays alive).
-template <typename Outs>
-std::vector<mx::array> start(mx::Stream s, const std::vector<mx::array>& inputs, Outs& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(s);
-  for (auto& a : inputs) encoder.set_input_array(a);
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    encoder.set_output_array(o);
-  }
-  std::vector<mx::array> all;
-  for (auto& a : inputs) all.push_back(mx::array::unsafe_weak_copy(a));
-  for (auto& o : outputs) all.push_back(mx::array::unsafe_weak_copy(o));
-  return all;
-}
-
 // Inputs: x, norm weight, the qkv layer's arrays, cos, sin. Outputs: the rope_split parts.
 class CpuAttentionInput : public mx::Primitive {
  public:
