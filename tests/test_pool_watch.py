@@ -62,3 +62,20 @@ def test_copies_are_counted_on_the_compared_pairs_of_steps(caplog) -> None:
     same.check(grown[:2])
     same.forget()  # a re-run copied the pool on purpose: not compared
     assert same.check(_pools(2, blocks=8)) == 0
+
+
+def test_a_step_that_writes_each_pool_twice_is_counted_apart_without_a_warning(caplog) -> None:
+    """Pipeline micro-batches write a pool twice in one evaluation; their copies (a timing
+    matter) are counted apart and not reported; a single-write step's copy still is."""
+    caplog.set_level(logging.WARNING, logger="mlxserve")
+    watch = PoolWatch(every=1)
+    alive = [_pools(2)]
+    watch.check(alive[-1])
+    alive.append(_pools(2))
+    assert watch.check(alive[-1], rewrites=True) == 2
+    assert (watch.num_rewrite_copied_steps, watch.num_copied_steps) == (1, 0)
+    assert not caplog.records
+    alive.append(_pools(2))
+    assert watch.check(alive[-1]) == 2
+    assert (watch.num_rewrite_copied_steps, watch.num_copied_steps) == (1, 1)
+    assert len(caplog.records) == 1

@@ -59,8 +59,10 @@ def run_scenario(llm: LLM) -> dict[str, Any]:
         "num_preemptions": stats.num_preemptions,
         "prefix_cache_hits": stats.prefix_cache_hits,
         "accepted": stats.spec_decode_num_accepted_tokens,  # drafts (0 without speculation)
-        # Steps that copied a KV pool array instead of writing it in place (should be none).
+        # Steps that copied a KV pool array instead of writing it in place (should be none),
+        # and steps writing each pool twice+ (pipeline micro-batches) that did (timing).
         "pool_copied_steps": llm.engine.runner.pool_watch.num_copied_steps,
+        "pool_rewrite_copied_steps": llm.engine.runner.pool_watch.num_rewrite_copied_steps,
     }
 
 

@@ -191,6 +191,11 @@ class PipelineStage(nn.Module):
         """The group the layers are split over."""
         return self._group
 
+    def pool_writes(self, query_lens: list[int]) -> int:
+        """How many times a step of ``query_lens`` writes each of this rank's pools: once
+        per micro-batch (rank 0 evaluates them in one graph; see ``__call__``)."""
+        return len(micro_batches(query_lens, self.size, self.micro_batch_tokens))
+
     def run_layers(
         self, h: mx.array, positions: mx.array, md: AttentionMetadata, cache: KVCache
     ) -> mx.array:  # (num_tokens, hidden)

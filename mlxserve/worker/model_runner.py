@@ -302,7 +302,8 @@ class ModelRunner:
                 if len(handle.parts) > 1:  # a part's write copies a pool an earlier part reads
                     self.pool_watch.forget()
                 elif handle.parts and handle.parts[0].waited:  # else the pool may be in flight
-                    self.pool_watch.check(self._pool_arrays())
+                    rewrites = handle.parts[0].pool_writes > 1
+                    self.pool_watch.check(self._pool_arrays(), rewrites=rewrites)
                 return output
         so = handle.scheduler_output
         logger.warning(

@@ -66,6 +66,9 @@ class StepPart:
     # MTP (worker/mtp.py): its pass over the step's rows, given the sampler's result.
     follow: Callable[[SamplerOutput | None], list[mx.array]] | None = None
     followed: list[mx.array] = field(default_factory=list)  # its arrays to evaluate
+    # Writes of each KV pool in this graph: > 1 for pipeline micro-batches on rank 0,
+    # whose later writes are in place only if the earlier ones' readers have finished.
+    pool_writes: int = 1
 
     @property
     def waited(self) -> bool:
@@ -198,6 +201,8 @@ def build_part(
     sample_logits = logits[:num_rows] if samplers else None
     part = StepPart(samplers, None, plp_targets, None, sample_logits, drafts)
     part.poolers, part.pooled, part.proposal = pooling.requests, pooled, proposal
+    if hasattr(model, "pool_writes"):  # models.pipeline_parallel.PipelineStage
+        part.pool_writes = model.pool_writes(md.query_lens)
     if samplers and not any(request_states[r.request_id].grammar for r in samplers):
         states, draft_ids, draft_probs = sample_row_inputs(part, request_states)
         batch = make_sampling_batch(states, logits.shape[-1])
