@@ -203,6 +203,30 @@ def test_fused_layers_write_the_pools_in_place(
         np.testing.assert_allclose(np.array(got), np.array(want), atol=atol, rtol=1e-4)
 
 
+def test_a_held_pool_is_copied_not_overwritten(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While something else holds the old pools (a stray reference), the one-op layer
+    writes copies: the held arrays keep their contents, the results are the in-place run's."""
+    model = _load(checkpoints["llama"], 0)
+    spy = _Spy(monkeypatch)
+    runs = []
+    for hold in (False, True):
+        runner = BlockPoolRunner(model, num_blocks=16, block_size=4)
+        logits = []
+        for tokens in ([3, 4, 5, 6, 7], [8], [9, 10]):
+            held = list(runner.cache.arrays()) if hold else []
+            before = [np.array(a) for a in held]
+            logits.append(runner.step([("a", tokens)])["a"])
+            _assert_same_bits([np.array(a) for a in held], before)
+            now = [buffer_address(a) for a in runner.cache.arrays()]
+            assert all(buffer_address(a) not in now for a in held)
+            del held
+        runs.append(logits + [np.array(a) for a in runner.cache.arrays()])
+    assert spy.used["decoder_layer"] == 12
+    _assert_same_bits(runs[1], runs[0])
+
+
 @pytest.mark.parametrize("model_type", list(MODELS))
 def test_a_decode_layer_is_one_op(
     checkpoints: dict[str, Path], model_type: str, monkeypatch: pytest.MonkeyPatch
