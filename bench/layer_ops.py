@@ -1,6 +1,7 @@
 """Single-stream decode on the CPU: a layer as one op vs 5 ops, and pipelined steps, A/B.
 
     PYTHONPATH=. python bench/layer_ops.py [MODEL] [--rounds 5] [--tokens 64]
+        [--forward-reps 60]
 
 One engine (default: the embedded SmolLM2-135M Q4_1), one greedy request at a time
 (32-token prompt, ``--tokens`` decoded); the variants take turns round by round, so a
@@ -9,17 +10,25 @@ change in the machine's load hits them alike:
 * ``one op``: today's layer (models/cpu_layer.decoder_layer);
 * ``5 ops``: the layer's halves around the separate K/V write and attention (decoder_layer
   switched off for the round);
-* ``one op, pipelined``: the engine launches step n+1 (its graph built) while step n
-  computes, as on Metal (``LLMEngine.pipelined``).
+* ``one op, pipelined``: ``LLMEngine.pipelined`` on, as on Metal: each ``step()`` collects
+  the step in flight, launches the next one, and processes the collected outputs while
+  the new step computes.
 
 Per variant: decode tok/s (tokens after the first over their wall time; median over the
 rounds), the runner's graph build per step (``launch`` less its ``mx.async_eval``), the
-time ``mx.async_eval`` blocked per step (MLX waits inside it while more than
-~10 tasks of the CPU stream are outstanding), the CPU time per token and the steps the
-runner's PoolWatch saw copy a pool instead of writing it in place. The load
-average is printed before and after: the machine is shared. With ``MLXSERVE_CPU_THREADS=1``
-the CPU time per token (every thread of the process) is the work a token costs whoever
-else runs: the number to compare on a busy machine.
+time ``mx.async_eval`` blocked per step (MLX waits inside it while more than ~10 tasks
+of the CPU stream are outstanding), the CPU time per token (every thread of the process)
+and the steps the runner's PoolWatch saw copy a pool instead of writing it in place.
+
+Then the forward pass alone (one decode row at a 40-token context: the model's graph
+built and evaluated, no engine), one op vs 5 ops interleaved ``--forward-reps`` times:
+best and median wall and CPU time. Best-of is the machine's quiet moments; the medians
+carry the load.
+
+The load average is printed before and after: the machine is shared, and a process whose
+main thread waits (one op: MLX has the step's few ops queued at once) gets a smaller
+share of a loaded machine than one whose main thread keeps dispatching. With
+``MLXSERVE_CPU_THREADS=1`` the CPU time is the work a token costs whoever else runs.
 """
 
 from __future__ import annotations
@@ -86,11 +95,43 @@ def run_round(engine, variant: str, prompt: list[int], tokens: int) -> dict[str,
     }
 
 
+def forward_ab(engine, reps: int) -> None:
+    """The model's forward pass alone, one op vs 5 ops interleaved; prints best/median."""
+    from mlxserve.models import KVCache
+    from mlxserve.ops import AttentionMetadata
+
+    model = engine.runner.model
+    cache = KVCache.allocate_for(model, 16, 16, mx.float32)
+    mx.eval(cache.arrays())
+    md = AttentionMetadata.build([1], [40], [[1, 2, 3]], 16)
+    ids, positions = mx.array([5], dtype=mx.int32), mx.array([39], dtype=mx.int32)
+    real_layer = cpu_layer.decoder_layer
+    times: dict[str, tuple[list[float], list[float]]] = {"one op": ([], []), "5 ops": ([], [])}
+    for _ in range(reps):
+        for variant, (wall, cpu) in times.items():
+            if variant == "5 ops":
+                cpu_layer.decoder_layer = lambda *a, **k: None
+            c, t = time.process_time(), time.perf_counter()
+            try:
+                mx.eval(model(ids, positions, md, cache, None), cache.arrays())
+            finally:
+                cpu_layer.decoder_layer = real_layer
+            wall.append((time.perf_counter() - t) * 1000)
+            cpu.append((time.process_time() - c) * 1000)
+    for variant, (wall, cpu) in times.items():
+        print(
+            f"forward pass, {variant:6s}: wall best {min(wall):.2f} / median"
+            f" {statistics.median(wall):.2f} ms; CPU best {min(cpu):.2f} / median"
+            f" {statistics.median(cpu):.2f} ms"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--forward-reps", type=int, default=60)
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     engine = make_engine(args.model)
@@ -117,6 +158,7 @@ def main() -> None:
             f" CPU {cpu:.1f} ms/token;"
             f" steps that copied a pool {copied}"
         )
+    forward_ab(engine, args.forward_reps)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -15,7 +15,8 @@
 //
 // Work items are (tile, KV head) pairs (a tile: up to 8 consecutive rows of one table, each
 // key loaded once for all of them, each row's sums the same as alone), spread over the
-// kernels' thread pool (qmm.c) when there is enough of it.
+// kernels' thread pool (qmm.c) when there is enough of it. The whole-layer primitive
+// (decoder_layer_ext.cpp) runs the same computation: paged_attention_rows (decode_ext.h).
 #include <algorithm>
 #include <cmath>
 #include <optional>

@@ -1,5 +1,6 @@
-// Shared pieces of the decode-step primitives (attn_ext.cpp, rope_norm_ext.cpp): element
-// loads in float32 from MLX's float dtypes, row-major views of inputs, registration.
+// Shared pieces of the decode-step primitives (attn_ext.cpp, rope_norm_ext.cpp, the layer
+// files): element loads in float32 from MLX's float dtypes, row-major views of inputs, the
+// norm and RoPE row loops, the paged attention's entry point, registration.
 #pragma once
 
 #include <cmath>
