@@ -1,7 +1,7 @@
 """Single-stream decode on the CPU: a layer as one op vs 5 ops, and pipelined steps, A/B.
 
     PYTHONPATH=. python bench/layer_ops.py [MODEL] [--rounds 5] [--tokens 64]
-        [--forward-reps 60]
+        [--forward-reps 60] [--kv-cache-dtype auto|int8] [--variants V ...]
 
 One engine (default: the embedded SmolLM2-135M Q4_1), one greedy request at a time
 (32-token prompt, ``--tokens`` decoded); the variants take turns round by round, so a
@@ -101,7 +101,7 @@ def forward_ab(engine, reps: int) -> None:
     from mlxserve.ops import AttentionMetadata
 
     model = engine.runner.model
-    cache = KVCache.allocate_for(model, 16, 16, mx.float32)
+    cache = KVCache.allocate_for(model, 16, 16, engine.runner.kv_cache.keys[0].dtype)
     mx.eval(cache.arrays())
     md = AttentionMetadata.build([1], [40], [[1, 2, 3]], 16)
     ids, positions = mx.array([5], dtype=mx.int32), mx.array([39], dtype=mx.int32)
@@ -126,25 +126,28 @@ def forward_ab(engine, reps: int) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--forward-reps", type=int, default=60)
-    args = parser.parse_args()
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    args = parser.parse_args(argv)
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
-    engine = make_engine(args.model)
+    engine = make_engine(args.model, kv_cache_dtype=args.kv_cache_dtype)
     assert not engine.pipelined, "this compares the CPU path"
-    prompts = make_prompts(engine.tokenizer, args.rounds * len(VARIANTS) + 1, 32)
+    prompts = make_prompts(engine.tokenizer, args.rounds * len(args.variants) + 1, 32)
     run_round(engine, "one op", prompts[-1], 8)  # warm up
-    results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
     i = 0
     for _ in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in args.variants:
             results[variant].append(run_round(engine, variant, prompts[i], args.tokens))
             i += 1
-    base = statistics.median(r["tok_s"] for r in results["5 ops"])
+    base_name = "5 ops" if "5 ops" in results else args.variants[0]
+    base = statistics.median(r["tok_s"] for r in results[base_name])
     for variant, rows in results.items():
         tok_s = statistics.median(r["tok_s"] for r in rows)
         blocked = statistics.median(r["async_eval_ms"] for r in rows)
@@ -153,14 +156,17 @@ def main() -> None:
         all_runs = " ".join(f"{r['tok_s']:.1f}" for r in rows)
         copied = sum(r["copied_steps"] for r in rows)
         print(
-            f"{variant:20s} {tok_s:6.1f} tok/s ({tok_s / base:.2f}x 5 ops; runs {all_runs});"
+            f"{variant:20s} {tok_s:6.1f} tok/s ({tok_s / base:.2f}x {base_name};"
+            f" runs {all_runs});"
             f" graph build {build:.2f} ms/step, then async_eval blocked {blocked:.2f};"
             f" CPU {cpu:.1f} ms/token;"
             f" steps that copied a pool {copied}"
         )
-    forward_ab(engine, args.forward_reps)
+    if args.forward_reps:
+        forward_ab(engine, args.forward_reps)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
