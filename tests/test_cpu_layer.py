@@ -282,9 +282,19 @@ def test_layers_off_the_kernels_keep_the_separate_ops(
     assert cpu_layer.output_mlp(unfused_layer, x, attn_out) is None
     args = (unfused_layer.self_attn, unfused_layer.input_layernorm, x, positions)
     assert cpu_layer.attention_input(*args) is None
+    md = AttentionMetadata.build([3], [3], [[1]], 4)
+    whole = (x, positions, md)
+    unfused_cache = KVCache.allocate_for(unfused, 4, 4, mx.float32)
+    assert cpu_layer.decoder_layer(unfused_layer, *whole, unfused_cache) is None
+    # Pools the one op does not write (float16): the halves around MLX's scatter.
+    float16_cache = KVCache.allocate_for(model, 4, 4, mx.float16)
+    assert cpu_layer.decoder_layer(layer, *whole, float16_cache) is None
+    assert cpu_layer.attention_input(layer.self_attn, layer.input_layernorm, x, positions)
     # MLXSERVE_CPU_KERNELS=off / kernels="fallback" leave ops.cpu_module() None.
     with ops.force_backend("fallback"):
         assert cpu_layer.output_mlp(layer, x, attn_out) is None
+        cache = KVCache.allocate_for(model, 4, 4, mx.float32)
+        assert cpu_layer.decoder_layer(layer, *whole, cache) is None
     monkeypatch.setattr(ops, "cpu_module", lambda: None)
     assert cpu_layer.output_mlp(layer, x, attn_out) is None
     assert cpu_layer.attention_input(layer.self_attn, layer.input_layernorm, x, positions) is None

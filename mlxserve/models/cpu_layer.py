@@ -149,6 +149,8 @@ def decoder_layer(
     i = attn.layer_idx
     k_pool, v_pool = cache.keys[i], cache.values[i]
     if k_pool.dtype not in (mx.float32, mx.int8) or v_pool.dtype != k_pool.dtype:
+        return None  # (float16/bfloat16 pools: the halves, and MLX's scatter casts the rows)
+    if md.slot_mapping.dtype != mx.int32:
         return None
     module, in_args = found
     tables, ctx, rows = cpu_ops.step_rows(md)
