@@ -1,9 +1,12 @@
 """The fused CPU layer primitives (models/cpu_layer.py, csrc/layer_ext.cpp).
 
-Oracles: the same model with the fused halves switched off (the separate CPU primitives:
-the same kernels in the same order, so bit for bit) and with the pure-MLX fallback forced
-(MLX's own norm, RoPE, SwiGLU and attention: within float32 tolerance). Every step mixes
-a prefill chunk, decodes and a verification's rows, so the primitives see any row count.
+Oracles: the same model with the one-op layer switched off (its two halves around the
+separate K/V write and attention: 5 ops) and with every fused part off (the separate CPU
+primitives: the same kernels in the same order, so bit for bit, pools included), and with
+the pure-MLX fallback forced (MLX's own norm, RoPE, SwiGLU, K/V quantization and attention:
+within float32 tolerance). Every run has a prefill chunk, decodes over a prefix already in
+the pool (one padded), a prefill beside a decode and a verification's rows, so the
+primitives see any row count.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ def _load(path: Path, act_bits: int) -> nn.Module:
     return model
 
 
-def _run(model: nn.Module) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _run(model: nn.Module, kv_dtype: mx.Dtype = mx.float32) -> tuple[list, list]:
     """Logits of a prefill, batched decodes (one padded), a verification; then the pools."""
-    runner = BlockPoolRunner(model, num_blocks=32, block_size=4)
+    runner = BlockPoolRunner(model, num_blocks=32, block_size=4, dtype=kv_dtype)
     logits = [runner.step([("a", list(range(3, 14)))], all_logits=True)["a"]]
     for i in range(2):
         out = runner.step([("a", [20 + i]), ("b", [5, 6, 7] if i == 0 else [30])], pad_to=4)
@@ -65,20 +68,29 @@ def _run(model: nn.Module) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return logits, pools
 
 
-class _Spy:
-    """Counts the fused halves a forward pass used (returns other than None)."""
+FUSED = ("decoder_layer", "attention_input", "output_mlp", "embed")
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, off: bool = False) -> None:
-        self.used = {"attention_input": 0, "output_mlp": 0, "embed": 0}
+
+class _Spy:
+    """Counts the fused parts a forward pass used (returns other than None); the parts in
+    ``off`` return None (the layer then builds the graph they replace)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, off: tuple[str, ...] = ()) -> None:
+        self.used = dict.fromkeys(FUSED, 0)
         for name in self.used:
             real = getattr(cpu_layer, name)
 
             def spy(*args, _real=real, _name=name):
-                out = None if off else _real(*args)
+                out = None if _name in off else _real(*args)
                 self.used[_name] += out is not None
                 return out
 
             monkeypatch.setattr(cpu_layer, name, spy)
+
+
+def _assert_same_bits(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("act_bits", [0, 8], ids=["float", "int8"])
@@ -87,24 +99,51 @@ def test_fused_layers_give_the_separate_primitives_bits(
     checkpoints: dict[str, Path], model_type: str, act_bits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _load(checkpoints[model_type], act_bits)
-    with monkeypatch.context() as m:
-        spy = _Spy(m)
-        fused_logits, fused_pools = _run(model)
-    assert spy.used == {"attention_input": 8, "output_mlp": 8, "embed": 4}  # 2 layers, 4 passes
-    with monkeypatch.context() as m:
-        spy = _Spy(m, off=True)
-        separate_logits, separate_pools = _run(model)
-    for got, want in zip(fused_logits + fused_pools, separate_logits + separate_pools, strict=True):
-        np.testing.assert_array_equal(got, want)
+    runs = {}
+    for label, off, used in [
+        ("one op", (), {"decoder_layer": 8, "attention_input": 0, "output_mlp": 0}),
+        ("halves", ("decoder_layer",), {"decoder_layer": 0, "attention_input": 8, "output_mlp": 8}),
+        ("separate", FUSED, dict.fromkeys(FUSED, 0)),
+    ]:  # 2 layers, 4 passes
+        with monkeypatch.context() as m:
+            spy = _Spy(m, off)
+            runs[label] = _run(model)
+        assert {k: spy.used[k] for k in used} == used, label
+    fused_logits, fused_pools = runs["one op"]
+    for label in ("halves", "separate"):
+        _assert_same_bits(fused_logits + fused_pools, runs[label][0] + runs[label][1])
     with ops.force_backend("fallback"):  # MLX's ops (the quantized matmuls stay the kernels)
         spy = _Spy(monkeypatch)
         ref_logits, ref_pools = _run(model)
-    assert spy.used == {"attention_input": 0, "output_mlp": 0, "embed": 0}
+    assert spy.used == dict.fromkeys(FUSED, 0)
     for got, want in zip(fused_logits + fused_pools, ref_logits + ref_pools, strict=True):
         if act_bits == 0:
             np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
         else:  # MLX's ops differ in the last bits, and int8 rounding moves near ties a step
             assert np.linalg.norm(got - want) <= 0.05 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_one_op_layer_quantizes_int8_pools_as_the_separate_ops(
+    checkpoints: dict[str, Path], model_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8 pools: the one-op layer's rows and scales are kv_quant.quantize's (MLX's ops),
+    byte for byte; the fallback's attention over them agrees within float32 tolerance."""
+    model = _load(checkpoints[model_type], 0)
+    with monkeypatch.context() as m:
+        spy = _Spy(m)
+        logits, pools = _run(model, mx.int8)
+    assert spy.used["decoder_layer"] == 8
+    with monkeypatch.context() as m:
+        _Spy(m, ("decoder_layer",))
+        _assert_same_bits(logits + pools, [*(a for part in _run(model, mx.int8) for a in part)])
+    with ops.force_backend("fallback"):
+        ref_logits, ref_pools = _run(model, mx.int8)
+    for got, want in zip(logits, ref_logits, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-3)
+    for got, want in zip(pools, ref_pools, strict=True):
+        got, want = (kv_quant.dequantize(mx.array(p), mx.float32) for p in (got, want))
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-2, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -138,16 +177,20 @@ def _as_kernel_layer(layer: nn.Module) -> nn.Module:
 def test_fused_layers_write_the_pools_in_place(
     checkpoints: dict[str, Path], kv_dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """k and v come out in the scatter's shape (no Reshape op); the write stays in place."""
+    """The one-op layer and the halves' scatter (k and v in its shape: no Reshape op) both
+    write the pools in place: every step's pools are the first step's buffers."""
     model = _load(checkpoints["llama"], 0)
-    spy = _Spy(monkeypatch)
-    runner = BlockPoolRunner(model, num_blocks=16, block_size=4, dtype=kv_dtype)
-    addresses = []
-    for tokens in ([3, 4, 5, 6, 7], [8], [9], [10, 11, 12]):
-        runner.step([("a", tokens)])
-        addresses.append([buffer_address(a) for a in runner.cache.keys + runner.cache.values])
-    assert spy.used["attention_input"] == 8
-    assert addresses[1:] == addresses[:-1]  # every step wrote the same buffers
+    for off, used in [((), "decoder_layer"), (("decoder_layer",), "attention_input")]:
+        with monkeypatch.context() as m:
+            spy = _Spy(m, off)
+            runner = BlockPoolRunner(model, num_blocks=16, block_size=4, dtype=kv_dtype)
+            addresses = []
+            for tokens in ([3, 4, 5, 6, 7], [8], [9], [10, 11, 12]):
+                runner.step([("a", tokens)])
+                # (no name for the pools list: holding the arrays would force a copy)
+                addresses.append([buffer_address(a) for a in runner.cache.arrays()])
+        assert spy.used[used] == 8
+        assert addresses[1:] == addresses[:-1], used  # every step wrote the same buffers
     with ops.force_backend("fallback"):
         reference = BlockPoolRunner(model, num_blocks=16, block_size=4, dtype=kv_dtype)
         for tokens in ([3, 4, 5, 6, 7], [8], [9], [10, 11, 12]):
@@ -160,29 +203,61 @@ def test_fused_layers_write_the_pools_in_place(
         np.testing.assert_allclose(np.array(got), np.array(want), atol=atol, rtol=1e-4)
 
 
+def test_a_held_pool_is_copied_not_overwritten(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While something else holds the old pools (a stray reference), the one-op layer
+    writes copies: the held arrays keep their contents, the results are the in-place run's."""
+    model = _load(checkpoints["llama"], 0)
+    spy = _Spy(monkeypatch)
+    runs = []
+    for hold in (False, True):
+        runner = BlockPoolRunner(model, num_blocks=16, block_size=4)
+        logits = []
+        for tokens in ([3, 4, 5, 6, 7], [8], [9, 10]):
+            held = list(runner.cache.arrays()) if hold else []
+            before = [np.array(a) for a in held]
+            logits.append(runner.step([("a", tokens)])["a"])
+            _assert_same_bits([np.array(a) for a in held], before)
+            now = [buffer_address(a) for a in runner.cache.arrays()]
+            assert all(buffer_address(a) not in now for a in held)
+            del held
+        runs.append(logits + [np.array(a) for a in runner.cache.arrays()])
+    assert spy.used["decoder_layer"] == 12
+    _assert_same_bits(runs[1], runs[0])
+
+
 @pytest.mark.parametrize("model_type", list(MODELS))
-def test_a_decode_layer_is_five_ops(checkpoints: dict[str, Path], model_type: str) -> None:
-    """One layer's graph, its inputs (and the step's RoPE tables and slots) evaluated."""
+def test_a_decode_layer_is_one_op(
+    checkpoints: dict[str, Path], model_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One layer's graph, its inputs (and the step's RoPE tables and slots) evaluated: one
+    op, or 5 where the whole layer does not apply but its halves do."""
     from bench.decode_profile import op_histogram
 
     model = _load(checkpoints[model_type], 0)
     layer = model.model.layers[0]
-    cache = KVCache.allocate_for(model, 8, 4, mx.float32)
     md = AttentionMetadata.build([1, 1], [3, 6], [[1], [2, 3]], 4)
     x = mx.random.normal((2, model.args.hidden_size), key=mx.random.key(2))
     positions = mx.array([2, 5])
     steps = (
         layer.self_attn.rope.tables(positions, mx.float32),
         ops.cpu._block_offsets(md.slot_mapping, 4),
+        ops.cpu.step_rows(md),
     )
-    mx.eval(x, cache.arrays(), steps)
-    out = layer(x, positions, md, cache)
-    assert op_histogram([out, *cache.arrays()]) == {
+    five = {
         "Scatter": 2,  # K and V, no Reshape before them
         "MlxserveCpuAttentionInput": 1,
         "MlxserveCpuOutputMlp": 1,
         "MlxserveCpuPagedAttention": 1,
     }
+    for off, want in [((), {"MlxserveCpuDecoderLayer": 1}), (("decoder_layer",), five)]:
+        cache = KVCache.allocate_for(model, 8, 4, mx.float32)
+        mx.eval(x, cache.arrays(), steps)
+        with monkeypatch.context() as m:
+            _Spy(m, off)
+            out = layer(x, positions, md, cache)
+        assert op_histogram([out, *cache.arrays()]) == want
 
 
 def test_layers_off_the_kernels_keep_the_separate_ops(
@@ -207,9 +282,19 @@ def test_layers_off_the_kernels_keep_the_separate_ops(
     assert cpu_layer.output_mlp(unfused_layer, x, attn_out) is None
     args = (unfused_layer.self_attn, unfused_layer.input_layernorm, x, positions)
     assert cpu_layer.attention_input(*args) is None
+    md = AttentionMetadata.build([3], [3], [[1]], 4)
+    whole = (x, positions, md)
+    unfused_cache = KVCache.allocate_for(unfused, 4, 4, mx.float32)
+    assert cpu_layer.decoder_layer(unfused_layer, *whole, unfused_cache) is None
+    # Pools the one op does not write (float16): the halves around MLX's scatter.
+    float16_cache = KVCache.allocate_for(model, 4, 4, mx.float16)
+    assert cpu_layer.decoder_layer(layer, *whole, float16_cache) is None
+    assert cpu_layer.attention_input(layer.self_attn, layer.input_layernorm, x, positions)
     # MLXSERVE_CPU_KERNELS=off / kernels="fallback" leave ops.cpu_module() None.
     with ops.force_backend("fallback"):
         assert cpu_layer.output_mlp(layer, x, attn_out) is None
+        cache = KVCache.allocate_for(model, 4, 4, mx.float32)
+        assert cpu_layer.decoder_layer(layer, *whole, cache) is None
     monkeypatch.setattr(ops, "cpu_module", lambda: None)
     assert cpu_layer.output_mlp(layer, x, attn_out) is None
     assert cpu_layer.attention_input(layer.self_attn, layer.input_layernorm, x, positions) is None

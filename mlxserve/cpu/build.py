@@ -29,14 +29,18 @@ SOURCES = ["qmm.c", "qmm_scalar.c", "qmm_avx2.c", "qmm_avx512.c", "qmm_neon.c"]
 SOURCES += ["q8_scalar.c", "q8_avx2.c", "q8_avxvnni.c", "q8_avx512vnni.c", "q8_neon.c"]
 SOURCES += ["q8_quantize.c"]
 HEADERS = ["qmm.h", "qmm_common.h", "qmm_impl.h", "q8_impl.h", "q8_x86.h", "decode_ext.h"]
+HEADERS += ["linear.h", "layer_parts.h"]
 # C++ against MLX's headers: the primitives (qmm_ext.cpp defines the module). The RoPE,
 # RMSNorm and fused layer primitives round as MLX's ops do (bit for bit): no fused
 # multiply-adds there.
 EXT_SOURCES = ["qmm_ext.cpp", "attn_ext.cpp", "rope_norm_ext.cpp", "layer_ext.cpp"]
+EXT_SOURCES += ["linear_ext.cpp", "decoder_layer_ext.cpp"]
 EXT_FLAGS = {
     "attn_ext.cpp": ["-O3", "-ffp-contract=off"],  # the same bits on every instruction set
     "rope_norm_ext.cpp": ["-ffp-contract=off"],
     "layer_ext.cpp": ["-O3", "-ffp-contract=off"],  # the same bits as the separate ops
+    "linear_ext.cpp": ["-O3", "-ffp-contract=off"],
+    "decoder_layer_ext.cpp": ["-O3", "-ffp-contract=off"],
 }
 # Per-file flags: each instruction set in its own file, chosen at run time (qmm.c).
 X86_FLAGS = {

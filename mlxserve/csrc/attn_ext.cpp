@@ -15,7 +15,8 @@
 //
 // Work items are (tile, KV head) pairs (a tile: up to 8 consecutive rows of one table, each
 // key loaded once for all of them, each row's sums the same as alone), spread over the
-// kernels' thread pool (qmm.c) when there is enough of it.
+// kernels' thread pool (qmm.c) when there is enough of it. The whole-layer primitive
+// (decoder_layer_ext.cpp) runs the same computation: paged_attention_rows (decode_ext.h).
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -247,6 +248,10 @@ std::vector<Tile> make_tiles(const AttnProblem& p, int max_rows) {
   return tiles;
 }
 
+int head_dim_of(const mx::array& pool) {
+  return pool.dtype() == mx::int8 ? pool.shape(3) - 4 : pool.shape(3);
+}
+
 // Checks every row's context length and blocks; returns how many keys the rows read.
 int64_t check_rows(const AttnProblem& p) {
   int64_t keys = 0;
@@ -270,6 +275,59 @@ int64_t check_rows(const AttnProblem& p) {
   return keys;
 }
 
+}  // namespace
+
+void paged_attention_rows(const PagedRows& r) {
+  std::vector<char> kk, kv;
+  const mx::array &k = *r.k_pool, &v = *r.v_pool;
+  AttnProblem p;
+  p.q = r.q;
+  p.k = static_cast<const char*>(dense(k, kk));
+  p.v = static_cast<const char*>(dense(v, kv));
+  p.tables = r.tables;
+  p.ctx = r.ctx;
+  p.sinks = r.sinks;
+  p.out = r.out;
+  p.q_type = r.q_type;
+  p.k_type = elem_of(k.dtype());
+  p.v_type = elem_of(v.dtype());
+  p.rows = r.rows;
+  p.out_rows = r.out_rows;
+  p.max_blocks = r.max_blocks;
+  p.num_blocks = k.shape(0);
+  p.heads = r.heads;
+  p.kv_heads = k.shape(2);
+  p.dk = r.dk;
+  p.dv = head_dim_of(v);
+  p.block_size = k.shape(1);
+  p.window = r.window;
+  p.k_row_bytes = static_cast<int64_t>(k.shape(3)) * k.itemsize();
+  p.v_row_bytes = static_cast<int64_t>(v.shape(3)) * v.itemsize();
+  p.scale = r.scale;
+  const int64_t rows = r.rows;
+  const int64_t keys = check_rows(p);
+  const bool parallel = keys * p.heads * (p.dk + p.dv) >= (int64_t{1} << 17);  // ~MACs
+  // Tiles as large as leave every thread about two work items (a tile's result is the
+  // same at any size: only how often keys are loaded changes).
+  const int64_t threads = parallel ? std::max(1, mlxserve_qmm_threads()) : 1;
+  const int64_t fit = rows * p.kv_heads / (2 * threads);
+  const int max_rows =
+      static_cast<int>(threads == 1 ? kMaxTile : std::clamp<int64_t>(fit, 1, kMaxTile));
+  const std::vector<Tile> tiles = make_tiles(p, max_rows);
+  p.tiles = tiles.data();
+  const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
+  if (parallel) {
+    mlxserve_qmm_parallel_for(items, attend, &p);
+  } else {
+    for (int64_t i = 0; i < items; i++) attend(&p, i);
+  }
+  const int64_t row_elems = static_cast<int64_t>(p.heads) * p.dv;
+  for (int64_t i = rows * row_elems; i < p.out_rows * row_elems; i++)
+    store(p.out, p.q_type, i, 0.0f);
+}
+
+namespace {
+
 class CpuPagedAttention : public mx::UnaryPrimitive {
  public:
   CpuPagedAttention(mx::Stream s, int64_t rows, float scale, int window, bool sinks)
@@ -281,52 +339,25 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.dispatch([in = std::move(in), rows = rows_, scale = scale_, window = window_,
                       sinks = sinks_]() mutable {
-      std::vector<char> kq, kk, kv, kt, kc, ks;
-      const mx::array &q = in[0], &k = in[1], &v = in[2];
-      mx::array& y = in.back();
-      AttnProblem p;
-      p.q = dense(q, kq);
-      p.k = static_cast<const char*>(dense(k, kk));
-      p.v = static_cast<const char*>(dense(v, kv));
-      p.tables = static_cast<const int32_t*>(dense(in[3], kt));
-      p.ctx = static_cast<const int32_t*>(dense(in[4], kc));
-      p.sinks = sinks ? static_cast<const float*>(dense(in[5], ks)) : nullptr;
-      p.out = y.data<void>();
-      p.q_type = elem_of(q.dtype());
-      p.k_type = elem_of(k.dtype());
-      p.v_type = elem_of(v.dtype());
-      p.rows = rows;
-      p.out_rows = q.shape(0);
-      p.max_blocks = in[3].shape(1);
-      p.num_blocks = k.shape(0);
-      p.heads = q.shape(1);
-      p.kv_heads = k.shape(2);
-      p.dk = q.shape(2);
-      p.dv = y.shape(2);
-      p.block_size = k.shape(1);
-      p.window = window;
-      p.k_row_bytes = static_cast<int64_t>(k.shape(3)) * k.itemsize();
-      p.v_row_bytes = static_cast<int64_t>(v.shape(3)) * v.itemsize();
-      p.scale = scale;
-      const int64_t keys = check_rows(p);
-      const bool parallel = keys * p.heads * (p.dk + p.dv) >= (int64_t{1} << 17);  // ~MACs
-      // Tiles as large as leave every thread about two work items (a tile's result is the
-      // same at any size: only how often keys are loaded changes).
-      const int64_t threads = parallel ? std::max(1, mlxserve_qmm_threads()) : 1;
-      const int64_t fit = rows * p.kv_heads / (2 * threads);
-      const int max_rows =
-          static_cast<int>(threads == 1 ? kMaxTile : std::clamp<int64_t>(fit, 1, kMaxTile));
-      const std::vector<Tile> tiles = make_tiles(p, max_rows);
-      p.tiles = tiles.data();
-      const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
-      if (parallel) {
-        mlxserve_qmm_parallel_for(items, attend, &p);
-      } else {
-        for (int64_t i = 0; i < items; i++) attend(&p, i);
-      }
-      const int64_t row_elems = static_cast<int64_t>(p.heads) * p.dv;
-      for (int64_t i = rows * row_elems; i < p.out_rows * row_elems; i++)
-        store(p.out, p.q_type, i, 0.0f);
+      std::vector<char> kq, kt, kc, ks;
+      const mx::array& q = in[0];
+      PagedRows r;
+      r.q = dense(q, kq);
+      r.q_type = elem_of(q.dtype());
+      r.out_rows = q.shape(0);
+      r.heads = q.shape(1);
+      r.dk = q.shape(2);
+      r.k_pool = &in[1];
+      r.v_pool = &in[2];
+      r.tables = static_cast<const int32_t*>(dense(in[3], kt));
+      r.max_blocks = in[3].shape(1);
+      r.ctx = static_cast<const int32_t*>(dense(in[4], kc));
+      r.rows = rows;
+      r.scale = scale;
+      r.window = window;
+      r.sinks = sinks ? static_cast<const float*>(dense(in[5], ks)) : nullptr;
+      r.out = in.back().data<void>();
+      paged_attention_rows(r);
     });
   }
 
@@ -350,10 +381,6 @@ class CpuPagedAttention : public mx::UnaryPrimitive {
 
 void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("paged_attention: " + what);
-}
-
-int head_dim_of(const mx::array& pool) {
-  return pool.dtype() == mx::int8 ? pool.shape(3) - 4 : pool.shape(3);
 }
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,

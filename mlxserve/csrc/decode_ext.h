@@ -1,5 +1,6 @@
-// Shared pieces of the decode-step primitives (attn_ext.cpp, rope_norm_ext.cpp): element
-// loads in float32 from MLX's float dtypes, row-major views of inputs, registration.
+// Shared pieces of the decode-step primitives (attn_ext.cpp, rope_norm_ext.cpp, the layer
+// files): element loads in float32 from MLX's float dtypes, row-major views of inputs, the
+// norm and RoPE row loops, the paged attention's entry point, registration.
 #pragma once
 
 #include <cmath>
@@ -151,18 +152,42 @@ inline void rope_split_rows(const void* src, int type, const void* cos_p, const 
   }
 }
 
+// The paged attention of rows 0..rows of q over the pools (attn_ext.cpp's primitive, also
+// run inside the fused layer): each row attends to the keys of its table up to ctx[row]
+// (a sliding window: the last `window`), rows from `rows` to out_rows get zeros.
+struct PagedRows {
+  const void* q;  // (out_rows, heads, dk) of q_type
+  int q_type;
+  int64_t out_rows;
+  int heads, dk;
+  const mx::array *k_pool, *v_pool;  // evaluated (num_blocks, block_size, kv_heads, width)
+  const int32_t* tables;             // (>= rows, max_blocks)
+  int64_t max_blocks;
+  const int32_t* ctx;  // (>= rows,)
+  int64_t rows;
+  float scale;
+  int window;          // 0: none
+  const float* sinks;  // (heads,) or null
+  void* out;           // (out_rows, heads, dv) of q_type
+};
+void paged_attention_rows(const PagedRows& r);
+
 void register_attention(nanobind::module_& m);
 void register_rope_norm(nanobind::module_& m);
 void register_layer(nanobind::module_& m);
+void register_linear(nanobind::module_& m);
+void register_decoder_layer(nanobind::module_& m);
 
 // A primitive's eval_cpu: its outputs allocated, every array in the encoder, and weak
 // copies of the inputs then the outputs for the task (MLX keeps the arrays alive).
+// allocate = false: the outputs have their buffers already (e.g. shared with an input).
 template <typename Outs>
-std::vector<mx::array> start(mx::Stream s, const std::vector<mx::array>& inputs, Outs& outputs) {
+std::vector<mx::array> start(mx::Stream s, const std::vector<mx::array>& inputs, Outs& outputs,
+                             bool allocate = true) {
   auto& encoder = mx::cpu::get_command_encoder(s);
   for (auto& a : inputs) encoder.set_input_array(a);
   for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
+    if (allocate) o.set_data(mx::allocator::malloc(o.nbytes()));
     encoder.set_output_array(o);
   }
   std::vector<mx::array> all;

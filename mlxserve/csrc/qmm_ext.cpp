@@ -200,4 +200,6 @@ NB_MODULE(MLXSERVE_EXT_NAME, m) {
   mlxserve_decode::register_attention(m);  // attn_ext.cpp
   mlxserve_decode::register_rope_norm(m);  // rope_norm_ext.cpp
   mlxserve_decode::register_layer(m);  // layer_ext.cpp
+  mlxserve_decode::register_linear(m);  // linear_ext.cpp
+  mlxserve_decode::register_decoder_layer(m);  // decoder_layer_ext.cpp
 }

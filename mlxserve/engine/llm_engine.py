@@ -127,9 +127,12 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # Whether step() returns the previous step's outputs while launching the next (see
-        # _step). On the CPU, MLX's async_eval returns only when ~10 ops of the step are
-        # left (it evaluates at most that far ahead of its compute thread): there is almost
-        # nothing to overlap, and the outputs would reach callers a whole step late.
+        # _step). Not on the CPU: what would overlap the next step's compute is only the
+        # collected step's output processing (the next launch needs its tokens), ~0.1-0.3 ms
+        # of a ~15-25 ms step, and the outputs would reach callers a whole step late. (With
+        # a layer in one op MLX's async_eval now returns a few ms into a step, no longer
+        # ~10 ops before its end; measured, pipelining still gained nothing here:
+        # bench/layer_ops.py, bench/README.md.)
         self.pipelined = uses_gpu()
         # Prompt tokens computed so far (prefix-cache hits excluded), for throughput logs.
         self.num_prompt_tokens_computed = 0

@@ -212,7 +212,13 @@ class DecoderLayer(nn.Module):
         self, x: mx.array, positions: mx.array, md: AttentionMetadata, cache: KVCache
     ) -> mx.array:  # (num_tokens, hidden)
         attn = self.self_attn
-        # On the CPU kernels each half is one op (models/cpu_layer.py), else None.
+        # On the CPU kernels the layer is one op (models/cpu_layer.py), else None; a
+        # subclass that attends its own way keeps the halves.
+        if type(attn).attend is Attention.attend:
+            h = cpu_layer.decoder_layer(self, x, positions, md, cache)
+            if h is not None:
+                return h
+        # On the CPU kernels each half is one op, else None.
         qkv = cpu_layer.attention_input(attn, self.input_layernorm, x, positions)
         if qkv is None:
             qkv = attn.project(self.input_layernorm(x), positions)

@@ -81,11 +81,11 @@ def paged_attention(
     sinks: mx.array | None = None,  # (num_heads,)
 ) -> mx.array:  # (num_tokens, num_heads, v_head_dim)
     """fallback.paged_attention with every row in the primitive (padding rows: zeros)."""
-    tables, ctx, rows = _rows(md)
+    tables, ctx, rows = step_rows(md)
     return module.paged_attention(q, k_cache, v_cache, tables, ctx, rows, scale, window or 0, sinks)
 
 
-def _rows(md: AttentionMetadata) -> tuple[mx.array, mx.array, int]:
+def step_rows(md: AttentionMetadata) -> tuple[mx.array, mx.array, int]:
     """Each token's block table and context length (up to its own position) and the number
     of tokens: made once per step, shared by the layers."""
     if md.num_decodes == md.num_reqs:  # one row per request already
