@@ -44,12 +44,14 @@
  * of Q8_RM rows by Q8_RN vectors of columns sweep the panel, each packed weight loaded
  * once per Q8_RM rows. 4-bit values are in the kernel order of the rounding's perm4
  * (a block's low nibbles, values 0, 2, .., 30, then its high nibbles), so unpacking
- * takes a mask and a shift; other widths are in order. One row (decode) of 4- or 8-bit
- * weights skips the panel where the ISA has q8_tile_raw (Q8_RAW, x86): whole vectors of
- * columns are transposed in registers straight from w, and the bytes of the next tile
- * (the rows after it in memory) and the next panel's scales and biases are prefetched
- * meanwhile: a decode step streams ~100 MB of weights from memory, and the hardware's
- * prefetchers alone left the loads waiting (about half a plain read's bandwidth).
+ * takes a mask and a shift; other widths are in order.
+ *
+ * One row (decode) of 4- or 8-bit weights skips the panel where the ISA has q8_tile_raw
+ * (Q8_RAW: x86, NEON): whole vectors of columns are read straight from w (x86 transposes
+ * them in registers, NEON adds up each column's lanes), and the bytes of the next tile (the
+ * rows after it in memory) and the next panel's scales and biases are prefetched meanwhile:
+ * a decode step streams ~100 MB of weights from memory, and with the hardware's prefetchers
+ * alone the loads waited (about half a plain read's bandwidth).
  */
 #include "qmm_common.h"
 
