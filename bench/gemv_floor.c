@@ -81,7 +81,9 @@ typedef struct {
 } read_task;
 
 static size_t weight_bytes(const qmm_problem *p) { return (size_t)(p->N * p->K * p->bits / 8); }
-static size_t param_bytes(const qmm_problem *p) { return (size_t)(p->N * (p->K / p->group_size) * 2); }
+static size_t param_bytes(const qmm_problem *p) {
+    return (size_t)(p->N * (p->K / p->group_size) * 2);
+}
 
 static void read_part(void *ctx, int64_t part) {
     read_task *t = ctx;

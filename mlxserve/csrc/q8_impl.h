@@ -163,8 +163,8 @@ static void q8_item(void *vctx, int64_t item) {
     q8_params(p, p->biases, n0, ncols, g, tmp, bi);
     if (raw_vectors && n0 + Q8_PANEL < N) { /* and the next panel's scales and biases */
         const int64_t size = p->scale_type == QMM_F32 ? 4 : 2, end = N * g * size;
-        for (int64_t at = (n0 + Q8_PANEL) * g * size, i = 0; i < Q8_PANEL * g * size && at + i < end;
-             i += 64) {
+        const int64_t at = (n0 + Q8_PANEL) * g * size;
+        for (int64_t i = 0; i < Q8_PANEL * g * size && at + i < end; i += 64) {
             __builtin_prefetch((const char *)p->scales + at + i);
             __builtin_prefetch((const char *)p->biases + at + i);
         }
