@@ -209,7 +209,12 @@ int mlxserve_qmm(const qmm_problem *p) {
  * descheduled helper can hold small (under oversubscription the caller cannot take over a
  * claimed item, only the unclaimed ones). */
 #define MAX_CLAIM 8
-static atomic_long spin_ns = 200000L, claim_div = 2;
+/* The spin window covers the gaps between one step's calls (microseconds: norms, scatters),
+ * not the host's graph building between steps (~1.5 ms), when the workers sleep either way;
+ * spinning longer only takes a core from whoever else runs (single-stream decode in one
+ * engine, bench/pool_settings.py, 2 threads, load 8.5-10.6: medians 7-53% higher at 50 us
+ * than at 200 in five comparisons). */
+static atomic_long spin_ns = 50000L, claim_div = 2;
 
 long mlxserve_qmm_set_claim_div(long div) {
     return div >= 0 ? atomic_exchange(&claim_div, div) : atomic_load(&claim_div);
