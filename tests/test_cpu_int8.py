@@ -126,6 +126,7 @@ def test_the_hand_rounding_is_what_its_docstring_says() -> None:
 SHAPES = [(1, 96, 7), (2, 64, 33), (3, 160, 1), (4, 192, 29), (5, 128, 17), (6, 64, 50)]
 SHAPES += [(7, 96, 9), (8, 320, 21), (9, 96, 13), (32, 64, 50), (33, 128, 7), (64, 192, 29)]
 SHAPES += [(129, 64, 100), (1, 256, 60)]  # one row: whole vectors in place, then a partial one
+SHAPES += [(1, 576, 203)]  # one row over several panels (each prefetching the next) and a tail
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -161,10 +162,10 @@ def test_other_bit_widths(isa: str, bits: int) -> None:
 def test_16_bit_scales_and_many_rows() -> None:
     for m in (1, 3, 6, 9, 40):
         for scale_dtype in (mx.float16, mx.bfloat16):
-            for n in (19, 64):  # a tail; whole vectors (x86 transposes float16 in registers)
-                x, wq, s, b = problem(m, 512, n, 4, 32, seed=m, scale_dtype=scale_dtype)
-                got = run(x, wq, s, b, 32, 4)
-                np.testing.assert_array_equal(got, exact_oracle(x, wq, s, b, 32, 4))
+            for n, bits in [(19, 4), (64, 4), (64, 8)]:  # whole vectors: x86 transposes float16
+                x, wq, s, b = problem(m, 512, n, bits, 32, seed=m, scale_dtype=scale_dtype)
+                got = run(x, wq, s, b, 32, bits)
+                np.testing.assert_array_equal(got, exact_oracle(x, wq, s, b, 32, bits))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -45,6 +45,13 @@
  * once per Q8_RM rows. 4-bit values are in the kernel order of the rounding's perm4
  * (a block's low nibbles, values 0, 2, .., 30, then its high nibbles), so unpacking
  * takes a mask and a shift; other widths are in order.
+ *
+ * One row (decode) of 4- or 8-bit weights skips the panel where the ISA has q8_tile_raw
+ * (Q8_RAW: x86, NEON): whole vectors of columns are read straight from w (x86 transposes
+ * them in registers, NEON adds up each column's lanes), and the bytes of the next tile (the
+ * rows after it in memory) and the next panel's scales and biases are prefetched meanwhile:
+ * a decode step streams ~100 MB of weights from memory, and with the hardware's prefetchers
+ * alone the loads waited (about half a plain read's bandwidth).
  */
 #include "qmm_common.h"
 
@@ -139,11 +146,11 @@ static void q8_item(void *vctx, int64_t item) {
                          packed_floats + 4 * pg + Q8_RM * (size_t)Q8_PANEL);
     uint8_t *pw = (uint8_t *)buf;
     float *sc = buf + packed_floats, *bi = sc + pg, *tmp = bi + pg, *f = tmp + 2 * pg;
-    /* One row of 4-bit weights (decode): whole vectors of columns are read where they are
-     * (q8_tile_raw4), packing them would cost as much as the dot products; the partial
-     * last vector is packed. */
-#ifdef Q8_RAW4
-    const int raw_vectors = bits == 4 && m_end - m_first == 1 ? ncols / Q8_VC : 0;
+    /* One row of 4- or 8-bit weights (decode, the LM head): whole vectors of columns are
+     * read where they are (q8_tile_raw), packing them would cost as much as the dot
+     * products; the partial last vector is packed. */
+#ifdef Q8_RAW
+    const int raw_vectors = (bits == 4 || bits == 8) && m_end - m_first == 1 ? ncols / Q8_VC : 0;
 #else
     const int raw_vectors = 0;
 #endif
@@ -154,6 +161,14 @@ static void q8_item(void *vctx, int64_t item) {
     }
     q8_params(p, p->scales, n0, ncols, g, tmp, sc);
     q8_params(p, p->biases, n0, ncols, g, tmp, bi);
+    if (raw_vectors && n0 + Q8_PANEL < N) { /* and the next panel's scales and biases */
+        const int64_t size = p->scale_type == QMM_F32 ? 4 : 2, end = N * g * size;
+        const int64_t at = (n0 + Q8_PANEL) * g * size;
+        for (int64_t i = 0; i < Q8_PANEL * g * size && at + i < end; i += 64) {
+            __builtin_prefetch((const char *)p->scales + at + i);
+            __builtin_prefetch((const char *)p->biases + at + i);
+        }
+    }
     for (int64_t m0 = m_first; m0 < m_end; m0 += Q8_RM) {
         const int rm = (int)(m_end - m0 < Q8_RM ? m_end - m0 : Q8_RM);
         const int8_t *qm = c->q->q + m0 * K;
@@ -161,22 +176,30 @@ static void q8_item(void *vctx, int64_t item) {
         const int tile_rn = kind == Q8_SMALL ? Q8_RN : Q8_RN_BYTE;
         for (int c0 = 0, rn; c0 < nv; c0 += rn) {
             rn = nv - c0 < tile_rn ? nv - c0 : tile_rn;
-#ifdef Q8_RAW4
+#ifdef Q8_RAW
             if (c0 < raw_vectors) {
                 rn = raw_vectors - c0 < rn ? raw_vectors - c0 : rn;
                 const uint8_t *raw = (const uint8_t *)p->w + (n0 + c0 * Q8_VC) * row_bytes;
-                switch (rn) {
-#define Q8_RAW_TILE(RN)                                                                       \
-    case RN:                                                                                  \
-        q8_tile_raw4(raw, row_bytes, qm, K, dm, nb, sc + c0 * Q8_VC, bi + c0 * Q8_VC, xs, g, \
-                     subs, f + c0 * Q8_VC, RN);                                               \
+                /* The rows of the tile after this one follow it in memory: fetched while
+                 * this one runs (the hardware's prefetchers leave the loads waiting). */
+                const uint8_t *next = raw + rn * Q8_VC * row_bytes;
+                const int64_t left = (const uint8_t *)p->w + N * row_bytes - next;
+                const int64_t ahead = left < rn * Q8_VC * row_bytes ? left : rn * Q8_VC * row_bytes;
+                switch (rn * 2 + kind) {
+#define Q8_RAW_TILE(RN, KIND)                                                                 \
+    case (RN) * 2 + (KIND):                                                                   \
+        q8_tile_raw(raw, row_bytes, next, ahead, qm, K, dm, nb, sc + c0 * Q8_VC,             \
+                    bi + c0 * Q8_VC, xs, g, subs, f + c0 * Q8_VC, RN, KIND);                  \
         break;
-                    Q8_RAW_TILE(1)
+                    Q8_RAW_TILE(1, Q8_SMALL)
+                    Q8_RAW_TILE(1, Q8_BYTE)
 #if Q8_RN >= 2
-                    Q8_RAW_TILE(2)
+                    Q8_RAW_TILE(2, Q8_SMALL)
+                    Q8_RAW_TILE(2, Q8_BYTE)
 #endif
 #if Q8_RN >= 3
-                    Q8_RAW_TILE(3)
+                    Q8_RAW_TILE(3, Q8_SMALL)
+                    Q8_RAW_TILE(3, Q8_BYTE)
 #endif
 #undef Q8_RAW_TILE
                 }

@@ -18,15 +18,18 @@ static inline void q8_tile(const uint8_t *pw, int nv, const int8_t *q, int64_t K
                            int64_t g, int subs, float *f, const int rm,
                            const int rn, const int kind);
 
-static inline void q8_tile_raw4(const uint8_t *raw, int64_t row_bytes, const int8_t *q, int64_t K,
-                                const float *d, int64_t nb, const float *sc, const float *bi,
-                                const float *xs, int64_t g, int subs, float *f, const int rn);
+static inline void q8_tile_raw(const uint8_t *raw, int64_t row_bytes, const uint8_t *next,
+                               int64_t ahead, const int8_t *q, int64_t K,
+                               const float *d, int64_t nb, const float *sc, const float *bi,
+                               const float *xs, int64_t g, int subs, float *f, const int rn,
+                               const int kind);
 static inline void q8_tile_any(const uint8_t *pw, int nv, const uint8_t *raw, int64_t row_bytes,
+                               const uint8_t *next, int64_t ahead,
                                const int8_t *q, int64_t K, const float *d, int64_t nb,
                                const float *sc, const float *bi, const float *xs, int64_t g,
                                int subs, float *f, const int rm, const int rn, const int kind,
                                const int is_raw);
-#define Q8_RAW4 1 /* q8_tile_raw4: one row of 4-bit weights without packing */
+#define Q8_RAW 1 /* q8_tile_raw: one row of 4- or 8-bit weights without packing */
 
 #include "q8_impl.h"
 
@@ -50,6 +53,30 @@ static inline __attribute__((always_inline)) void q8_quads4(const uint8_t *p, in
     }
 }
 
+/* Quads 0-7 of one block (its 32 bytes at p) of 8 whole columns of 8-bit weights (row_bytes
+ * apart), one register each, as q8_pack lays them out: the 8 words of each column
+ * transposed (an 8 x 8 transpose of 32-bit words). */
+static inline __attribute__((always_inline)) void q8_quads8(const uint8_t *p, int64_t row_bytes,
+                                                            __m256i v[8]) {
+    __m256i r[8], u[8], t[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_si256((const __m256i *)(p + j * row_bytes));
+    for (int j = 0; j < 8; j += 2) {
+        u[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);     /* c_j w0 c_j+1 w0 c_j w1 .. */
+        u[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]); /* words 2, 3 (and 6, 7) */
+    }
+    for (int j = 0; j < 8; j += 4)
+        for (int h = 0; h < 2; h++) {
+            t[j + 2 * h] = _mm256_unpacklo_epi64(u[j + h], u[j + 2 + h]);
+            t[j + 2 * h + 1] = _mm256_unpackhi_epi64(u[j + h], u[j + 2 + h]);
+        }
+    /* t[0..3]: words 0-3 (low half) and 4-7 (high half) of columns 0-3; t[4..7]: of
+     * columns 4-7. */
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2x128_si256(t[i], t[4 + i], 0x20);
+        v[i + 4] = _mm256_permute2x128_si256(t[i], t[4 + i], 0x31);
+    }
+}
+
 /* 4-bit: the 16 bytes of a block of 8 columns as 4 words each, transposed (word t of
  * columns 0-7 in one register); the low nibbles of word t are quad t, the high ones quad
  * t + 4. 8-bit: the 8 words of each column transposed (an 8 x 8 transpose). */
@@ -60,35 +87,15 @@ static inline void q8_pack(const uint8_t *w0, int64_t row_bytes, int ncols, int6
         return;
     }
     const int64_t tstride = (int64_t)nv * Q8_VC * 4, bstride = 8 * tstride;
-#define Q8_ST(t, v) _mm256_storeu_si256((__m256i *)(out + (t) * tstride), v)
     for (int64_t b = 0; b < nb; b++) {
-        uint8_t *out = dst + b * bstride;
-        if (bits == 4) {
-            __m256i v[8];
+        __m256i v[8];
+        if (bits == 4)
             q8_quads4(w0 + b * 16, row_bytes, v);
-            for (int t = 0; t < 8; t++) Q8_ST(t, v[t]);
-        } else {
-            const uint8_t *p = w0 + b * 32;
-            __m256i r[8], u[8], v[8];
-            for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_si256((const __m256i *)(p + j * row_bytes));
-            for (int j = 0; j < 8; j += 2) {
-                u[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);     /* c_j w0 c_j+1 w0 c_j w1 .. */
-                u[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]); /* words 2, 3 (and 6, 7) */
-            }
-            for (int j = 0; j < 8; j += 4)
-                for (int h = 0; h < 2; h++) {
-                    v[j + 2 * h] = _mm256_unpacklo_epi64(u[j + h], u[j + 2 + h]);
-                    v[j + 2 * h + 1] = _mm256_unpackhi_epi64(u[j + h], u[j + 2 + h]);
-                }
-            /* v[0..3]: words 0-3 (low half) and 4-7 (high half) of columns 0-3; v[4..7]: of
-             * columns 4-7. */
-            for (int t = 0; t < 4; t++) {
-                Q8_ST(t, _mm256_permute2x128_si256(v[t], v[4 + t], 0x20));
-                Q8_ST(t + 4, _mm256_permute2x128_si256(v[t], v[4 + t], 0x31));
-            }
-        }
+        else
+            q8_quads8(w0 + b * 32, row_bytes, v);
+        for (int t = 0; t < 8; t++)
+            _mm256_storeu_si256((__m256i *)(dst + b * bstride + t * tstride), v[t]);
     }
-#undef Q8_ST
 }
 
 /* 8 x 8 floats: rows r[i] become columns. */
@@ -149,25 +156,36 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *pw, int
                                                           float *f,
                                                           const int rm, const int rn,
                                                           const int kind) {
-    q8_tile_any(pw, nv, NULL, 0, q, K, d, nb, sc, bi, xs, g, subs, f, rm, rn, kind, 0);
+    q8_tile_any(pw, nv, NULL, 0, NULL, 0, q, K, d, nb, sc, bi, xs, g, subs, f, rm, rn, kind, 0);
 }
 
-/* One row by rn vectors of whole columns of 4-bit weights read where they are (raw: the
- * first column's row, row_bytes apart), unpacked in registers: no packed panel. The same
- * integer dot products (exact in any order) and float32 operations as q8_tile. */
-static inline __attribute__((always_inline)) void q8_tile_raw4(const uint8_t *raw,
-                                                               int64_t row_bytes,
-                                                               const int8_t *q, int64_t K,
-                                                               const float *d, int64_t nb,
-                                                               const float *sc, const float *bi,
-                                                               const float *xs, int64_t g,
-                                                               int subs, float *f, const int rn) {
-    q8_tile_any(NULL, 0, raw, row_bytes, q, K, d, nb, sc, bi, xs, g, subs, f, 1, rn, Q8_SMALL, 1);
+/* One row by rn vectors of whole columns of 4-bit (kind Q8_SMALL) or 8-bit (Q8_BYTE) weights
+ * read where they are (raw: the first column's row, row_bytes apart), unpacked in
+ * registers: no packed panel. The same integer dot products (exact in any order) and
+ * float32 operations as q8_tile. The `ahead` bytes at `next` are prefetched meanwhile, a
+ * share per block. */
+static inline __attribute__((always_inline)) void q8_tile_raw(
+    const uint8_t *raw, int64_t row_bytes, const uint8_t *next, int64_t ahead, const int8_t *q,
+    int64_t K, const float *d, int64_t nb, const float *sc, const float *bi, const float *xs,
+    int64_t g, int subs, float *f, const int rn, const int kind) {
+    q8_tile_any(NULL, 0, raw, row_bytes, next, ahead, q, K, d, nb, sc, bi, xs, g, subs, f, 1, rn,
+                kind, 1);
+}
+
+/* A vector's 8 quads of block b, read in place (q8_tile_raw). */
+static inline __attribute__((always_inline)) void q8_quads_raw(const uint8_t *raw,
+                                                               int64_t row_bytes, int64_t b,
+                                                               const int kind, __m256i w[8]) {
+    if (kind == Q8_SMALL)
+        q8_quads4(raw + b * 16, row_bytes, w);
+    else
+        q8_quads8(raw + b * 32, row_bytes, w);
 }
 
 static inline __attribute__((always_inline)) void q8_tile_any(const uint8_t *pw, int nv,
                                                               const uint8_t *raw,
                                                               int64_t row_bytes,
+                                                              const uint8_t *next, int64_t ahead,
                                                               const int8_t *q, int64_t K,
                                                               const float *d, int64_t nb,
                                                               const float *sc, const float *bi,
@@ -175,13 +193,17 @@ static inline __attribute__((always_inline)) void q8_tile_any(const uint8_t *pw,
                                                               int subs, float *f, const int rm,
                                                               const int rn, const int kind,
                                                               const int is_raw) {
-    const int64_t tstride = (int64_t)nv * 32;
+    const int64_t tstride = (int64_t)nv * 32, lines_per_block = (ahead + 64 * nb - 1) / (64 * nb);
     __m256 acc[Q8_RM][Q8_RN];
     for (int m = 0; m < rm; m++)
         for (int c = 0; c < rn; c++) acc[m][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = is_raw ? NULL : pw + b * 8 * tstride;
         const int8_t *qb = q + b * 32;
+        if (is_raw) /* this block's share of the bytes ahead */
+            for (int64_t at = b * lines_per_block * 64, i = 0; i < lines_per_block && at < ahead;
+                 i++, at += 64)
+                _mm_prefetch((const char *)next + at, _MM_HINT_T0);
 #ifdef Q8_DPBUSD
         (void)kind;
         __m256i dot[Q8_RM][Q8_RN];
@@ -190,7 +212,7 @@ static inline __attribute__((always_inline)) void q8_tile_any(const uint8_t *pw,
         if (is_raw) /* rm == 1: a vector's 8 quads at a time */
             for (int c = 0; c < rn; c++) {
                 __m256i w[8];
-                q8_quads4(raw + c * 8 * row_bytes + b * 16, row_bytes, w);
+                q8_quads_raw(raw + c * 8 * row_bytes, row_bytes, b, kind, w);
 #pragma GCC unroll 8
                 for (int t = 0; t < 8; t++) {
                     int32_t x4;
@@ -218,16 +240,23 @@ static inline __attribute__((always_inline)) void q8_tile_any(const uint8_t *pw,
         const __m256i low = _mm256_set1_epi8(15);
         for (int m = 0; m < rm; m++)
             for (int c = 0; c < rn; c++) lo[m][c] = hi[m][c] = _mm256_setzero_si256();
-        if (is_raw) /* rm == 1, values below 16: a vector's 8 quads at a time */
+        if (is_raw) /* rm == 1: a vector's 8 quads at a time */
             for (int c = 0; c < rn; c++) {
                 __m256i w[8];
-                q8_quads4(raw + c * 8 * row_bytes + b * 16, row_bytes, w);
+                q8_quads_raw(raw + c * 8 * row_bytes, row_bytes, b, kind, w);
 #pragma GCC unroll 8
                 for (int t = 0; t < 8; t++) {
                     int32_t x4;
                     memcpy(&x4, qb + 4 * t, 4);
-                    lo[0][c] = _mm256_add_epi16(lo[0][c],
-                                                _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(x4)));
+                    const __m256i x = _mm256_set1_epi32(x4);
+                    if (kind == Q8_SMALL) {
+                        lo[0][c] = _mm256_add_epi16(lo[0][c], _mm256_maddubs_epi16(w[t], x));
+                    } else {
+                        const __m256i wl = _mm256_and_si256(w[t], low);
+                        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w[t], 4), low);
+                        lo[0][c] = _mm256_add_epi16(lo[0][c], _mm256_maddubs_epi16(wl, x));
+                        hi[0][c] = _mm256_add_epi16(hi[0][c], _mm256_maddubs_epi16(wh, x));
+                    }
                 }
             }
         else

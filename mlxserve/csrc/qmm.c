@@ -202,10 +202,19 @@ int mlxserve_qmm(const qmm_problem *p) {
 
 #define MAX_THREADS 256
 
-/* One item a claim by default: under oversubscription (more runnable threads than cores) a
- * helper descheduled while holding a large claim stalls the caller; the share (qmm.h) is
- * for a quiet machine, where bench/gemv_shapes.py --claim-div measures it. */
-static atomic_long spin_ns = 200000L, claim_div = 0;
+/* Claims of a share of what is left, at most MAX_CLAIM items: consecutive items then mostly
+ * go to one thread, so the one-row kernels' prefetching of the next rows (q8_impl.h) lands
+ * in the cache of the core that reads them (bench/gemv_floor.py at 2 threads, loaded
+ * machine: 0.7-0.95x the step's matmul time of one item a claim). The cap keeps what a
+ * descheduled helper can hold small (under oversubscription the caller cannot take over a
+ * claimed item, only the unclaimed ones). */
+#define MAX_CLAIM 8
+/* The spin window covers the gaps between one step's calls (microseconds: norms, scatters),
+ * not the host's graph building between steps (~1.5 ms), when the workers sleep either way;
+ * spinning longer only takes a core from whoever else runs (single-stream decode in one
+ * engine, bench/pool_settings.py, 2 threads, load 8.5-10.6: medians 7-53% higher at 50 us
+ * than at 200 in five comparisons). */
+static atomic_long spin_ns = 50000L, claim_div = 2;
 
 long mlxserve_qmm_set_claim_div(long div) {
     return div >= 0 ? atomic_exchange(&claim_div, div) : atomic_load(&claim_div);
@@ -245,6 +254,7 @@ static void run_items(long gen, qmm_work_fn fn, void *ctx, long n, long share) {
         if ((long)(t >> 32) != (gen & 0xFFFFFFFFL) || next >= n) return;
         long take = share > 0 ? (n - next) / share : 1;
         if (take < 1) take = 1;
+        if (take > MAX_CLAIM) take = MAX_CLAIM;
         if (atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + (uint_fast64_t)take,
                                                   memory_order_acq_rel, memory_order_acquire)) {
             for (long i = next; i < next + take; i++) fn(ctx, (int64_t)i);

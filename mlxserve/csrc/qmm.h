@@ -55,8 +55,9 @@ int mlxserve_qmm_threads(void);
 /* The pool's tuning (bench/gemv_shapes.py interleaves settings in one process); each
  * setter returns the previous value, and a negative argument only reads it.
  * Claims: a thread takes (items left) / (claim_div * threads) items at once (at least
- * one), so a call of many small items costs a few claims instead of one contended atomic
- * per item, and the last claims stay single items for balance; 0: always one item.
+ * one, at most 8), so a call of many small items costs fewer claims than one contended
+ * atomic per item and a thread's items are mostly consecutive, and the last claims stay
+ * single items for balance; 0: always one item. Default 2.
  * Spin: how long (nanoseconds) the workers spin for the next call before sleeping. */
 long mlxserve_qmm_set_claim_div(long div);
 long mlxserve_qmm_set_spin_ns(long ns);
