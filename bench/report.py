@@ -89,6 +89,13 @@ def goals(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
         3.0,
         False,
     )
+    peak = lambda e: results.get("rss", {}).get("serving", {}).get(e, {}).get("peak_mib")  # noqa: E731
+    add(
+        "peak RSS (serving): mlxserve / llama-server",
+        _ratio(peak("mlxserve"), peak("llama.cpp")),
+        1.3,
+        False,
+    )
     on = prefix.get("mlxserve", {}).get("ttft_p50_ms")
     off_ = prefix.get("mlxserve (no prefix caching)", {}).get("ttft_p50_ms")
     add("shared prefix: TTFT off / on", _ratio(off_, on), 5.0)
@@ -130,6 +137,19 @@ def print_report(results: dict) -> None:
             "shared prefix (long system prompt + short question)",
             ["metric", *prefix],
             [[k] + [prefix[e].get(k) for e in prefix] for k in keys],
+        )
+    rss = results.get("rss", {})
+    if rss:
+        engines = list(dict.fromkeys(e for section in rss.values() for e in section))
+        rows = [
+            [f"{section} {kind}"] + [rss[section].get(e, {}).get(f"{kind}_mib") for e in engines]
+            for section in rss
+            for kind in ("peak", "ready")
+        ]
+        _table(
+            "server resident memory, MiB (peak over the section; when ready)",
+            ["section", *engines],
+            rows,
         )
     mem = results.get("memory")
     if mem:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -55,13 +57,17 @@ def free_port() -> int:
 
 
 class Server:
-    """A running server process (context manager)."""
+    """A running server process (context manager); once stopped, ``peak_rss_mib`` is the
+    process's peak resident set (its ru_maxrss: every page it ever had resident at once,
+    file-backed ones such as a memory-mapped model included)."""
 
     def __init__(self, spec: ServerSpec, logs: Path) -> None:
         self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = logs / f"{spec.name}.log"
+        self.peak_rss_mib: float | None = None
+        self.ready_rss_mib: float | None = None  # when it first answered /health (Linux)
 
     def __enter__(self) -> Server:
         cmd = [*self.spec.cmd, self.spec.port_flag, str(self.port)]
@@ -80,6 +86,7 @@ class Server:
                 raise RuntimeError(f"{self.spec.name} exited:\n{self.log.read_text()[-3000:]}")
             try:
                 if httpx.get(self.url + self.spec.health, timeout=2).status_code == 200:
+                    self.ready_rss_mib = current_rss_mib(self.proc.pid)
                     return self
             except httpx.HTTPError:
                 pass
@@ -89,12 +96,41 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.peak_rss_mib = reap(self.proc, timeout_s=30)
         self._log_file.close()
+
+
+def current_rss_mib(pid: int) -> float | None:
+    """A process's resident set now (VmRSS), where /proc tells it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**10
+    except OSError:
+        pass
+    return None
+
+
+def reap(proc: subprocess.Popen, timeout_s: float) -> float | None:
+    """Wait for ``proc`` to exit (killed after timeout_s) and return its peak RSS in MiB
+    (None if it was already reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            proc.wait()
+            return None
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.1)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    return usage.ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 async def one_request(client: httpx.AsyncClient, body: dict, retries: int = 3) -> RequestResult:

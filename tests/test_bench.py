@@ -125,6 +125,25 @@ def test_window_itls_keeps_gaps_within_one_request_ending_in_the_window() -> Non
     assert window_itls(requests, 7.1, 8.5) == [0.5]
 
 
+def test_a_stopped_servers_peak_rss_counts_what_it_once_touched() -> None:
+    import subprocess
+    import sys
+
+    from bench.serving import reap
+
+    # Touches 96 MiB, frees them, then waits: the peak keeps them, the exit code is kept.
+    script = (
+        "import sys, time; b = bytearray(96 << 20); b[::4096] = b'x' * len(b[::4096]); "
+        "del b; print('ok', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ok"
+    proc.terminate()
+    peak = reap(proc, timeout_s=30)
+    assert peak is not None and 96 <= peak < 96 + 64
+    assert proc.returncode == -15 and proc.poll() == -15
+
+
 def test_background_streams_restart_when_an_engine_ends_them() -> None:
     import asyncio
 
