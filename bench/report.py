@@ -165,7 +165,12 @@ def print_report(results: dict) -> None:
         if "mlx_lm_measured_kv_bytes" in mem:
             print(f"  mlx-lm measured KV bytes by prompt length: {mem['mlx_lm_measured_kv_bytes']}")
     rows = [
-        [name, value, target, {True: "met", False: "MISSED", None: "-"}[met]]
+        [
+            name,
+            None if value is None else f"{value:.2f}",
+            target,
+            {True: "met", False: "MISSED", None: "-"}[met],
+        ]
         for name, value, target, met in goals(results)
     ]
     _table("goals", ["ratio", "measured", "target", ""], rows)
