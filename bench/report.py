@@ -18,6 +18,7 @@ SERVING_KEYS = [
     ("tpot_p50_ms", "TPOT p50 ms"),
     ("itl_p50_ms", "ITL p50 ms"),
     ("itl_p99_ms", "ITL p99 ms"),
+    ("cpu_ms_per_token", "server CPU ms per output token"),
 ]
 
 # bench/serving.py under_load(): stream ITLs while the arrivals are served, their TTFT.

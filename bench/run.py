@@ -152,8 +152,12 @@ def run_serving(args, tok, gguf: Path, work: Path, rss: dict[str, dict]) -> dict
                 per = max(1, args.requests // c) if c < args.requests else 1
                 texts = text_prompts(tok, c * per, 32, start=10_000 + 100 * c)
                 prompts = [texts[i * per : (i + 1) * per] for i in range(c)]
+                cpu = serving.cpu_seconds(srv.proc.pid)
                 results, wall = asyncio.run(serving.closed_loop(srv.url, prompts, args.max_tokens))
                 res[name][str(c)] = s = serving.summarize(results, wall)
+                if cpu is not None:  # the server's CPU time (all threads) per output token
+                    used = serving.cpu_seconds(srv.proc.pid) - cpu
+                    s["cpu_ms_per_token"] = 1000 * used / s["output_tokens"]
                 brief = {k: round(v, 1) for k, v in s.items()}
                 print(f"[{name}] concurrency {c}: {json.dumps(brief)}")
         note_rss(rss, name, srv)

@@ -100,6 +100,17 @@ class Server:
         self._log_file.close()
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time a process has used so far, all its threads (user + system), where /proc
+    tells it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def current_rss_mib(pid: int) -> float | None:
     """A process's resident set now (VmRSS), where /proc tells it."""
     try:

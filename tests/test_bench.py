@@ -144,6 +144,26 @@ def test_a_stopped_servers_peak_rss_counts_what_it_once_touched() -> None:
     assert proc.returncode == -15 and proc.poll() == -15
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_servers_cpu_seconds_count_its_busy_loop() -> None:
+    import subprocess
+    import sys
+
+    from bench.serving import cpu_seconds, reap
+
+    script = (
+        "import time; t = time.process_time()\n"
+        "while time.process_time() - t < 0.5: pass\n"
+        "print('ok', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ok"
+    used = cpu_seconds(proc.pid)
+    proc.terminate()
+    reap(proc, timeout_s=30)
+    assert used is not None and 0.5 <= used < 2.0
+
+
 def test_background_streams_restart_when_an_engine_ends_them() -> None:
     import asyncio
 
