@@ -58,8 +58,9 @@ def free_port() -> int:
 
 class Server:
     """A running server process (context manager); once stopped, ``peak_rss_mib`` is the
-    process's peak resident set (its ru_maxrss: every page it ever had resident at once,
-    file-backed ones such as a memory-mapped model included)."""
+    process's peak resident set: every page it had resident at once, file-backed ones
+    such as a memory-mapped model included (VmHWM just before it is stopped; where /proc
+    does not tell it, ru_maxrss, which also counts the parent's pages at the fork)."""
 
     def __init__(self, spec: ServerSpec, logs: Path) -> None:
         self.spec = spec
@@ -86,7 +87,7 @@ class Server:
                 raise RuntimeError(f"{self.spec.name} exited:\n{self.log.read_text()[-3000:]}")
             try:
                 if httpx.get(self.url + self.spec.health, timeout=2).status_code == 200:
-                    self.ready_rss_mib = current_rss_mib(self.proc.pid)
+                    self.ready_rss_mib = proc_status_mib(self.proc.pid)
                     return self
             except httpx.HTTPError:
                 pass
@@ -95,8 +96,10 @@ class Server:
         raise TimeoutError(f"{self.spec.name} not ready:\n{self.log.read_text()[-3000:]}")
 
     def __exit__(self, *exc) -> None:
+        peak = proc_status_mib(self.proc.pid, "VmHWM")
         self.proc.terminate()
-        self.peak_rss_mib = reap(self.proc, timeout_s=30)
+        maxrss = reap(self.proc, timeout_s=30)
+        self.peak_rss_mib = peak if peak is not None else maxrss
         self._log_file.close()
 
 
@@ -111,11 +114,12 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def current_rss_mib(pid: int) -> float | None:
-    """A process's resident set now (VmRSS), where /proc tells it."""
+def proc_status_mib(pid: int, key: str = "VmRSS") -> float | None:
+    """A memory figure of /proc/PID/status in MiB (VmRSS: resident now; VmHWM: the peak of
+    the program it runs, since its exec), or None where /proc does not tell it."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) / 2**10
     except OSError:
         pass
@@ -123,8 +127,9 @@ def current_rss_mib(pid: int) -> float | None:
 
 
 def reap(proc: subprocess.Popen, timeout_s: float) -> float | None:
-    """Wait for ``proc`` to exit (killed after timeout_s) and return its peak RSS in MiB
-    (None if it was already reaped)."""
+    """Wait for ``proc`` to exit (killed after timeout_s) and return its ru_maxrss in MiB
+    (None if it was already reaped). On Linux that is at least the parent's resident set
+    when it was spawned (exec keeps the larger of the two), hence VmHWM above."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -125,21 +125,28 @@ def test_window_itls_keeps_gaps_within_one_request_ending_in_the_window() -> Non
     assert window_itls(requests, 7.1, 8.5) == [0.5]
 
 
-def test_a_stopped_servers_peak_rss_counts_what_it_once_touched() -> None:
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_servers_peak_rss_counts_what_it_once_touched_and_not_its_parent() -> None:
     import subprocess
     import sys
 
-    from bench.serving import reap
+    from bench.serving import proc_status_mib, reap
 
-    # Touches 96 MiB, frees them, then waits: the peak keeps them, the exit code is kept.
+    # The parent holds 256 MiB: ru_maxrss would count them (exec keeps the parent's
+    # resident set at the fork when larger), the child's own peak must not.
+    ballast = bytearray(256 << 20)
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    # Touches 96 MiB, frees them, then waits.
     script = (
-        "import sys, time; b = bytearray(96 << 20); b[::4096] = b'x' * len(b[::4096]); "
+        "import time; b = bytearray(96 << 20); b[::4096] = b'x' * len(b[::4096]); "
         "del b; print('ok', flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"ok"
+    peak = proc_status_mib(proc.pid, "VmHWM")
     proc.terminate()
-    peak = reap(proc, timeout_s=30)
+    reap(proc, timeout_s=30)
+    del ballast
     assert peak is not None and 96 <= peak < 96 + 64
     assert proc.returncode == -15 and proc.poll() == -15
 
