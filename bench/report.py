@@ -18,6 +18,7 @@ SERVING_KEYS = [
     ("tpot_p50_ms", "TPOT p50 ms"),
     ("itl_p50_ms", "ITL p50 ms"),
     ("itl_p99_ms", "ITL p99 ms"),
+    ("cpu_ms_per_token", "server CPU ms per output token"),
 ]
 
 # bench/serving.py under_load(): stream ITLs while the arrivals are served, their TTFT.
@@ -89,6 +90,13 @@ def goals(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
         3.0,
         False,
     )
+    peak = lambda e: results.get("rss", {}).get("serving", {}).get(e, {}).get("peak_mib")  # noqa: E731
+    add(
+        "peak RSS (serving): mlxserve / llama-server",
+        _ratio(peak("mlxserve"), peak("llama.cpp")),
+        1.3,
+        False,
+    )
     on = prefix.get("mlxserve", {}).get("ttft_p50_ms")
     off_ = prefix.get("mlxserve (no prefix caching)", {}).get("ttft_p50_ms")
     add("shared prefix: TTFT off / on", _ratio(off_, on), 5.0)
@@ -131,6 +139,19 @@ def print_report(results: dict) -> None:
             ["metric", *prefix],
             [[k] + [prefix[e].get(k) for e in prefix] for k in keys],
         )
+    rss = results.get("rss", {})
+    if rss:
+        engines = list(dict.fromkeys(e for section in rss.values() for e in section))
+        rows = [
+            [f"{section} {kind}"] + [rss[section].get(e, {}).get(f"{kind}_mib") for e in engines]
+            for section in rss
+            for kind in ("peak", "ready")
+        ]
+        _table(
+            "server resident memory, MiB (peak over the section; when ready)",
+            ["section", *engines],
+            rows,
+        )
     mem = results.get("memory")
     if mem:
         print(
@@ -145,7 +166,12 @@ def print_report(results: dict) -> None:
         if "mlx_lm_measured_kv_bytes" in mem:
             print(f"  mlx-lm measured KV bytes by prompt length: {mem['mlx_lm_measured_kv_bytes']}")
     rows = [
-        [name, value, target, {True: "met", False: "MISSED", None: "-"}[met]]
+        [
+            name,
+            None if value is None else f"{value:.2f}",
+            target,
+            {True: "met", False: "MISSED", None: "-"}[met],
+        ]
         for name, value, target, met in goals(results)
     ]
     _table("goals", ["ratio", "measured", "target", ""], rows)

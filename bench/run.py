@@ -133,7 +133,17 @@ def text_prompts(tok, count: int, num_tokens: int, start: int) -> list[str]:
     return [tok.decode(ids) for ids in make_prompts(tok, count, num_tokens, start=start)]
 
 
-def run_serving(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
+def note_rss(rss: dict[str, dict], name: str, srv: serving.Server) -> None:
+    """Record a stopped server's resident memory: when ready, and its peak."""
+    rss[name] = {"ready_mib": srv.ready_rss_mib, "peak_mib": srv.peak_rss_mib}
+    print(f"[{name}] RSS when ready {_mib(srv.ready_rss_mib)}, peak {_mib(srv.peak_rss_mib)}")
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} MiB"
+
+
+def run_serving(args, tok, gguf: Path, work: Path, rss: dict[str, dict]) -> dict[str, dict]:
     res: dict[str, dict] = {}
     for name, spec in server_specs(args, gguf, max(args.concurrency), 256).items():
         res[name] = {}
@@ -142,31 +152,37 @@ def run_serving(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
                 per = max(1, args.requests // c) if c < args.requests else 1
                 texts = text_prompts(tok, c * per, 32, start=10_000 + 100 * c)
                 prompts = [texts[i * per : (i + 1) * per] for i in range(c)]
+                cpu = serving.cpu_seconds(srv.proc.pid)
                 results, wall = asyncio.run(serving.closed_loop(srv.url, prompts, args.max_tokens))
                 res[name][str(c)] = s = serving.summarize(results, wall)
+                if cpu is not None:  # the server's CPU time (all threads) per output token
+                    used = serving.cpu_seconds(srv.proc.pid) - cpu
+                    s["cpu_ms_per_token"] = 1000 * used / s["output_tokens"]
                 brief = {k: round(v, 1) for k, v in s.items()}
                 print(f"[{name}] concurrency {c}: {json.dumps(brief)}")
+        note_rss(rss, name, srv)
     return res
 
 
-def run_mixed(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
+def run_mixed(args, tok, gguf: Path, work: Path, rss: dict[str, dict]) -> dict[str, dict]:
     """8 streams keep decoding while two long prompts arrive args.long_gap s apart."""
     streams = text_prompts(tok, 8, 32, start=20_000)
     longs = text_prompts(tok, 2, args.long_prompt_tokens, start=21_000)
-    return _under_load(args, gguf, work, "mixed", streams, 900, longs, 4, args.long_gap, 1024)
+    return _under_load(args, gguf, work, rss, "mixed", streams, 900, longs, 4, args.long_gap, 1024)
 
 
-def run_busy(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
+def run_busy(args, tok, gguf: Path, work: Path, rss: dict[str, dict]) -> dict[str, dict]:
     """args.busy_streams streams keep decoding while 8 short prompts arrive 1 s apart."""
     streams = text_prompts(tok, args.busy_streams, 32, start=22_000)
     arrivals = text_prompts(tok, 8, 64, start=23_000)
-    return _under_load(args, gguf, work, "busy", streams, 256, arrivals, 4, 1.0, 512)
+    return _under_load(args, gguf, work, rss, "busy", streams, 256, arrivals, 4, 1.0, 512)
 
 
 def _under_load(
     args,
     gguf: Path,
     work: Path,
+    rss: dict[str, dict],
     label: str,
     streams: list[str],
     stream_tokens: int,
@@ -184,11 +200,12 @@ def _under_load(
             res[name] = asyncio.run(
                 serving.under_load(srv.url, streams, stream_tokens, arrivals, arrival_tokens, gap_s)
             )
+        note_rss(rss, name, srv)
         print(f"[{name}] {label}: {json.dumps({k: round(v, 2) for k, v in res[name].items()})}")
     return res
 
 
-def run_prefix(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
+def run_prefix(args, tok, gguf: Path, work: Path, rss: dict[str, dict]) -> dict[str, dict]:
     system = tok.decode(make_prompts(tok, 1, args.system_prompt_tokens, start=30_000)[0])
     questions = [f"\n\nQuestion {i}: what happens at step {i * 3 + 1}? Answer:" for i in range(6)]
     prompts = [system + q for q in questions]
@@ -202,6 +219,7 @@ def run_prefix(args, tok, gguf: Path, work: Path) -> dict[str, dict]:
     for name, spec in specs.items():
         with serving.Server(spec, work) as srv:
             res[name] = asyncio.run(serving.shared_prefix(srv.url, prompts, 8))
+        note_rss(rss, name, srv)
         print(
             f"[{name}] shared prefix: {json.dumps({k: round(v, 1) for k, v in res[name].items()})}"
         )
@@ -306,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "memory":
             results["memory"] = run_memory(args, results)
         else:
-            results[section] = steps[section](args, tok, gguf, work)
+            rss = results.setdefault("rss", {}).setdefault(section, {})
+            results[section] = steps[section](args, tok, gguf, work, rss)
         (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     results["conditions"]["loadavg_end"] = os.getloadavg()
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))

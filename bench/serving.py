@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -55,13 +57,18 @@ def free_port() -> int:
 
 
 class Server:
-    """A running server process (context manager)."""
+    """A running server process (context manager); once stopped, ``peak_rss_mib`` is the
+    process's peak resident set: every page it had resident at once, file-backed ones
+    such as a memory-mapped model included (VmHWM just before it is stopped; where /proc
+    does not tell it, ru_maxrss, which also counts the parent's pages at the fork)."""
 
     def __init__(self, spec: ServerSpec, logs: Path) -> None:
         self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = logs / f"{spec.name}.log"
+        self.peak_rss_mib: float | None = None
+        self.ready_rss_mib: float | None = None  # when it first answered /health (Linux)
 
     def __enter__(self) -> Server:
         cmd = [*self.spec.cmd, self.spec.port_flag, str(self.port)]
@@ -80,6 +87,7 @@ class Server:
                 raise RuntimeError(f"{self.spec.name} exited:\n{self.log.read_text()[-3000:]}")
             try:
                 if httpx.get(self.url + self.spec.health, timeout=2).status_code == 200:
+                    self.ready_rss_mib = proc_status_mib(self.proc.pid)
                     return self
             except httpx.HTTPError:
                 pass
@@ -88,13 +96,57 @@ class Server:
         raise TimeoutError(f"{self.spec.name} not ready:\n{self.log.read_text()[-3000:]}")
 
     def __exit__(self, *exc) -> None:
+        peak = proc_status_mib(self.proc.pid, "VmHWM")
         self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        maxrss = reap(self.proc, timeout_s=30)
+        self.peak_rss_mib = peak if peak is not None else maxrss
         self._log_file.close()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time a process has used so far, all its threads (user + system), where /proc
+    tells it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def proc_status_mib(pid: int, key: str = "VmRSS") -> float | None:
+    """A memory figure of /proc/PID/status in MiB (VmRSS: resident now; VmHWM: the peak of
+    the program it runs, since its exec), or None where /proc does not tell it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) / 2**10
+    except OSError:
+        pass
+    return None
+
+
+def reap(proc: subprocess.Popen, timeout_s: float) -> float | None:
+    """Wait for ``proc`` to exit (killed after timeout_s) and return its ru_maxrss in MiB
+    (None if it was already reaped). On Linux that is at least the parent's resident set
+    when it was spawned (exec keeps the larger of the two), hence VmHWM above."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            proc.wait()
+            return None
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.1)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    return usage.ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 async def one_request(client: httpx.AsyncClient, body: dict, retries: int = 3) -> RequestResult:

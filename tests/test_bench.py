@@ -125,6 +125,52 @@ def test_window_itls_keeps_gaps_within_one_request_ending_in_the_window() -> Non
     assert window_itls(requests, 7.1, 8.5) == [0.5]
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_servers_peak_rss_counts_what_it_once_touched_and_not_its_parent() -> None:
+    import subprocess
+    import sys
+
+    from bench.serving import proc_status_mib, reap
+
+    # The parent holds 256 MiB: ru_maxrss would count them (exec keeps the parent's
+    # resident set at the fork when larger), the child's own peak must not.
+    ballast = bytearray(256 << 20)
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    # Touches 96 MiB, frees them, then waits.
+    script = (
+        "import time; b = bytearray(96 << 20); b[::4096] = b'x' * len(b[::4096]); "
+        "del b; print('ok', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ok"
+    peak = proc_status_mib(proc.pid, "VmHWM")
+    proc.terminate()
+    reap(proc, timeout_s=30)
+    del ballast
+    assert peak is not None and 96 <= peak < 96 + 64
+    assert proc.returncode == -15 and proc.poll() == -15
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_servers_cpu_seconds_count_its_busy_loop() -> None:
+    import subprocess
+    import sys
+
+    from bench.serving import cpu_seconds, reap
+
+    script = (
+        "import time; t = time.process_time()\n"
+        "while time.process_time() - t < 0.5: pass\n"
+        "print('ok', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ok"
+    used = cpu_seconds(proc.pid)
+    proc.terminate()
+    reap(proc, timeout_s=30)
+    assert used is not None and 0.5 <= used < 2.0
+
+
 def test_background_streams_restart_when_an_engine_ends_them() -> None:
     import asyncio
 

@@ -17,8 +17,8 @@ import pytest
 from mlxserve import cpu
 from mlxserve.loader import load_model
 from mlxserve.models import compiled
-from mlxserve.models.base import RMSNorm, RotaryEmbedding
 from mlxserve.models.fused import fuse_linears, fuse_projections
+from mlxserve.models.layers import RMSNorm, RotaryEmbedding
 from tests.model_helpers import make_mlx_lm_checkpoint, tiny_config
 from tests.test_cpu_int8 import round_rows
 

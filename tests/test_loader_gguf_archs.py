@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from mlxserve.loader import load_model
 from mlxserve.loader.gguf import make_config
-from mlxserve.models.base import llama3_inv_freq
+from mlxserve.models.layers import llama3_inv_freq
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import (
     LLAMA3_SCALING,

@@ -36,7 +36,7 @@ from mlxserve.loader import LoadedModel, load_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
-from mlxserve.utils import uses_gpu
+from mlxserve.utils import release_free_memory, uses_gpu
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
 from mlxserve.worker.memory import tree_bytes
@@ -136,6 +136,9 @@ class LLMEngine:
         self.pipelined = uses_gpu()
         # Prompt tokens computed so far (prefix-cache hits excluded), for throughput logs.
         self.num_prompt_tokens_computed = 0
+        # Loading and planning left freed buffers in MLX's cache and the C heap: hand
+        # them back before serving (the KV pool is made by the first step).
+        release_free_memory()
 
     @property
     def model(self):

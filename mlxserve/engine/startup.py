@@ -25,8 +25,9 @@ logger = logging.getLogger("mlxserve")
 
 # Default token budget per step. Offline jobs and the one-user chat want throughput:
 # big prefill chunks. A server on the CPU wants small ones: there a step's time grows
-# with its tokens (~5 ms per prompt token for a 135M model), so a large chunk stalls
-# every decoding stream (bench/README.md, "mixed": budget 64 -> ITL p99/p50 3.4, 32 -> 1.6).
+# with its tokens (~2.5 ms of CPU per prompt token for a 135M model), so a large chunk
+# stalls every decoding stream (bench/README.md, "The CPU server's step budget": beside
+# 8 streams a step costs 2.2x a decode-only one at 32, 3.6x at 64, 6.4x at 128).
 # On Metal a prefill chunk costs little next to the decodes sharing its step.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 32

@@ -22,14 +22,12 @@ from mlxserve.models import compiled, cpu_layer
 from mlxserve.models.base import (
     BaseModelArgs,
     KVCache,
-    RMSNorm,
-    RotaryEmbedding,
     cached_attention,
     context_limit,
-    resolve_rope,
     select_rows,
     split_hidden_rows,
 )
+from mlxserve.models.layers import RMSNorm, RotaryEmbedding, resolve_rope
 from mlxserve.ops import AttentionMetadata
 
 
