@@ -19,6 +19,7 @@
 // (decoder_layer_ext.cpp) runs the same computation: paged_attention_rows (decode_ext.h).
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -102,6 +103,76 @@ __attribute__((always_inline)) inline Keys dots(const float* q, const float* kt,
   return acc[0] + tail;
 }
 
+// exp(x) for x <= 0 (a score minus its row's maximum), kKeys lanes, each one fixed sequence
+// of rounded float32 operations on every instruction set (no fused multiply-add, no libm):
+// x = n ln2 + r with n = x log2(e) rounded to nearest (by adding and subtracting 1.5 * 2^23)
+// and r = x - n * C1 - n * C2 (C1 + C2 = ln2, C1 short enough that n * C1 is exact), then
+// Cephes' expf polynomial 1 + r + r^2 P(r) times 2^n built in the exponent bits: within 1
+// ulp of exp (tests/test_paged_attention_tiles.py). Below -87 it is 0 (the float32 exp there is under 2^-125 of the row's
+// maximum term); NaN stays NaN; x is taken as at most 88.
+typedef int32_t KeyInts __attribute__((vector_size(kKeys * sizeof(int32_t))));
+__attribute__((always_inline)) inline Keys exp_keys(Keys x) {
+  const Keys lo = x < -87.0f ? Keys{} - 87.0f : x;
+  const Keys xc = lo > 88.0f ? Keys{} + 88.0f : lo;
+  const Keys n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;
+  Keys r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Keys poly = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const Keys y = (poly * (r * r) + r) + 1.0f;
+  const KeyInts bits = (__builtin_convertvector(n, KeyInts) + 127) << 23;
+  Keys two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  const Keys e = x < -87.0f ? Keys{} : y * two_n;
+  return x != x ? x : e;
+}
+
+// One row's softmax numerators in place over s[0, n) (its keys), and their sum plus the
+// sink's: the maximum (any order gives the same value), then exp_keys of s - max, summed
+// in kKeys partial sums (key k into sum k % kKeys, in order; a short last group padded with
+// zeros), halved 8/4/2/1. The same sequence alone or in any tile.
+__attribute__((always_inline)) inline float softmax_numerators(float* s, int n, const float* sink) {
+  Keys mv = Keys{} - INFINITY;
+  int j = 0;
+  for (; j + kKeys <= n; j += kKeys) {
+    const Keys v = lanes(s + j);
+    mv = v > mv ? v : mv;  // a NaN score is skipped, as std::max(m, s) skips it
+  }
+  float m = -INFINITY;
+  for (int u = 0; u < kKeys; u++) m = std::max(m, mv[u]);
+  for (; j < n; j++) m = std::max(m, s[j]);
+  if (sink) m = std::max(m, *sink);
+  const KeyInts lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Keys sum = {};
+  for (j = 0; j < n; j += kKeys) {
+    const int jn = std::min(kKeys, n - j);
+    Keys x = {};
+    std::memcpy(&x, s + j, sizeof(float) * jn);
+    const Keys e = exp_keys(x - m);
+    std::memcpy(s + j, &e, sizeof(float) * jn);
+    sum += lane < jn ? e : Keys{};
+  }
+  for (int w = kKeys / 2; w >= 1; w /= 2)
+    for (int u = 0; u < w; u++) sum[u] += sum[u + w];
+  if (sink) sum[0] += exp_keys(Keys{} + (*sink - m))[0];
+  return sum[0];
+}
+
+// a[0, B * kKeys) += w[j] * v[j][same] for keys j in [ja, jb) in order (v rows dv apart):
+// B independent sums per key, each element's the same sequence as one at a time.
+template <int B>
+__attribute__((always_inline)) inline void weighted_values(const float* w, int ja, int jb,
+                                                           const float* v, int dv, float* a) {
+  Keys sum[B];
+  for (int b = 0; b < B; b++) sum[b] = lanes(a + b * kKeys);
+  for (int j = ja; j < jb; j++)
+    for (int b = 0; b < B; b++) sum[b] += w[j] * lanes(v + static_cast<size_t>(j) * dv + b * kKeys);
+  std::memcpy(a, sum, sizeof sum);
+}
+
 // One pool row as float32 in `dst` (dequantized: int8 values times the row's scale).
 inline const float* row_f32(const char* row, int type, int d, float* dst) {
   if (type == F32) return reinterpret_cast<const float*>(row);
@@ -124,8 +195,9 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   const int rows = tile.count;   // rows tile.first.. of one table
   const int nq = rows * group;   // query heads of the tile: (row, g) at t * group + g
   const int lo = tile.lo, n = tile.hi - tile.lo;
-  std::vector<float> buf(static_cast<size_t>(nq) * (p.dk + p.dv + n) + p.dk + p.dv);
-  float* qf = buf.data();                                // (nq, dk)
+  // Every value is written before it is read (scores only over each row's keys): no zeroing.
+  std::unique_ptr<float[]> buf(new float[static_cast<size_t>(nq) * (p.dk + p.dv + n) + p.dk + p.dv]);
+  float* qf = buf.get();                                 // (nq, dk)
   float* acc = qf + static_cast<size_t>(nq) * p.dk;      // (nq, dv)
   float* scores = acc + static_cast<size_t>(nq) * p.dv;  // (nq, n): keys lo.. of the tile
   float* tmp = scores + static_cast<size_t>(nq) * n;     // one dequantized row
@@ -169,18 +241,9 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   std::vector<float> denom(nq);
   for (int i = 0; i < nq; i++) {
     const int t = i / group;
-    float* s = scores + static_cast<size_t>(i) * n;
-    float m = -INFINITY;
-    for (int j = row_lo[t]; j < row_hi[t]; j++) m = std::max(m, s[j]);
-    const float sink = p.sinks ? p.sinks[h0 + i % group] : -INFINITY;
-    m = std::max(m, sink);
-    float sum = 0;
-    for (int j = row_lo[t]; j < row_hi[t]; j++) {
-      s[j] = std::exp(s[j] - m);
-      sum += s[j];
-    }
-    if (p.sinks) sum += std::exp(sink - m);
-    denom[i] = sum;
+    float* s = scores + static_cast<size_t>(i) * n + row_lo[t];
+    const float* sink = p.sinks ? p.sinks + h0 + i % group : nullptr;
+    denom[i] = softmax_numerators(s, row_hi[t] - row_lo[t], sink);
   }
   // Values kKeys keys at a time: a row's accumulator stays in registers over the block
   // (16 elements at once), each element summing the keys in order as before.
@@ -199,11 +262,10 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
         const float* w = scores + static_cast<size_t>(i) * n + j0;
         float* a = acc + i * p.dv;
         int d = 0;
-        for (; d + kKeys <= p.dv; d += kKeys) {
-          Keys sum = lanes(a + d);
-          for (int j = ja; j < jb; j++) sum += w[j] * lanes(vb.data() + j * p.dv + d);
-          std::memcpy(a + d, &sum, sizeof sum);
-        }
+        for (; d + 4 * kKeys <= p.dv; d += 4 * kKeys)
+          weighted_values<4>(w, ja, jb, vb.data() + d, p.dv, a + d);
+        for (; d + kKeys <= p.dv; d += kKeys)
+          weighted_values<1>(w, ja, jb, vb.data() + d, p.dv, a + d);
         for (; d < p.dv; d++)
           for (int j = ja; j < jb; j++) a[d] += w[j] * vb[j * p.dv + d];
       }
