@@ -47,7 +47,7 @@ struct Tile {
   int count;
   int lo, hi;
 };
-constexpr int kMaxTile = 8;
+constexpr int kMaxTile = 16;
 constexpr int64_t kTileFloats = int64_t{1} << 20;  // a tile's scores (4 MB) at most
 
 struct AttnProblem {
@@ -92,8 +92,10 @@ __attribute__((always_inline)) inline Keys key_lanes(const float* kt, int d) {
   return lanes(kt + static_cast<size_t>(d) * kKeys);
 }
 __attribute__((always_inline)) inline Keys dots(const float* q, const float* kt, int n) {
-  Keys acc[16] = {};
-  int i = 0;
+  Keys acc[16];
+  for (int u = 0; u < 16; u++)  // 0 + the first products (written so: no zeroed array)
+    acc[u] = n >= 16 ? Keys{} + q[u] * key_lanes(kt, u) : Keys{};
+  int i = n >= 16 ? 16 : 0;
   for (; i + 16 <= n; i += 16)
     for (int u = 0; u < 16; u++) acc[u] += q[i + u] * key_lanes(kt, i + u);
   Keys tail = {};
@@ -147,12 +149,17 @@ __attribute__((always_inline)) inline float softmax_numerators(float* s, int n, 
   if (sink) m = std::max(m, *sink);
   const KeyInts lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   Keys sum = {};
-  for (j = 0; j < n; j += kKeys) {
-    const int jn = std::min(kKeys, n - j);
+  for (j = 0; j + kKeys <= n; j += kKeys) {
+    const Keys e = exp_keys(lanes(s + j) - m);
+    std::memcpy(s + j, &e, sizeof e);
+    sum += e;
+  }
+  if (j < n) {  // the last keys, padded
+    const int jn = n - j;
     Keys x = {};
-    std::memcpy(&x, s + j, sizeof(float) * jn);
+    for (int u = 0; u < jn; u++) x[u] = s[j + u];
     const Keys e = exp_keys(x - m);
-    std::memcpy(s + j, &e, sizeof(float) * jn);
+    for (int u = 0; u < jn; u++) s[j + u] = e[u];
     sum += lane < jn ? e : Keys{};
   }
   for (int w = kKeys / 2; w >= 1; w /= 2)
@@ -172,6 +179,41 @@ __attribute__((always_inline)) inline void weighted_values(const float* w, int j
     for (int b = 0; b < B; b++) sum[b] += w[j] * lanes(v + static_cast<size_t>(j) * dv + b * kKeys);
   std::memcpy(a, sum, sizeof sum);
 }
+
+// Lanes 0-7 (lo) or 8-15 (hi) of a and b interleaved: a0 b0 a1 b1 ...
+#if defined(__clang__)
+#define MLXSERVE_LO(a, b) __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+#define MLXSERVE_HI(a, b) \
+  __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)
+#else
+#define MLXSERVE_LO(a, b) \
+  __builtin_shuffle(a, b, KeyInts{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23})
+#define MLXSERVE_HI(a, b) \
+  __builtin_shuffle(a, b, KeyInts{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31})
+#endif
+
+// kKeys rows of d floats (rows[j]) into kt[i * kKeys + j]: 16 x 16 blocks transposed in
+// registers (four rounds of interleaving rows i and i + 8), the rest one value at a time.
+__attribute__((always_inline)) inline void transpose_keys(const float* const* rows, int d,
+                                                          float* kt) {
+  int i = 0;
+  for (; i + kKeys <= d; i += kKeys) {
+    Keys r[kKeys], next[kKeys];
+    for (int j = 0; j < kKeys; j++) r[j] = lanes(rows[j] + i);
+    for (int round = 0; round < 4; round++) {
+      for (int j = 0; j < kKeys / 2; j++) {
+        next[2 * j] = MLXSERVE_LO(r[j], r[j + kKeys / 2]);
+        next[2 * j + 1] = MLXSERVE_HI(r[j], r[j + kKeys / 2]);
+      }
+      std::memcpy(r, next, sizeof r);
+    }
+    std::memcpy(kt + static_cast<size_t>(i) * kKeys, r, sizeof r);
+  }
+  for (; i < d; i++)
+    for (int j = 0; j < kKeys; j++) kt[i * kKeys + j] = rows[j][i];
+}
+#undef MLXSERVE_LO
+#undef MLXSERVE_HI
 
 // One pool row as float32 in `dst` (dequantized: int8 values times the row's scale).
 inline const float* row_f32(const char* row, int type, int d, float* dst) {
@@ -196,11 +238,10 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   const int nq = rows * group;   // query heads of the tile: (row, g) at t * group + g
   const int lo = tile.lo, n = tile.hi - tile.lo;
   // Every value is written before it is read (scores only over each row's keys): no zeroing.
-  std::unique_ptr<float[]> buf(new float[static_cast<size_t>(nq) * (p.dk + p.dv + n) + p.dk + p.dv]);
+  std::unique_ptr<float[]> buf(new float[static_cast<size_t>(nq) * (p.dk + p.dv + n)]);
   float* qf = buf.get();                                 // (nq, dk)
   float* acc = qf + static_cast<size_t>(nq) * p.dk;      // (nq, dv)
   float* scores = acc + static_cast<size_t>(nq) * p.dv;  // (nq, n): keys lo.. of the tile
-  float* tmp = scores + static_cast<size_t>(nq) * n;     // one dequantized row
   int row_lo[kMaxTile], row_hi[kMaxTile];  // each row's keys [row_lo, row_hi) - lo
   const int h0 = kvh * group;
   for (int t = 0; t < rows; t++) {
@@ -220,13 +261,15 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
             pos % p.block_size) * p.kv_heads + kvh;
   };
   std::vector<float> kt(static_cast<size_t>(p.dk) * kKeys);  // kKeys keys, transposed
+  std::vector<float> krows(static_cast<size_t>(p.dk) * kKeys);  // dequantized ones
+  const float* key_rows[kKeys];
   for (int j0 = 0; j0 < n; j0 += kKeys) {
     const int jn = std::min(kKeys, n - j0);
-    for (int j = 0; j < kKeys; j++) {
+    for (int j = 0; j < kKeys; j++) {  // past jn: a copy of the last, never read
       const char* row = p.k + pool_row(lo + j0 + std::min(j, jn - 1)) * p.k_row_bytes;
-      const float* k = row_f32(row, p.k_type, p.dk, tmp);  // past jn: a copy, never read
-      for (int d = 0; d < p.dk; d++) kt[d * kKeys + j] = k[d];
+      key_rows[j] = row_f32(row, p.k_type, p.dk, krows.data() + static_cast<size_t>(j) * p.dk);
     }
+    transpose_keys(key_rows, p.dk, kt.data());
     for (int t = 0; t < rows; t++) {
       if (j0 + jn <= row_lo[t] || j0 >= row_hi[t]) continue;
       for (int g = 0; g < group; g++) {
