@@ -13,7 +13,7 @@
 //   int8 rows of head_dim values followed by their float32 scale (ops/kv_quant.py).
 //   GQA: the num_heads / num_kv_heads query heads of a KV head read its keys once.
 //
-// Work items are (tile, KV head) pairs (a tile: up to 8 consecutive rows of one table, each
+// Work items are (tile, KV head) pairs (a tile: up to 16 consecutive rows of one table, each
 // key loaded once for all of them, each row's sums the same as alone), spread over the
 // kernels' thread pool (qmm.c) when there is enough of it. The whole-layer primitive
 // (decoder_layer_ext.cpp) runs the same computation: paged_attention_rows (decode_ext.h).
@@ -110,8 +110,8 @@ __attribute__((always_inline)) inline Keys dots(const float* q, const float* kt,
 // x = n ln2 + r with n = x log2(e) rounded to nearest (by adding and subtracting 1.5 * 2^23)
 // and r = x - n * C1 - n * C2 (C1 + C2 = ln2, C1 short enough that n * C1 is exact), then
 // Cephes' expf polynomial 1 + r + r^2 P(r) times 2^n built in the exponent bits: within 1
-// ulp of exp (tests/test_paged_attention_tiles.py). Below -87 it is 0 (the float32 exp there is under 2^-125 of the row's
-// maximum term); NaN stays NaN; x is taken as at most 88.
+// ulp of exp (tests/test_paged_attention_tiles.py). Below -87 it is 0 (the float32 exp
+// there is under 2^-125 of the row's maximum term); NaN stays NaN; x is taken as at most 88.
 typedef int32_t KeyInts __attribute__((vector_size(kKeys * sizeof(int32_t))));
 __attribute__((always_inline)) inline Keys exp_keys(Keys x) {
   const Keys lo = x < -87.0f ? Keys{} - 87.0f : x;
@@ -182,7 +182,8 @@ __attribute__((always_inline)) inline void weighted_values(const float* w, int j
 
 // Lanes 0-7 (lo) or 8-15 (hi) of a and b interleaved: a0 b0 a1 b1 ...
 #if defined(__clang__)
-#define MLXSERVE_LO(a, b) __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+#define MLXSERVE_LO(a, b) \
+  __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
 #define MLXSERVE_HI(a, b) \
   __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)
 #else

@@ -363,7 +363,8 @@ static inline __attribute__((always_inline)) void q8_tile_zmm(const uint8_t *pw,
             const __m512 dm = _mm512_set1_ps(d[m * nb + b]);
             for (int c = 0; c < nz; c++) {
                 const __m512 ds = _mm512_mul_ps(dm, _mm512_maskz_loadu_ps(mask[c], s + c * 16));
-                acc[m][c] = _mm512_add_ps(acc[m][c], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][c]), ds));
+                const __m512 prod = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][c]), ds);
+                acc[m][c] = _mm512_add_ps(acc[m][c], prod);
             }
         }
     }
