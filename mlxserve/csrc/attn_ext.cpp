@@ -113,9 +113,14 @@ __attribute__((always_inline)) inline Keys dots(const float* q, const float* kt,
 // ulp of exp (tests/test_paged_attention_tiles.py). Below -87 it is 0 (the float32 exp
 // there is under 2^-125 of the row's maximum term); NaN stays NaN; x is taken as at most 88.
 typedef int32_t KeyInts __attribute__((vector_size(kKeys * sizeof(int32_t))));
+// Lane by lane, a where mask (a comparison's all-ones lanes), else b: bit selects, as GCC
+// and clang both compile vector comparisons and casts (no vector ?: needed).
+__attribute__((always_inline)) inline Keys pick(KeyInts mask, Keys a, Keys b) {
+  return (Keys)((mask & (KeyInts)a) | (~mask & (KeyInts)b));
+}
 __attribute__((always_inline)) inline Keys exp_keys(Keys x) {
-  const Keys lo = x < -87.0f ? Keys{} - 87.0f : x;
-  const Keys xc = lo > 88.0f ? Keys{} + 88.0f : lo;
+  const Keys lo = pick(x < -87.0f, Keys{} - 87.0f, x);
+  const Keys xc = pick(lo > 88.0f, Keys{} + 88.0f, lo);
   const Keys n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;
   Keys r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -128,8 +133,8 @@ __attribute__((always_inline)) inline Keys exp_keys(Keys x) {
   const KeyInts bits = (__builtin_convertvector(n, KeyInts) + 127) << 23;
   Keys two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  const Keys e = x < -87.0f ? Keys{} : y * two_n;
-  return x != x ? x : e;
+  const Keys e = pick(x < -87.0f, Keys{}, y * two_n);
+  return pick(x != x, x, e);
 }
 
 // One row's softmax numerators in place over s[0, n) (its keys), and their sum plus the
@@ -141,7 +146,7 @@ __attribute__((always_inline)) inline float softmax_numerators(float* s, int n, 
   int j = 0;
   for (; j + kKeys <= n; j += kKeys) {
     const Keys v = lanes(s + j);
-    mv = v > mv ? v : mv;  // a NaN score is skipped, as std::max(m, s) skips it
+    mv = pick(v > mv, v, mv);  // a NaN score is skipped, as std::max(m, s) skips it
   }
   float m = -INFINITY;
   for (int u = 0; u < kKeys; u++) m = std::max(m, mv[u]);
@@ -160,7 +165,7 @@ __attribute__((always_inline)) inline float softmax_numerators(float* s, int n, 
     for (int u = 0; u < jn; u++) x[u] = s[j + u];
     const Keys e = exp_keys(x - m);
     for (int u = 0; u < jn; u++) s[j + u] = e[u];
-    sum += lane < jn ? e : Keys{};
+    sum += pick(lane < jn, e, Keys{});
   }
   for (int w = kKeys / 2; w >= 1; w /= 2)
     for (int u = 0; u < w; u++) sum[u] += sum[u + w];
