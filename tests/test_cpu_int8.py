@@ -127,6 +127,7 @@ SHAPES = [(1, 96, 7), (2, 64, 33), (3, 160, 1), (4, 192, 29), (5, 128, 17), (6, 
 SHAPES += [(7, 96, 9), (8, 320, 21), (9, 96, 13), (32, 64, 50), (33, 128, 7), (64, 192, 29)]
 SHAPES += [(129, 64, 100), (1, 256, 60)]  # one row: whole vectors in place, then a partial one
 SHAPES += [(1, 576, 203)]  # one row over several panels (each prefetching the next) and a tail
+SHAPES += [(161, 448, 21)]  # a prompt's rows: rounded on the thread pool (qmm.c)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -11,6 +11,7 @@ primitives see any row count.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import mlx.core as mx
@@ -338,3 +339,56 @@ def test_primitives_reject_inconsistent_shapes(checkpoints: dict[str, Path]) -> 
         call(qk_norms=[mx.ones((16,)), mx.ones((8,))])
     with pytest.raises(ValueError, match="cos and sin must be"):
         call(cos=mx.zeros((3, 1, attn.head_dim // 2)))
+
+
+def _t_frac(g: np.ndarray) -> np.ndarray:
+    """The fraction of exp's t = |g| * 1.442695f (float32), NaN where t is not finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (np.abs(g) * np.float32(1.442695)) % np.float32(1)
+
+
+def _swiglu_inputs(hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gate values over exp's whole range with its edge cases, and random up values."""
+    rng = np.random.default_rng(3)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 88.0, -88.0, 87.9, 88.1, 1e-40, -1e-40]
+    special += [60.9, -60.9, 1e30, -1e30, np.float32(np.finfo(np.float32).max)]
+    # floor(t + 0.5) at ties: gates whose t = |g| * 1.442695f is k + 1/2 exactly
+    ties = []
+    for k in range(-40, 40):
+        g = np.float32((k + 0.5) / 1.442695)
+        for step in range(-3, 4):
+            c = np.nextafter(g, np.float32(np.inf * step)) if step else g
+            if _t_frac(c) == np.float32(0.5):
+                ties.append(c)
+    wide = rng.standard_normal(hidden * 3) * np.float32(10.0)
+    g = np.concatenate([np.array(special + ties, np.float32), wide.astype(np.float32)])
+    g = np.resize(g, 3 * hidden).astype(np.float32)  # 3 rows
+    up = rng.standard_normal(3 * hidden).astype(np.float32)
+    return g.reshape(3, hidden), up.reshape(3, hidden)
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("hidden", [1536, 37])  # 37: an odd tail after the vectors
+def test_swiglu_is_mlx_s_bit_for_bit(isa: str, hidden: int) -> None:
+    """The fused MLP's SwiGLU (csrc/swiglu.c) against MLX's own silu(g) * up: every bit,
+    at exp's edges (NaN, infinities, +-88, floor's ties) and on the vector path's tail."""
+    from mlxserve.models.compiled import swiglu
+
+    g, up = _swiglu_inputs(hidden)
+    ties = _t_frac(g) == np.float32(0.5)
+    assert ties.sum() >= 20, "the inputs must reach floor(t + 0.5)'s ties"
+    want = np.array(swiglu(mx.array(g), mx.array(up)))
+    lib = ctypes.CDLL(str(cpu.info()["path"]))
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    lib.mlxserve_swiglu.argtypes = [pointer, count, count, pointer]
+    gu = np.ascontiguousarray(np.concatenate([g, up], axis=1))  # (rows, 2 * hidden) = [g | up]
+    got = np.full_like(g, 7.0)
+    module = cpu.module()
+    assert module.force_isa(isa)
+    try:
+        lib.mlxserve_swiglu(gu.ctypes.data, g.shape[0], hidden, got.ctypes.data)
+    finally:
+        module.force_isa("auto")
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))

@@ -67,9 +67,12 @@ def run_scenario(llm: LLM) -> dict[str, Any]:
 
 
 # Short: on 2 shared cores a step of 3 ranks of SmolLM2 takes ~1 s (bench/README.md).
+# Greedy steps with clear margins (>= 0.6 nats between the top two tokens): the sharded
+# matmuls add in another order, and int8 activations turn last bits into whole quanta,
+# so a near tie may go either way ("Write a haiku about the sea." had two of ~0.1).
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer with one word."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Name the days of the week."}],
 ]
 
 

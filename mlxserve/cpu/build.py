@@ -27,7 +27,7 @@ from types import ModuleType
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ["qmm.c", "qmm_scalar.c", "qmm_avx2.c", "qmm_avx512.c", "qmm_neon.c"]
 SOURCES += ["q8_scalar.c", "q8_avx2.c", "q8_avxvnni.c", "q8_avx512vnni.c", "q8_neon.c"]
-SOURCES += ["q8_quantize.c"]
+SOURCES += ["q8_quantize.c", "swiglu.c"]
 HEADERS = ["qmm.h", "qmm_common.h", "qmm_impl.h", "q8_impl.h", "q8_x86.h", "decode_ext.h"]
 HEADERS += ["linear.h", "layer_parts.h"]
 # C++ against MLX's headers: the primitives (qmm_ext.cpp defines the module). The RoPE,
@@ -56,6 +56,7 @@ ARM_FLAGS = {"q8_neon.c": ["-march=armv8.2-a+dotprod"]}
 # x * id before adding, and the matmul's float sums are one fixed sequence of rounded
 # operations (q8_impl.h), the same on every instruction set.
 COMMON_FLAGS = {n: ["-ffp-contract=off"] for n in SOURCES if n.startswith("q8_")}
+COMMON_FLAGS["swiglu.c"] = ["-ffp-contract=off"]  # MLX's sigmoid, operation by operation
 
 
 class BuildError(RuntimeError):

@@ -13,12 +13,13 @@
 //   int8 rows of head_dim values followed by their float32 scale (ops/kv_quant.py).
 //   GQA: the num_heads / num_kv_heads query heads of a KV head read its keys once.
 //
-// Work items are (tile, KV head) pairs (a tile: up to 8 consecutive rows of one table, each
+// Work items are (tile, KV head) pairs (a tile: up to 16 consecutive rows of one table, each
 // key loaded once for all of them, each row's sums the same as alone), spread over the
 // kernels' thread pool (qmm.c) when there is enough of it. The whole-layer primitive
 // (decoder_layer_ext.cpp) runs the same computation: paged_attention_rows (decode_ext.h).
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -46,7 +47,7 @@ struct Tile {
   int count;
   int lo, hi;
 };
-constexpr int kMaxTile = 8;
+constexpr int kMaxTile = 16;
 constexpr int64_t kTileFloats = int64_t{1} << 20;  // a tile's scores (4 MB) at most
 
 struct AttnProblem {
@@ -91,8 +92,10 @@ __attribute__((always_inline)) inline Keys key_lanes(const float* kt, int d) {
   return lanes(kt + static_cast<size_t>(d) * kKeys);
 }
 __attribute__((always_inline)) inline Keys dots(const float* q, const float* kt, int n) {
-  Keys acc[16] = {};
-  int i = 0;
+  Keys acc[16];
+  for (int u = 0; u < 16; u++)  // 0 + the first products (written so: no zeroed array)
+    acc[u] = n >= 16 ? Keys{} + q[u] * key_lanes(kt, u) : Keys{};
+  int i = n >= 16 ? 16 : 0;
   for (; i + 16 <= n; i += 16)
     for (int u = 0; u < 16; u++) acc[u] += q[i + u] * key_lanes(kt, i + u);
   Keys tail = {};
@@ -101,6 +104,122 @@ __attribute__((always_inline)) inline Keys dots(const float* q, const float* kt,
     for (int u = 0; u < w; u++) acc[u] += acc[u + w];
   return acc[0] + tail;
 }
+
+// exp(x) for x <= 0 (a score minus its row's maximum), kKeys lanes, each one fixed sequence
+// of rounded float32 operations on every instruction set (no fused multiply-add, no libm):
+// x = n ln2 + r with n = x log2(e) rounded to nearest (by adding and subtracting 1.5 * 2^23)
+// and r = x - n * C1 - n * C2 (C1 + C2 = ln2, C1 short enough that n * C1 is exact), then
+// Cephes' expf polynomial 1 + r + r^2 P(r) times 2^n built in the exponent bits: within 1
+// ulp of exp (tests/test_paged_attention_tiles.py). Below -87 it is 0 (the float32 exp
+// there is under 2^-125 of the row's maximum term); NaN stays NaN; x is taken as at most 88.
+typedef int32_t KeyInts __attribute__((vector_size(kKeys * sizeof(int32_t))));
+// Lane by lane, a where mask (a comparison's all-ones lanes), else b: bit selects, as GCC
+// and clang both compile vector comparisons and casts (no vector ?: needed).
+__attribute__((always_inline)) inline Keys pick(KeyInts mask, Keys a, Keys b) {
+  return (Keys)((mask & (KeyInts)a) | (~mask & (KeyInts)b));
+}
+__attribute__((always_inline)) inline Keys exp_keys(Keys x) {
+  const Keys lo = pick(x < -87.0f, Keys{} - 87.0f, x);
+  const Keys xc = pick(lo > 88.0f, Keys{} + 88.0f, lo);
+  const Keys n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;
+  Keys r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Keys poly = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const Keys y = (poly * (r * r) + r) + 1.0f;
+  const KeyInts bits = (__builtin_convertvector(n, KeyInts) + 127) << 23;
+  Keys two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  const Keys e = pick(x < -87.0f, Keys{}, y * two_n);
+  return pick(x != x, x, e);
+}
+
+// One row's softmax numerators in place over s[0, n) (its keys), and their sum plus the
+// sink's: the maximum (any order gives the same value), then exp_keys of s - max, summed
+// in kKeys partial sums (key k into sum k % kKeys, in order; a short last group padded with
+// zeros), halved 8/4/2/1. The same sequence alone or in any tile.
+__attribute__((always_inline)) inline float softmax_numerators(float* s, int n, const float* sink) {
+  Keys mv = Keys{} - INFINITY;
+  int j = 0;
+  for (; j + kKeys <= n; j += kKeys) {
+    const Keys v = lanes(s + j);
+    mv = pick(v > mv, v, mv);  // a NaN score is skipped, as std::max(m, s) skips it
+  }
+  float m = -INFINITY;
+  for (int u = 0; u < kKeys; u++) m = std::max(m, mv[u]);
+  for (; j < n; j++) m = std::max(m, s[j]);
+  if (sink) m = std::max(m, *sink);
+  const KeyInts lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Keys sum = {};
+  for (j = 0; j + kKeys <= n; j += kKeys) {
+    const Keys e = exp_keys(lanes(s + j) - m);
+    std::memcpy(s + j, &e, sizeof e);
+    sum += e;
+  }
+  if (j < n) {  // the last keys, padded
+    const int jn = n - j;
+    Keys x = {};
+    for (int u = 0; u < jn; u++) x[u] = s[j + u];
+    const Keys e = exp_keys(x - m);
+    for (int u = 0; u < jn; u++) s[j + u] = e[u];
+    sum += pick(lane < jn, e, Keys{});
+  }
+  for (int w = kKeys / 2; w >= 1; w /= 2)
+    for (int u = 0; u < w; u++) sum[u] += sum[u + w];
+  if (sink) sum[0] += exp_keys(Keys{} + (*sink - m))[0];
+  return sum[0];
+}
+
+// a[0, B * kKeys) += w[j] * v[j][same] for keys j in [ja, jb) in order (v rows dv apart):
+// B independent sums per key, each element's the same sequence as one at a time.
+template <int B>
+__attribute__((always_inline)) inline void weighted_values(const float* w, int ja, int jb,
+                                                           const float* v, int dv, float* a) {
+  Keys sum[B];
+  for (int b = 0; b < B; b++) sum[b] = lanes(a + b * kKeys);
+  for (int j = ja; j < jb; j++)
+    for (int b = 0; b < B; b++) sum[b] += w[j] * lanes(v + static_cast<size_t>(j) * dv + b * kKeys);
+  std::memcpy(a, sum, sizeof sum);
+}
+
+// Lanes 0-7 (lo) or 8-15 (hi) of a and b interleaved: a0 b0 a1 b1 ...
+#if defined(__clang__)
+#define MLXSERVE_LO(a, b) \
+  __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+#define MLXSERVE_HI(a, b) \
+  __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)
+#else
+#define MLXSERVE_LO(a, b) \
+  __builtin_shuffle(a, b, KeyInts{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23})
+#define MLXSERVE_HI(a, b) \
+  __builtin_shuffle(a, b, KeyInts{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31})
+#endif
+
+// kKeys rows of d floats (rows[j]) into kt[i * kKeys + j]: 16 x 16 blocks transposed in
+// registers (four rounds of interleaving rows i and i + 8), the rest one value at a time.
+__attribute__((always_inline)) inline void transpose_keys(const float* const* rows, int d,
+                                                          float* kt) {
+  int i = 0;
+  for (; i + kKeys <= d; i += kKeys) {
+    Keys r[kKeys], next[kKeys];
+    for (int j = 0; j < kKeys; j++) r[j] = lanes(rows[j] + i);
+    for (int round = 0; round < 4; round++) {
+      for (int j = 0; j < kKeys / 2; j++) {
+        next[2 * j] = MLXSERVE_LO(r[j], r[j + kKeys / 2]);
+        next[2 * j + 1] = MLXSERVE_HI(r[j], r[j + kKeys / 2]);
+      }
+      std::memcpy(r, next, sizeof r);
+    }
+    std::memcpy(kt + static_cast<size_t>(i) * kKeys, r, sizeof r);
+  }
+  for (; i < d; i++)
+    for (int j = 0; j < kKeys; j++) kt[i * kKeys + j] = rows[j][i];
+}
+#undef MLXSERVE_LO
+#undef MLXSERVE_HI
 
 // One pool row as float32 in `dst` (dequantized: int8 values times the row's scale).
 inline const float* row_f32(const char* row, int type, int d, float* dst) {
@@ -124,11 +243,11 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   const int rows = tile.count;   // rows tile.first.. of one table
   const int nq = rows * group;   // query heads of the tile: (row, g) at t * group + g
   const int lo = tile.lo, n = tile.hi - tile.lo;
-  std::vector<float> buf(static_cast<size_t>(nq) * (p.dk + p.dv + n) + p.dk + p.dv);
-  float* qf = buf.data();                                // (nq, dk)
+  // Every value is written before it is read (scores only over each row's keys): no zeroing.
+  std::unique_ptr<float[]> buf(new float[static_cast<size_t>(nq) * (p.dk + p.dv + n)]);
+  float* qf = buf.get();                                 // (nq, dk)
   float* acc = qf + static_cast<size_t>(nq) * p.dk;      // (nq, dv)
   float* scores = acc + static_cast<size_t>(nq) * p.dv;  // (nq, n): keys lo.. of the tile
-  float* tmp = scores + static_cast<size_t>(nq) * n;     // one dequantized row
   int row_lo[kMaxTile], row_hi[kMaxTile];  // each row's keys [row_lo, row_hi) - lo
   const int h0 = kvh * group;
   for (int t = 0; t < rows; t++) {
@@ -148,13 +267,15 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
             pos % p.block_size) * p.kv_heads + kvh;
   };
   std::vector<float> kt(static_cast<size_t>(p.dk) * kKeys);  // kKeys keys, transposed
+  std::vector<float> krows(static_cast<size_t>(p.dk) * kKeys);  // dequantized ones
+  const float* key_rows[kKeys];
   for (int j0 = 0; j0 < n; j0 += kKeys) {
     const int jn = std::min(kKeys, n - j0);
-    for (int j = 0; j < kKeys; j++) {
+    for (int j = 0; j < kKeys; j++) {  // past jn: a copy of the last, never read
       const char* row = p.k + pool_row(lo + j0 + std::min(j, jn - 1)) * p.k_row_bytes;
-      const float* k = row_f32(row, p.k_type, p.dk, tmp);  // past jn: a copy, never read
-      for (int d = 0; d < p.dk; d++) kt[d * kKeys + j] = k[d];
+      key_rows[j] = row_f32(row, p.k_type, p.dk, krows.data() + static_cast<size_t>(j) * p.dk);
     }
+    transpose_keys(key_rows, p.dk, kt.data());
     for (int t = 0; t < rows; t++) {
       if (j0 + jn <= row_lo[t] || j0 >= row_hi[t]) continue;
       for (int g = 0; g < group; g++) {
@@ -169,18 +290,9 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   std::vector<float> denom(nq);
   for (int i = 0; i < nq; i++) {
     const int t = i / group;
-    float* s = scores + static_cast<size_t>(i) * n;
-    float m = -INFINITY;
-    for (int j = row_lo[t]; j < row_hi[t]; j++) m = std::max(m, s[j]);
-    const float sink = p.sinks ? p.sinks[h0 + i % group] : -INFINITY;
-    m = std::max(m, sink);
-    float sum = 0;
-    for (int j = row_lo[t]; j < row_hi[t]; j++) {
-      s[j] = std::exp(s[j] - m);
-      sum += s[j];
-    }
-    if (p.sinks) sum += std::exp(sink - m);
-    denom[i] = sum;
+    float* s = scores + static_cast<size_t>(i) * n + row_lo[t];
+    const float* sink = p.sinks ? p.sinks + h0 + i % group : nullptr;
+    denom[i] = softmax_numerators(s, row_hi[t] - row_lo[t], sink);
   }
   // Values kKeys keys at a time: a row's accumulator stays in registers over the block
   // (16 elements at once), each element summing the keys in order as before.
@@ -199,11 +311,10 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
         const float* w = scores + static_cast<size_t>(i) * n + j0;
         float* a = acc + i * p.dv;
         int d = 0;
-        for (; d + kKeys <= p.dv; d += kKeys) {
-          Keys sum = lanes(a + d);
-          for (int j = ja; j < jb; j++) sum += w[j] * lanes(vb.data() + j * p.dv + d);
-          std::memcpy(a + d, &sum, sizeof sum);
-        }
+        for (; d + 4 * kKeys <= p.dv; d += 4 * kKeys)
+          weighted_values<4>(w, ja, jb, vb.data() + d, p.dv, a + d);
+        for (; d + kKeys <= p.dv; d += kKeys)
+          weighted_values<1>(w, ja, jb, vb.data() + d, p.dv, a + d);
         for (; d < p.dv; d++)
           for (int j = ja; j < jb; j++) a[d] += w[j] * vb[j * p.dv + d];
       }

@@ -14,10 +14,10 @@
 //       the attention's output projection, both residual adds, the MLP and its norm.
 //
 // The linear layers are linear.h's (the quantized matmul kernels), the norms and the
-// rotation decode_ext.h's, the SiLU MLX's own Sigmoid from its CPU headers, and nothing is
-// fused into a multiply-add (built with -ffp-contract=off): each op gives the bits the
-// separate primitives give, for any number of rows (decode, verification rows, prefill
-// chunks). Activations are float32 (the CPU path's); intermediates live in scratch buffers.
+// rotation decode_ext.h's, the SiLU MLX's sigmoid operation by operation (swiglu.c,
+// vectorized, on the thread pool), and nothing is fused into a multiply-add (built with
+// -ffp-contract=off): each op gives the bits the separate primitives give, for any number
+// of rows (decode, verification rows, prefill chunks). Activations are float32 (the CPU path's); intermediates live in scratch buffers.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -28,11 +28,11 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/backend/cpu/unary_ops.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
 #include "layer_parts.h"
+#include "qmm.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -83,14 +83,7 @@ void OutputMlpSpec::run(const float* x, const float* attn, int64_t rows, int64_t
   linear(normed.data(), rows, gu, gate_up, gu_out.data());
   // silu(gate) * up as MLX computes it (models/compiled.swiglu): (g * sigmoid(g)) * up.
   std::vector<float> act(static_cast<size_t>(rows * hidden));
-  mx::detail::Sigmoid sigmoid;
-  for (int64_t r = 0; r < rows; r++) {
-    const float* g = gu_out.data() + r * width;
-    for (int64_t i = 0; i < hidden; i++) {
-      const float silu = g[i] * sigmoid(g[i]);
-      act[r * hidden + i] = silu * g[hidden + i];
-    }
-  }
+  mlxserve_swiglu(gu_out.data(), rows, hidden, act.data());
   std::vector<float> mlp(static_cast<size_t>(rows * d));
   linear(act.data(), rows, down_in, down, mlp.data());
   for (int64_t i = 0; i < rows * d; i++) y[i] = y[i] + mlp[i];

@@ -7,6 +7,7 @@
 #define Q8_ENTRY mlxserve_q8_avx512vnni
 #define Q8_DPBUSD _mm256_dpbusd_epi32
 #define Q8_RN 3
+#define Q8_ZMM 1 /* items of several rows: 512-bit tiles (q8_tile_zmm), the panel's 48 columns */
 #include "q8_x86.h"
 const int mlxserve_q8_built_avx512vnni = 1;
 

@@ -174,6 +174,23 @@ static void q8_item(void *vctx, int64_t item) {
         const int8_t *qm = c->q->q + m0 * K;
         const float *dm = c->q->d + m0 * nb, *xs = c->xs + m0 * g;
         const int tile_rn = kind == Q8_SMALL ? Q8_RN : Q8_RN_BYTE;
+#ifdef Q8_ZMM
+        if (m_end - m_first > 1) { /* several rows: the panel in 512-bit vectors at once */
+            switch (rm * 4 + (nv + 1) / 2) {
+#define Q8_TILE_ZMM(RM, NZ)                                                                 \
+    case (RM) * 4 + (NZ):                                                                   \
+        q8_tile_zmm(pw, nv, qm, K, dm, nb, sc, bi, xs, g, subs, f, RM, NZ, nv % 2 ? 8 : 16); \
+        break;
+                Q8_TILE_ZMM(1, 1) Q8_TILE_ZMM(2, 1) Q8_TILE_ZMM(3, 1) Q8_TILE_ZMM(4, 1)
+                Q8_TILE_ZMM(1, 2) Q8_TILE_ZMM(2, 2) Q8_TILE_ZMM(3, 2) Q8_TILE_ZMM(4, 2)
+                Q8_TILE_ZMM(1, 3) Q8_TILE_ZMM(2, 3) Q8_TILE_ZMM(3, 3) Q8_TILE_ZMM(4, 3)
+#undef Q8_TILE_ZMM
+            }
+            for (int m = 0; m < rm; m++)
+                memcpy(p->y + (m0 + m) * N + n0, f + m * Q8_PANEL, (size_t)ncols * sizeof(float));
+            continue;
+        }
+#endif
         for (int c0 = 0, rn; c0 < nv; c0 += rn) {
             rn = nv - c0 < tile_rn ? nv - c0 : tile_rn;
 #ifdef Q8_RAW

@@ -30,6 +30,12 @@ static inline void q8_tile_any(const uint8_t *pw, int nv, const uint8_t *raw, in
                                int subs, float *f, const int rm, const int rn, const int kind,
                                const int is_raw);
 #define Q8_RAW 1 /* q8_tile_raw: one row of 4- or 8-bit weights without packing */
+#ifdef Q8_ZMM
+static inline void q8_tile_zmm(const uint8_t *pw, int nv, const int8_t *q, int64_t K,
+                               const float *d, int64_t nb, const float *sc, const float *bi,
+                               const float *xs, int64_t g, int subs, float *f, const int rm,
+                               const int nz, int last_cols);
+#endif
 
 #include "q8_impl.h"
 
@@ -313,3 +319,66 @@ static inline __attribute__((always_inline)) void q8_tile_any(const uint8_t *pw,
         for (int c = 0; c < rn; c++)
             _mm256_storeu_ps(f + m * Q8_PANEL + c * 8, _mm256_add_ps(acc[m][c], e[m][c]));
 }
+
+#ifdef Q8_ZMM
+/* Several rows by up to Q8_PANEL columns with 512-bit vectors (16 columns each; AVX-512
+ * VNNI): the packed panel holds a (block, quad)'s columns contiguously, so two of its
+ * 8-column vectors are one 64-byte load, and scales, biases and results are per column
+ * too. nz vectors of 16 columns, the last one `last_cols` wide (8 or 16; masked loads give
+ * zeros past the panel). The same integer dot products and float32 operations per column
+ * as q8_tile, so the same bits: a prompt's rows run twice the columns per instruction. */
+static inline __attribute__((always_inline)) void q8_tile_zmm(const uint8_t *pw, int nv,
+                                                              const int8_t *q, int64_t K,
+                                                              const float *d, int64_t nb,
+                                                              const float *sc, const float *bi,
+                                                              const float *xs, int64_t g,
+                                                              int subs, float *f, const int rm,
+                                                              const int nz, int last_cols) {
+    const int64_t tstride = (int64_t)nv * 32;
+    __mmask16 mask[3]; /* lanes of each vector inside the panel */
+    for (int c = 0; c < nz; c++) mask[c] = c < nz - 1 || last_cols == 16 ? 0xFFFF : 0x00FF;
+    __m512 acc[Q8_RM][3];
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < nz; c++) acc[m][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = pw + b * 8 * tstride;
+        const int8_t *qb = q + b * 32;
+        __m512i dot[Q8_RM][3];
+        for (int m = 0; m < rm; m++)
+            for (int c = 0; c < nz; c++) dot[m][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            __m512i w[3];
+            for (int c = 0; c < nz; c++)
+                w[c] = _mm512_maskz_loadu_epi32(mask[c], wb + t * tstride + c * 64);
+            for (int m = 0; m < rm; m++) {
+                int32_t x4;
+                memcpy(&x4, qb + m * K + 4 * t, 4);
+                const __m512i x = _mm512_set1_epi32(x4);
+                for (int c = 0; c < nz; c++) dot[m][c] = _mm512_dpbusd_epi32(dot[m][c], w[c], x);
+            }
+        }
+        const float *s = sc + (b / subs) * Q8_PANEL;
+        for (int m = 0; m < rm; m++) {
+            const __m512 dm = _mm512_set1_ps(d[m * nb + b]);
+            for (int c = 0; c < nz; c++) {
+                const __m512 ds = _mm512_mul_ps(dm, _mm512_maskz_loadu_ps(mask[c], s + c * 16));
+                const __m512 prod = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][c]), ds);
+                acc[m][c] = _mm512_add_ps(acc[m][c], prod);
+            }
+        }
+    }
+    __m512 e[Q8_RM][3];
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < nz; c++) e[m][c] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < g; gi++)
+        for (int c = 0; c < nz; c++) {
+            const __m512 bv = _mm512_maskz_loadu_ps(mask[c], bi + gi * Q8_PANEL + c * 16);
+            for (int m = 0; m < rm; m++)
+                e[m][c] = _mm512_add_ps(e[m][c], _mm512_mul_ps(bv, _mm512_set1_ps(xs[m * g + gi])));
+        }
+    for (int m = 0; m < rm; m++)
+        for (int c = 0; c < nz; c++)
+            _mm512_storeu_ps(f + m * Q8_PANEL + c * 16, _mm512_add_ps(acc[m][c], e[m][c]));
+}
+#endif

@@ -153,6 +153,25 @@ const char *mlxserve_q8_isa_name(int isa) { return isa_name(isa, Q8_NUM_ISAS, Q8
 static __thread void *q8_buf;
 static __thread size_t q8_cap;
 
+/* Rows of x rounded to int8 (mlxserve_q8_quantize), Q8_ROUND_ROWS per pool item: each
+ * row's rounding is its own, so any split gives the same bits. */
+#define Q8_ROUND_ROWS 32
+typedef struct {
+    const float *x;
+    int64_t K, M_end;
+    int perm4;
+    int8_t *q;
+    float *d, *dsum;
+} q8_rounding;
+
+static void round_rows(void *ctx, int64_t item) {
+    const q8_rounding *r = (const q8_rounding *)ctx;
+    const int64_t m0 = item * Q8_ROUND_ROWS, nb = r->K / 32;
+    const int64_t rows = r->M_end - m0 < Q8_ROUND_ROWS ? r->M_end - m0 : Q8_ROUND_ROWS;
+    mlxserve_q8_quantize(r->x + m0 * r->K, rows, r->K, r->perm4, r->q + m0 * r->K, r->d + m0 * nb,
+                         r->dsum + m0 * nb);
+}
+
 /* x rounded once, then the integer matmul over all rows (q8_impl.h): a row's result is
  * the same bits whatever the rows around it, so a request's logits do not depend on its
  * batch, drafts or prompt chunking. */
@@ -172,7 +191,11 @@ static int qmm_int8(const qmm_problem *p) {
     }
     float *d = (float *)q8_buf, *dsum = d + M * nb;
     int8_t *q = (int8_t *)(dsum + M * nb);
-    mlxserve_q8_quantize(p->x, M, K, p->bits == 4, q, d, dsum);
+    const q8_rounding r = {p->x, K, M, p->bits == 4, q, d, dsum};
+    if (M >= 2 * Q8_ROUND_ROWS && M * K >= 65536) /* a prompt's rows: on the pool */
+        mlxserve_qmm_parallel_for((M + Q8_ROUND_ROWS - 1) / Q8_ROUND_ROWS, round_rows, (void *)&r);
+    else
+        mlxserve_q8_quantize(p->x, M, K, p->bits == 4, q, d, dsum);
     const q8_problem qp = {p, q, d, dsum};
     kernels[mlxserve_q8_isa()](&qp);
     return 0;

@@ -107,6 +107,11 @@ void mlxserve_q8_neon(const q8_problem *q);
 extern const int mlxserve_q8_built_avx2, mlxserve_q8_built_avxvnni, mlxserve_q8_built_avx512vnni,
     mlxserve_q8_built_neon;
 
+/* SwiGLU's elementwise part over rows of a fused gate|up product: act (rows, hidden) =
+ * (g * sigmoid(g)) * up for gu (rows, 2 * hidden) = [g | up], the same bits as MLX's CPU
+ * ops give (swiglu.c), on the thread pool. */
+void mlxserve_swiglu(const float *gu, int64_t rows, int64_t hidden, float *act);
+
 /* Per-instruction-set entry points (qmm_impl.h instantiated in qmm_<isa>.c). */
 void mlxserve_qmm_scalar(const qmm_problem *p);
 void mlxserve_qmm_avx2(const qmm_problem *p);
