@@ -83,26 +83,30 @@ struct AttnProblem {
 // partial sums over d, halved 8/4/2/1, plus the tail), the one a single row always used.
 constexpr int kKeys = 16;
 typedef float Keys __attribute__((vector_size(kKeys * sizeof(float))));  // one per key
-__attribute__((always_inline)) inline Keys lanes(const float* x) {
-  Keys k;  // 16 floats from x, unaligned
-  std::memcpy(&k, x, sizeof k);
-  return k;
-}
-__attribute__((always_inline)) inline Keys key_lanes(const float* kt, int d) {
-  return lanes(kt + static_cast<size_t>(d) * kKeys);
-}
-__attribute__((always_inline)) inline Keys dots(const float* q, const float* kt, int n) {
+// No function here takes or returns a Keys by value: clang refuses such a call in the
+// target clones without AVX-512 ("changes the ABI"), even always inlined. Loads are
+// macros, results are written through references.
+// 16 floats from x (unaligned).
+#define MLXSERVE_LANES(x)                   \
+  __extension__({                           \
+    Keys lanes_;                            \
+    std::memcpy(&lanes_, (x), sizeof lanes_); \
+    lanes_;                                 \
+  })
+#define MLXSERVE_KEY_LANES(kt, d) MLXSERVE_LANES((kt) + static_cast<size_t>(d) * kKeys)
+__attribute__((always_inline)) inline void dots(const float* q, const float* kt, int n,
+                                                Keys& out) {
   Keys acc[16];
   for (int u = 0; u < 16; u++)  // 0 + the first products (written so: no zeroed array)
-    acc[u] = n >= 16 ? Keys{} + q[u] * key_lanes(kt, u) : Keys{};
+    acc[u] = n >= 16 ? Keys{} + q[u] * MLXSERVE_KEY_LANES(kt, u) : Keys{};
   int i = n >= 16 ? 16 : 0;
   for (; i + 16 <= n; i += 16)
-    for (int u = 0; u < 16; u++) acc[u] += q[i + u] * key_lanes(kt, i + u);
+    for (int u = 0; u < 16; u++) acc[u] += q[i + u] * MLXSERVE_KEY_LANES(kt, i + u);
   Keys tail = {};
-  for (; i < n; i++) tail += q[i] * key_lanes(kt, i);
+  for (; i < n; i++) tail += q[i] * MLXSERVE_KEY_LANES(kt, i);
   for (int w = 8; w >= 1; w /= 2)
     for (int u = 0; u < w; u++) acc[u] += acc[u + w];
-  return acc[0] + tail;
+  out = acc[0] + tail;
 }
 
 // exp(x) for x <= 0 (a score minus its row's maximum), kKeys lanes, each one fixed sequence
@@ -115,12 +119,12 @@ __attribute__((always_inline)) inline Keys dots(const float* q, const float* kt,
 typedef int32_t KeyInts __attribute__((vector_size(kKeys * sizeof(int32_t))));
 // Lane by lane, a where mask (a comparison's all-ones lanes), else b: bit selects, as GCC
 // and clang both compile vector comparisons and casts (no vector ?: needed).
-__attribute__((always_inline)) inline Keys pick(KeyInts mask, Keys a, Keys b) {
-  return (Keys)((mask & (KeyInts)a) | (~mask & (KeyInts)b));
-}
-__attribute__((always_inline)) inline Keys exp_keys(Keys x) {
-  const Keys lo = pick(x < -87.0f, Keys{} - 87.0f, x);
-  const Keys xc = pick(lo > 88.0f, Keys{} + 88.0f, lo);
+#define MLXSERVE_PICK(mask, a, b) \
+  ((Keys)(((mask) & (KeyInts)(a)) | (~(mask) & (KeyInts)(b))))
+// x replaced by exp(x), lane by lane.
+__attribute__((always_inline)) inline void exp_keys(Keys& x) {
+  const Keys lo = MLXSERVE_PICK(x < -87.0f, Keys{} - 87.0f, x);
+  const Keys xc = MLXSERVE_PICK(lo > 88.0f, Keys{} + 88.0f, lo);
   const Keys n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;
   Keys r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -133,8 +137,8 @@ __attribute__((always_inline)) inline Keys exp_keys(Keys x) {
   const KeyInts bits = (__builtin_convertvector(n, KeyInts) + 127) << 23;
   Keys two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  const Keys e = pick(x < -87.0f, Keys{}, y * two_n);
-  return pick(x != x, x, e);
+  const Keys e = MLXSERVE_PICK(x < -87.0f, Keys{}, y * two_n);
+  x = MLXSERVE_PICK(x != x, x, e);
 }
 
 // One row's softmax numerators in place over s[0, n) (its keys), and their sum plus the
@@ -145,8 +149,8 @@ __attribute__((always_inline)) inline float softmax_numerators(float* s, int n, 
   Keys mv = Keys{} - INFINITY;
   int j = 0;
   for (; j + kKeys <= n; j += kKeys) {
-    const Keys v = lanes(s + j);
-    mv = pick(v > mv, v, mv);  // a NaN score is skipped, as std::max(m, s) skips it
+    const Keys v = MLXSERVE_LANES(s + j);
+    mv = MLXSERVE_PICK(v > mv, v, mv);  // a NaN score is skipped, as std::max(m, s) skips it
   }
   float m = -INFINITY;
   for (int u = 0; u < kKeys; u++) m = std::max(m, mv[u]);
@@ -155,7 +159,8 @@ __attribute__((always_inline)) inline float softmax_numerators(float* s, int n, 
   const KeyInts lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   Keys sum = {};
   for (j = 0; j + kKeys <= n; j += kKeys) {
-    const Keys e = exp_keys(lanes(s + j) - m);
+    Keys e = MLXSERVE_LANES(s + j) - m;
+    exp_keys(e);
     std::memcpy(s + j, &e, sizeof e);
     sum += e;
   }
@@ -163,13 +168,18 @@ __attribute__((always_inline)) inline float softmax_numerators(float* s, int n, 
     const int jn = n - j;
     Keys x = {};
     for (int u = 0; u < jn; u++) x[u] = s[j + u];
-    const Keys e = exp_keys(x - m);
+    Keys e = x - m;
+    exp_keys(e);
     for (int u = 0; u < jn; u++) s[j + u] = e[u];
-    sum += pick(lane < jn, e, Keys{});
+    sum += MLXSERVE_PICK(lane < jn, e, Keys{});
   }
   for (int w = kKeys / 2; w >= 1; w /= 2)
     for (int u = 0; u < w; u++) sum[u] += sum[u + w];
-  if (sink) sum[0] += exp_keys(Keys{} + (*sink - m))[0];
+  if (sink) {
+    Keys e = Keys{} + (*sink - m);
+    exp_keys(e);
+    sum[0] += e[0];
+  }
   return sum[0];
 }
 
@@ -179,9 +189,10 @@ template <int B>
 __attribute__((always_inline)) inline void weighted_values(const float* w, int ja, int jb,
                                                            const float* v, int dv, float* a) {
   Keys sum[B];
-  for (int b = 0; b < B; b++) sum[b] = lanes(a + b * kKeys);
+  for (int b = 0; b < B; b++) sum[b] = MLXSERVE_LANES(a + b * kKeys);
   for (int j = ja; j < jb; j++)
-    for (int b = 0; b < B; b++) sum[b] += w[j] * lanes(v + static_cast<size_t>(j) * dv + b * kKeys);
+    for (int b = 0; b < B; b++)
+      sum[b] += w[j] * MLXSERVE_LANES(v + static_cast<size_t>(j) * dv + b * kKeys);
   std::memcpy(a, sum, sizeof sum);
 }
 
@@ -205,7 +216,7 @@ __attribute__((always_inline)) inline void transpose_keys(const float* const* ro
   int i = 0;
   for (; i + kKeys <= d; i += kKeys) {
     Keys r[kKeys], next[kKeys];
-    for (int j = 0; j < kKeys; j++) r[j] = lanes(rows[j] + i);
+    for (int j = 0; j < kKeys; j++) r[j] = MLXSERVE_LANES(rows[j] + i);
     for (int round = 0; round < 4; round++) {
       for (int j = 0; j < kKeys / 2; j++) {
         next[2 * j] = MLXSERVE_LO(r[j], r[j + kKeys / 2]);
@@ -235,8 +246,16 @@ inline const float* row_f32(const char* row, int type, int d, float* dst) {
   return dst;
 }
 
-MLXSERVE_CLONES void attend(void* arg, int64_t item) {
-  const AttnProblem& p = *static_cast<const AttnProblem*>(arg);
+// Floats of attend_tile's scratch for a tile of nq query heads and n keys.
+size_t scratch_floats(const AttnProblem& p, int nq, int n) {
+  return static_cast<size_t>(nq) * (p.dk + p.dv + n + 1) +
+         static_cast<size_t>(kKeys) * (2 * p.dk + p.dv);
+}
+
+// One work item: a tile's rows on one KV head. No library types inside: clang (19) does not
+// emit the inline library functions only target clones call (the library then failed to
+// load: "undefined symbol: std::allocator<float>::allocator()"), so attend allocates.
+MLXSERVE_CLONES void attend_tile(const AttnProblem& p, int64_t item, float* scratch) {
   const Tile& tile = p.tiles[item / p.kv_heads];
   const int kvh = static_cast<int>(item % p.kv_heads);
   const int group = p.heads / p.kv_heads;
@@ -244,10 +263,13 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   const int nq = rows * group;   // query heads of the tile: (row, g) at t * group + g
   const int lo = tile.lo, n = tile.hi - tile.lo;
   // Every value is written before it is read (scores only over each row's keys): no zeroing.
-  std::unique_ptr<float[]> buf(new float[static_cast<size_t>(nq) * (p.dk + p.dv + n)]);
-  float* qf = buf.get();                                 // (nq, dk)
+  float* qf = scratch;                                   // (nq, dk)
   float* acc = qf + static_cast<size_t>(nq) * p.dk;      // (nq, dv)
   float* scores = acc + static_cast<size_t>(nq) * p.dv;  // (nq, n): keys lo.. of the tile
+  float* denom = scores + static_cast<size_t>(nq) * n;   // (nq)
+  float* kt = denom + nq;                                // (dk, kKeys): kKeys keys, transposed
+  float* krows = kt + static_cast<size_t>(p.dk) * kKeys;  // (kKeys, dk): dequantized ones
+  float* vb = krows + static_cast<size_t>(p.dk) * kKeys;  // (kKeys, dv)
   int row_lo[kMaxTile], row_hi[kMaxTile];  // each row's keys [row_lo, row_hi) - lo
   const int h0 = kvh * group;
   for (int t = 0; t < rows; t++) {
@@ -266,28 +288,26 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
     return (static_cast<int64_t>(table[pos / p.block_size]) * p.block_size +
             pos % p.block_size) * p.kv_heads + kvh;
   };
-  std::vector<float> kt(static_cast<size_t>(p.dk) * kKeys);  // kKeys keys, transposed
-  std::vector<float> krows(static_cast<size_t>(p.dk) * kKeys);  // dequantized ones
   const float* key_rows[kKeys];
   for (int j0 = 0; j0 < n; j0 += kKeys) {
     const int jn = std::min(kKeys, n - j0);
     for (int j = 0; j < kKeys; j++) {  // past jn: a copy of the last, never read
       const char* row = p.k + pool_row(lo + j0 + std::min(j, jn - 1)) * p.k_row_bytes;
-      key_rows[j] = row_f32(row, p.k_type, p.dk, krows.data() + static_cast<size_t>(j) * p.dk);
+      key_rows[j] = row_f32(row, p.k_type, p.dk, krows + static_cast<size_t>(j) * p.dk);
     }
-    transpose_keys(key_rows, p.dk, kt.data());
+    transpose_keys(key_rows, p.dk, kt);
     for (int t = 0; t < rows; t++) {
       if (j0 + jn <= row_lo[t] || j0 >= row_hi[t]) continue;
       for (int g = 0; g < group; g++) {
         const int i = t * group + g;
-        const Keys dot_out = dots(qf + i * p.dk, kt.data(), p.dk);
+        Keys dot_out;
+        dots(qf + i * p.dk, kt, p.dk, dot_out);
         float* s = scores + static_cast<size_t>(i) * n + j0;  // keys out of the row's range
         for (int j = 0; j < jn; j++) s[j] = dot_out[j] * p.scale;  // are never read
       }
     }
   }
   std::fill(acc, acc + static_cast<size_t>(nq) * p.dv, 0.0f);
-  std::vector<float> denom(nq);
   for (int i = 0; i < nq; i++) {
     const int t = i / group;
     float* s = scores + static_cast<size_t>(i) * n + row_lo[t];
@@ -296,11 +316,10 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
   }
   // Values kKeys keys at a time: a row's accumulator stays in registers over the block
   // (16 elements at once), each element summing the keys in order as before.
-  std::vector<float> vb(static_cast<size_t>(kKeys) * p.dv);  // (kKeys, dv)
   for (int j0 = 0; j0 < n; j0 += kKeys) {
     const int jn = std::min(kKeys, n - j0);
     for (int j = 0; j < jn; j++) {
-      float* dst = vb.data() + static_cast<size_t>(j) * p.dv;
+      float* dst = vb + static_cast<size_t>(j) * p.dv;
       const float* v = row_f32(p.v + pool_row(lo + j0 + j) * p.v_row_bytes, p.v_type, p.dv, dst);
       if (v != dst) std::memcpy(dst, v, sizeof(float) * p.dv);
     }
@@ -312,9 +331,9 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
         float* a = acc + i * p.dv;
         int d = 0;
         for (; d + 4 * kKeys <= p.dv; d += 4 * kKeys)
-          weighted_values<4>(w, ja, jb, vb.data() + d, p.dv, a + d);
+          weighted_values<4>(w, ja, jb, vb + d, p.dv, a + d);
         for (; d + kKeys <= p.dv; d += kKeys)
-          weighted_values<1>(w, ja, jb, vb.data() + d, p.dv, a + d);
+          weighted_values<1>(w, ja, jb, vb + d, p.dv, a + d);
         for (; d < p.dv; d++)
           for (int j = ja; j < jb; j++) a[d] += w[j] * vb[j * p.dv + d];
       }
@@ -329,6 +348,14 @@ MLXSERVE_CLONES void attend(void* arg, int64_t item) {
         store(p.out, p.q_type, ((r * p.heads) + h0 + g) * p.dv + d, acc[i * p.dv + d] * inv);
     }
   }
+}
+
+void attend(void* arg, int64_t item) {
+  const AttnProblem& p = *static_cast<const AttnProblem*>(arg);
+  const Tile& tile = p.tiles[item / p.kv_heads];
+  const int nq = tile.count * (p.heads / p.kv_heads);
+  std::unique_ptr<float[]> scratch(new float[scratch_floats(p, nq, tile.hi - tile.lo)]);
+  attend_tile(p, item, scratch.get());
 }
 
 // Groups consecutive rows into tiles of at most max_rows: a row joins the tile when its
