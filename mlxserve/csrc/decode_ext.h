@@ -14,6 +14,8 @@
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "qmm.h"
+
 namespace mlxserve_decode {
 
 namespace mx = mlx::core;
@@ -26,6 +28,14 @@ inline int elem_of(mx::Dtype t) {
   if (t == mx::float16) return F16;
   if (t == mx::bfloat16) return BF16;
   if (t == mx::int8) return I8;
+  return -1;
+}
+
+// The quantized matmul kernels' code for a dtype of scales and biases (qmm.h), or -1.
+inline int qmm_scale_type(mx::Dtype t) {
+  if (t == mx::float32) return QMM_F32;
+  if (t == mx::float16) return QMM_F16;
+  if (t == mx::bfloat16) return QMM_BF16;
   return -1;
 }
 

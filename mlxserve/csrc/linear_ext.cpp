@@ -26,17 +26,6 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument(what);
 }
 
-namespace {
-
-int scale_type(mx::Dtype t) {
-  if (t == mx::float32) return QMM_F32;
-  if (t == mx::float16) return QMM_F16;
-  if (t == mx::bfloat16) return QMM_BF16;
-  return -1;
-}
-
-}  // namespace
-
 LinearSpec linear_spec(const std::vector<mx::array>& arrays, const std::vector<int>& settings,
                        int64_t k, const std::string& name) {
   check(settings.size() == 3, name + ": settings must be (group_size, bits, act_bits)");
@@ -52,7 +41,7 @@ LinearSpec linear_spec(const std::vector<mx::array>& arrays, const std::vector<i
             " values, the input has " + std::to_string(k));
   check(k % spec.group_size == 0, name + ": K must be a multiple of group_size");
   const mx::Shape groups = {w.shape(0), static_cast<int>(k / spec.group_size)};
-  check(scale_type(s.dtype()) >= 0 && b.dtype() == s.dtype() && s.shape() == groups &&
+  check(qmm_scale_type(s.dtype()) >= 0 && b.dtype() == s.dtype() && s.shape() == groups &&
             b.shape() == groups,
         name + ": scales and biases must be (N, K / group_size), float32/float16/bfloat16");
   if (spec.has_bias) {
@@ -77,7 +66,7 @@ void linear(const float* x, int64_t m, const mx::array* in, const LinearSpec& sp
   p.K = int64_t{in[0].shape(1)} * 32 / spec.bits;
   p.group_size = spec.group_size;
   p.bits = spec.bits;
-  p.scale_type = scale_type(in[1].dtype());
+  p.scale_type = qmm_scale_type(in[1].dtype());
   p.act_bits = spec.act_bits;
   const int err = mlxserve_qmm(&p);
   if (err == -2) throw std::bad_alloc();

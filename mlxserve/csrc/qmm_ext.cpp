@@ -28,13 +28,6 @@ using namespace nb::literals;
 
 namespace {
 
-int scale_type(mx::Dtype t) {
-  if (t == mx::float32) return QMM_F32;
-  if (t == mx::float16) return QMM_F16;
-  if (t == mx::bfloat16) return QMM_BF16;
-  return -1;
-}
-
 // Elements of `a` in row-major order, read through its strides (views, broadcasts).
 void gather(const mx::array& a, char* dst) {
   const size_t item = a.itemsize();
@@ -90,7 +83,7 @@ class CpuQuantizedMatmul : public mx::UnaryPrimitive {
       p.N = w.shape(0);
       p.group_size = gs;
       p.bits = bits;
-      p.scale_type = scale_type(s.dtype());
+      p.scale_type = mlxserve_decode::qmm_scale_type(s.dtype());
       p.act_bits = act_bits;
       const int err = mlxserve_qmm(&p);
       if (err == -2) throw std::bad_alloc();
@@ -139,7 +132,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   check(x.ndim() >= 1 && x.shape(-1) == k,
         "x's last dimension must be " + std::to_string(k) + " (w holds that many values)");
   check(k % group_size == 0, "K must be a multiple of group_size");
-  check(scale_type(scales.dtype()) >= 0 && scales.dtype() == biases.dtype(),
+  check(mlxserve_decode::qmm_scale_type(scales.dtype()) >= 0 && scales.dtype() == biases.dtype(),
         "scales and biases must share a float32/float16/bfloat16 dtype");
   const mx::Shape groups = {w.shape(0), static_cast<int>(k / group_size)};
   check(scales.shape() == groups && biases.shape() == groups,
