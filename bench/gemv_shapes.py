@@ -28,15 +28,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from bench.q8_gemv import SHAPES  # name: (K, N, bits, calls per step)
 from mlxserve import cpu
-
-SHAPES = {  # name: (K, N, bits, calls per step)
-    "qkv": (576, 960, 4, 30),
-    "o": (576, 576, 4, 30),
-    "gate_up": (576, 3072, 4, 30),
-    "down": (1536, 576, 4, 30),
-    "lm_head": (576, 49152, 8, 1),
-}
 
 
 def weights(k: int, n: int, bits: int, count: int, seed: int) -> list[tuple[mx.array, ...]]:
