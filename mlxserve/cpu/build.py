@@ -29,7 +29,7 @@ SOURCES = ["qmm.c", "qmm_scalar.c", "qmm_avx2.c", "qmm_avx512.c", "qmm_neon.c"]
 SOURCES += ["q8_scalar.c", "q8_avx2.c", "q8_avxvnni.c", "q8_avx512vnni.c", "q8_neon.c"]
 SOURCES += ["q8_quantize.c", "swiglu.c"]
 HEADERS = ["qmm.h", "qmm_common.h", "qmm_impl.h", "q8_impl.h", "q8_x86.h", "decode_ext.h"]
-HEADERS += ["linear.h", "layer_parts.h"]
+HEADERS += ["linear.h", "layer_parts.h", "attn_keys.h"]
 # C++ against MLX's headers: the primitives (qmm_ext.cpp defines the module). The RoPE,
 # RMSNorm and fused layer primitives round as MLX's ops do (bit for bit): no fused
 # multiply-adds there.
