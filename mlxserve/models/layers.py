@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from mlxserve import ops
 from mlxserve.models import compiled
+from mlxserve.module_changes import Watched
 from mlxserve.utils import uses_gpu
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
@@ -71,7 +72,7 @@ def llama3_inv_freq(
     return out
 
 
-class RMSNorm(nn.RMSNorm):
+class RMSNorm(Watched, nn.RMSNorm):
     """nn.RMSNorm; on the CPU one op of mlxserve's CPU primitives (ops.cpu_module), else
     compiled into 3 ops instead of MLX's 11 (models/compiled.py)."""
 
@@ -94,7 +95,7 @@ class _RopeTables:
     sin: mx.array | None = None
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Watched):
     """RoPE applied at an explicit position per token (flat token axis, any mix of requests).
 
     Scaling types: ``linear`` (positions / factor), ``llama3`` (per-frequency scaling),
