@@ -93,6 +93,7 @@ class _RopeTables:
     positions: mx.array | None = None
     cos: mx.array | None = None  # (num_tokens, 1, dims // 2)
     sin: mx.array | None = None
+    inv_freqs: mx.array | None = None  # (dims // 2,): the same every step, made once
 
 
 class RotaryEmbedding(Watched):
@@ -177,14 +178,18 @@ class RotaryEmbedding(Watched):
         memo = self._memo
         if memo.positions is positions and memo.cos is not None and memo.cos.dtype == dtype:
             return memo.cos, memo.sin
-        half = self.dims // 2
-        if self._freqs is None:
-            exponent = mx.arange(0, -half, -1, dtype=mx.float32)
-            inv_freqs = mx.exp(exponent * mx.array(math.log(self._base) / half, mx.float32))
-        else:
-            inv_freqs = mx.reciprocal(self._freqs)
-        at = positions.astype(mx.float32) * mx.array(self._scale, mx.float32)  # (num_tokens,)
-        theta = at[:, None, None] * inv_freqs  # (num_tokens, 1, half)
+        if memo.inv_freqs is None:
+            half = self.dims // 2
+            if self._freqs is None:
+                exponent = mx.arange(0, -half, -1, dtype=mx.float32)
+                c = mx.array(math.log(self._base) / half, mx.float32)
+                memo.inv_freqs = mx.exp(exponent * c)
+            else:
+                memo.inv_freqs = mx.reciprocal(self._freqs)
+        at = positions.astype(mx.float32)  # (num_tokens,)
+        if self._scale != 1.0:  # (times 1.0 changes no value: no op for it)
+            at = at * mx.array(self._scale, mx.float32)
+        theta = at[:, None, None] * memo.inv_freqs  # (num_tokens, 1, half)
         cos, sin = mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
         memo.positions, memo.cos, memo.sin = positions, cos, sin
         return cos, sin
