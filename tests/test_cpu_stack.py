@@ -215,6 +215,14 @@ def test_the_stack_applies_only_where_every_layer_op_would(checkpoints: dict[str
     assert cpu_stack.decoder_stack(args, layers, x, positions, md, cache) is None
     layers[2].mlp.down_proj = down
     assert cpu_stack.decoder_stack(args, layers, x, positions, md, cache) is not None
+    # Weights the checks refuse: an error, and nothing kept from before.
+    norm = layers[0].input_layernorm
+    weight, norm.weight = norm.weight, mx.ones((7,))
+    with pytest.raises(ValueError, match="the input has 7"):
+        cpu_stack.decoder_stack(args, layers, x, positions, md, cache)
+    assert args.layers is None and not args.current(layers)
+    norm.weight = weight
+    assert cpu_stack.decoder_stack(args, layers, x, positions, md, cache) is not None
     unfused = llama.Model(llama.ModelArgs.from_dict(MODELS["llama"]))
     other = cpu_stack.StackArgs()
     assert cpu_stack.decoder_stack(other, unfused.model.layers, x, positions, md, cache) is None

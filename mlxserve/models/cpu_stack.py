@@ -61,19 +61,19 @@ class StackArgs:
     def make(self, module: ModuleType, layers: list[nn.Module]) -> None:
         """Read and check every layer's weights and settings (None where any layer's
         one-op layer would not apply)."""
-        self.version = module_changes.count()
-        self.made_from = list(layers)
+        version = module_changes.count()
+        self.layers = self.rope = None  # (until made: a failed check keeps nothing old)
+        self.version, self.made_from = -1, []
         self.num_made += 1
         parts = [_stack_layer(module, layer, i) for i, layer in enumerate(layers)]
         if (
-            not parts
-            or None in parts
-            or any(layer.self_attn.rope is not layers[0].self_attn.rope for layer in layers)
-        ):  # (one RoPE: the step's cos and sin tables are made once)
-            self.layers = self.rope = None
-            return
-        self.layers = module.decoder_stack_layers(parts)
-        self.rope = layers[0].self_attn.rope
+            parts
+            and None not in parts
+            and all(layer.self_attn.rope is layers[0].self_attn.rope for layer in layers)
+        ):  # (one RoPE: the step's cos and sin are made once)
+            self.layers = module.decoder_stack_layers(parts)
+            self.rope = layers[0].self_attn.rope
+        self.version, self.made_from = version, list(layers)
 
 
 def _stack_layer(module: ModuleType, layer: nn.Module, index: int) -> Any:
