@@ -10,6 +10,9 @@ layer on the quantized matmul kernels and float32 or int8 K/V pools, a layer is 
         pools can be donated; the paged attention of ops/cpu.py
         output_mlp: o_proj, + x, RMSNorm, gate|up projection, SwiGLU, down, + h
 
+Where every layer of a model is such a layer, models/cpu_stack.py makes all of them one
+op (the same function per layer, in order).
+
 Where the whole layer does not apply but its dense halves do (another attention: the
 Metal kernels, an mlx-lm layer's), ``attention_input`` and ``output_mlp`` are one op each
 around the separate K/V write and attention (5 ops). A quantized embedding's lookup is one
