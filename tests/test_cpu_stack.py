@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxserve import cpu, ops
 from mlxserve.models import KVCache, cpu_stack, llama
@@ -98,14 +98,8 @@ def _layer(model: nn.Module, i: int) -> nn.Module:
 
 
 def _scale_array(model: nn.Module, name: str, factor: float) -> list[tuple[str, mx.array]]:
-    value = dict(_flat(model))[name]
+    value = dict(tree_flatten(model.parameters()))[name]
     return [(name, (value.astype(mx.float32) * factor).astype(value.dtype))]
-
-
-def _flat(model: nn.Module) -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(model.parameters())
 
 
 def _update(model: nn.Module) -> None:  # nn.Module.update with one array replaced
