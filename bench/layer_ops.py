@@ -1,4 +1,5 @@
-"""Single-stream decode on the CPU: a layer as one op vs 5 ops, and pipelined steps, A/B.
+"""Single-stream decode on the CPU: the layers as one op, a layer as one op or 5 ops, and
+pipelined steps, A/B.
 
     PYTHONPATH=. python bench/layer_ops.py [MODEL] [--rounds 5] [--tokens 64]
         [--forward-reps 60] [--kv-cache-dtype auto|int8] [--variants V ...]
@@ -7,10 +8,12 @@ One engine (default: the embedded SmolLM2-135M Q4_1), one greedy request at a ti
 (32-token prompt, ``--tokens`` decoded); the variants take turns round by round, so a
 change in the machine's load hits them alike:
 
-* ``one op``: today's layer (models/cpu_layer.decoder_layer);
-* ``5 ops``: the layer's halves around the separate K/V write and attention (decoder_layer
-  switched off for the round);
-* ``one op, pipelined``: ``LLMEngine.pipelined`` on, as on Metal: each ``step()`` collects
+* ``stack``: today's model, every layer in one op (models/cpu_stack.decoder_stack);
+* ``one op``: an op per layer (models/cpu_layer.decoder_layer; the stack switched off for
+  the round);
+* ``5 ops``: the layer's halves around the separate K/V write and attention (the stack and
+  decoder_layer switched off);
+* ``stack, pipelined``: ``LLMEngine.pipelined`` on, as on Metal: each ``step()`` collects
   the step in flight, launches the next one, and processes the collected outputs while
   the new step computes.
 
@@ -21,7 +24,7 @@ of the CPU stream are outstanding), the CPU time per token (every thread of the 
 and the steps the runner's PoolWatch saw copy a pool instead of writing it in place.
 
 Then the forward pass alone (one decode row at a 40-token context: the model's graph
-built and evaluated, no engine), one op vs 5 ops interleaved ``--forward-reps`` times:
+built and evaluated, no engine), the variants interleaved ``--forward-reps`` times:
 best and median wall and CPU time. Best-of is the machine's quiet moments; the medians
 carry the load.
 
@@ -46,14 +49,29 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 
 from mlxserve.cli.bench import make_engine, make_prompts, timed_generate  # noqa: E402
-from mlxserve.models import cpu_layer  # noqa: E402
+from mlxserve.models import cpu_layer, cpu_stack  # noqa: E402
 
-VARIANTS = ("one op", "5 ops", "one op, pipelined")
+VARIANTS = ("stack", "one op", "5 ops", "stack, pipelined")
+_OFF = {"stack": (), "one op": ("stack",), "5 ops": ("stack", "layer")}
+
+
+def _switch(variant: str) -> None:
+    """The parts ``variant`` runs without switched off (see the module docstring)."""
+    off = _OFF[variant.split(",")[0]]
+    cpu_stack.decoder_stack = _none if "stack" in off else _STACK
+    cpu_layer.decoder_layer = _none if "layer" in off else _LAYER
+
+
+def _none(*args, **kwargs) -> None:
+    return None
+
+
+_STACK, _LAYER = cpu_stack.decoder_stack, cpu_layer.decoder_layer
 
 
 def run_round(engine, variant: str, prompt: list[int], tokens: int) -> dict[str, float]:
     """One request decoded under ``variant``; tok/s and per-step blocking in async_eval."""
-    real_layer, real_async_eval = cpu_layer.decoder_layer, mx.async_eval
+    real_async_eval = mx.async_eval
     runner = engine.runner
     timed = {"async_eval": [0.0, 0], "launch": [0.0, 0]}
 
@@ -68,8 +86,7 @@ def run_round(engine, variant: str, prompt: list[int], tokens: int) -> dict[str,
 
         return call
 
-    if variant == "5 ops":
-        cpu_layer.decoder_layer = lambda *a, **k: None
+    _switch(variant)
     engine.pipelined = variant.endswith("pipelined")
     mx.async_eval = timing(real_async_eval, "async_eval")
     runner.launch = timing(runner.launch, "launch")
@@ -80,7 +97,8 @@ def run_round(engine, variant: str, prompt: list[int], tokens: int) -> dict[str,
         r = timed_generate(engine, [prompt], tokens)
     finally:
         cpu = time.process_time() - cpu
-        cpu_layer.decoder_layer, mx.async_eval = real_layer, real_async_eval
+        _switch("stack")
+        mx.async_eval = real_async_eval
         del runner.launch  # the class's method again
         engine.pipelined = False
     return {
@@ -96,7 +114,7 @@ def run_round(engine, variant: str, prompt: list[int], tokens: int) -> dict[str,
 
 
 def forward_ab(engine, reps: int) -> None:
-    """The model's forward pass alone, one op vs 5 ops interleaved; prints best/median."""
+    """The model's forward pass alone, the variants interleaved; prints best/median."""
     from mlxserve.models import KVCache
     from mlxserve.ops import AttentionMetadata
 
@@ -105,17 +123,15 @@ def forward_ab(engine, reps: int) -> None:
     mx.eval(cache.arrays())
     md = AttentionMetadata.build([1], [40], [[1, 2, 3]], 16)
     ids, positions = mx.array([5], dtype=mx.int32), mx.array([39], dtype=mx.int32)
-    real_layer = cpu_layer.decoder_layer
-    times: dict[str, tuple[list[float], list[float]]] = {"one op": ([], []), "5 ops": ([], [])}
+    times = {v: ([], []) for v in _OFF}
     for _ in range(reps):
         for variant, (wall, cpu) in times.items():
-            if variant == "5 ops":
-                cpu_layer.decoder_layer = lambda *a, **k: None
+            _switch(variant)
             c, t = time.process_time(), time.perf_counter()
             try:
                 mx.eval(model(ids, positions, md, cache, None), cache.arrays())
             finally:
-                cpu_layer.decoder_layer = real_layer
+                _switch("stack")
             wall.append((time.perf_counter() - t) * 1000)
             cpu.append((time.process_time() - c) * 1000)
     for variant, (wall, cpu) in times.items():
@@ -139,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(args.model, kv_cache_dtype=args.kv_cache_dtype)
     assert not engine.pipelined, "this compares the CPU path"
     prompts = make_prompts(engine.tokenizer, args.rounds * len(args.variants) + 1, 32)
-    run_round(engine, "one op", prompts[-1], 8)  # warm up
+    run_round(engine, "stack", prompts[-1], 8)  # warm up
     results: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
     i = 0
     for _ in range(args.rounds):

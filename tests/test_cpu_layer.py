@@ -1,8 +1,10 @@
-"""The fused CPU layer primitives (models/cpu_layer.py, csrc/layer_ext.cpp).
+"""The fused CPU layer primitives (models/cpu_layer.py, csrc/layer_ext.cpp) and the
+one-op stack of layers (models/cpu_stack.py, csrc/decoder_stack_ext.cpp).
 
-Oracles: the same model with the one-op layer switched off (its two halves around the
-separate K/V write and attention: 5 ops) and with every fused part off (the separate CPU
-primitives: the same kernels in the same order, so bit for bit, pools included), and with
+Oracles: the same model with the one-op stack switched off (one op per layer), with the
+one-op layer switched off too (its two halves around the separate K/V write and attention:
+5 ops) and with every fused part off (the separate CPU primitives: the same kernels in the
+same order, so bit for bit, pools included), and with
 the pure-MLX fallback forced (MLX's own norm, RoPE, SwiGLU, K/V quantization and attention:
 within float32 tolerance). Every run has a prefill chunk, decodes over a prefix already in
 the pool (one padded), a prefill beside a decode and a verification's rows, so the
@@ -21,7 +23,7 @@ import pytest
 
 from mlxserve import cpu, ops
 from mlxserve.loader import load_model
-from mlxserve.models import KVCache, cpu_layer
+from mlxserve.models import KVCache, cpu_layer, cpu_stack
 from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata, kv_quant
 from mlxserve.worker.pool_watch import buffer_address
@@ -69,24 +71,26 @@ def _run(model: nn.Module, kv_dtype: mx.Dtype = mx.float32) -> tuple[list, list]
     return logits, pools
 
 
-FUSED = ("decoder_layer", "attention_input", "output_mlp", "embed")
+FUSED = ("decoder_stack", "decoder_layer", "attention_input", "output_mlp", "embed")
+LAYERS = ("decoder_stack",)  # switched off: one op per layer
 
 
 class _Spy:
     """Counts the fused parts a forward pass used (returns other than None); the parts in
-    ``off`` return None (the layer then builds the graph they replace)."""
+    ``off`` return None (the model then builds the graph they replace)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, off: tuple[str, ...] = ()) -> None:
         self.used = dict.fromkeys(FUSED, 0)
         for name in self.used:
-            real = getattr(cpu_layer, name)
+            owner = cpu_stack if name == "decoder_stack" else cpu_layer
+            real = getattr(owner, name)
 
             def spy(*args, _real=real, _name=name):
                 out = None if _name in off else _real(*args)
                 self.used[_name] += out is not None
                 return out
 
-            monkeypatch.setattr(cpu_layer, name, spy)
+            monkeypatch.setattr(owner, name, spy)
 
 
 def _assert_same_bits(got: list[np.ndarray], want: list[np.ndarray]) -> None:
@@ -101,17 +105,19 @@ def test_fused_layers_give_the_separate_primitives_bits(
 ) -> None:
     model = _load(checkpoints[model_type], act_bits)
     runs = {}
+    halves = {"decoder_stack": 0, "decoder_layer": 0, "attention_input": 8, "output_mlp": 8}
     for label, off, used in [
-        ("one op", (), {"decoder_layer": 8, "attention_input": 0, "output_mlp": 0}),
-        ("halves", ("decoder_layer",), {"decoder_layer": 0, "attention_input": 8, "output_mlp": 8}),
+        ("stack", (), {"decoder_stack": 4, "decoder_layer": 0, "attention_input": 0}),
+        ("layers", LAYERS, {"decoder_stack": 0, "decoder_layer": 8, "attention_input": 0}),
+        ("halves", (*LAYERS, "decoder_layer"), halves),
         ("separate", FUSED, dict.fromkeys(FUSED, 0)),
     ]:  # 2 layers, 4 passes
         with monkeypatch.context() as m:
             spy = _Spy(m, off)
             runs[label] = _run(model)
         assert {k: spy.used[k] for k in used} == used, label
-    fused_logits, fused_pools = runs["one op"]
-    for label in ("halves", "separate"):
+    fused_logits, fused_pools = runs["stack"]
+    for label in ("layers", "halves", "separate"):
         _assert_same_bits(fused_logits + fused_pools, runs[label][0] + runs[label][1])
     with ops.force_backend("fallback"):  # MLX's ops (the quantized matmuls stay the kernels)
         spy = _Spy(monkeypatch)
@@ -128,16 +134,19 @@ def test_fused_layers_give_the_separate_primitives_bits(
 def test_one_op_layer_quantizes_int8_pools_as_the_separate_ops(
     checkpoints: dict[str, Path], model_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """int8 pools: the one-op layer's rows and scales are kv_quant.quantize's (MLX's ops),
-    byte for byte; the fallback's attention over them agrees within float32 tolerance."""
+    """int8 pools: the one-op stack's and layer's rows and scales are kv_quant.quantize's
+    (MLX's ops), byte for byte; the fallback's attention over them agrees within float32
+    tolerance."""
     model = _load(checkpoints[model_type], 0)
     with monkeypatch.context() as m:
         spy = _Spy(m)
         logits, pools = _run(model, mx.int8)
-    assert spy.used["decoder_layer"] == 8
-    with monkeypatch.context() as m:
-        _Spy(m, ("decoder_layer",))
-        _assert_same_bits(logits + pools, [*(a for part in _run(model, mx.int8) for a in part)])
+    assert spy.used["decoder_stack"] == 4
+    for off, used in [(LAYERS, "decoder_layer"), ((*LAYERS, "decoder_layer"), "output_mlp")]:
+        with monkeypatch.context() as m:
+            spy = _Spy(m, off)
+            _assert_same_bits(logits + pools, [a for part in _run(model, mx.int8) for a in part])
+        assert spy.used[used] == 8
     with ops.force_backend("fallback"):
         ref_logits, ref_pools = _run(model, mx.int8)
     for got, want in zip(logits, ref_logits, strict=True):
@@ -178,10 +187,15 @@ def _as_kernel_layer(layer: nn.Module) -> nn.Module:
 def test_fused_layers_write_the_pools_in_place(
     checkpoints: dict[str, Path], kv_dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The one-op layer and the halves' scatter (k and v in its shape: no Reshape op) both
-    write the pools in place: every step's pools are the first step's buffers."""
+    """The one-op stack, the one-op layer and the halves' scatter (k and v in its shape: no
+    Reshape op) all write the pools in place: every step's pools are the first step's
+    buffers."""
     model = _load(checkpoints["llama"], 0)
-    for off, used in [((), "decoder_layer"), (("decoder_layer",), "attention_input")]:
+    for off, used, count in [
+        ((), "decoder_stack", 4),
+        (LAYERS, "decoder_layer", 8),
+        ((*LAYERS, "decoder_layer"), "attention_input", 8),
+    ]:
         with monkeypatch.context() as m:
             spy = _Spy(m, off)
             runner = BlockPoolRunner(model, num_blocks=16, block_size=4, dtype=kv_dtype)
@@ -190,7 +204,7 @@ def test_fused_layers_write_the_pools_in_place(
                 runner.step([("a", tokens)])
                 # (no name for the pools list: holding the arrays would force a copy)
                 addresses.append([buffer_address(a) for a in runner.cache.arrays()])
-        assert spy.used[used] == 8
+        assert spy.used[used] == count
         assert addresses[1:] == addresses[:-1], used  # every step wrote the same buffers
     with ops.force_backend("fallback"):
         reference = BlockPoolRunner(model, num_blocks=16, block_size=4, dtype=kv_dtype)
@@ -204,28 +218,35 @@ def test_fused_layers_write_the_pools_in_place(
         np.testing.assert_allclose(np.array(got), np.array(want), atol=atol, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("off", "used"), [((), "decoder_stack"), (LAYERS, "decoder_layer")])
 def test_a_held_pool_is_copied_not_overwritten(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], off: tuple[str, ...], used: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While something else holds the old pools (a stray reference), the one-op layer
-    writes copies: the held arrays keep their contents, the results are the in-place run's."""
+    """While something else holds old pools (a stray reference: all of them, or one), the
+    one-op stack and layer write copies of those: the held arrays keep their contents, the
+    others are written in place, the results are the in-place run's."""
     model = _load(checkpoints["llama"], 0)
-    spy = _Spy(monkeypatch)
+    spy = _Spy(monkeypatch, off)
     runs = []
-    for hold in (False, True):
+    for hold in ("none", "all", "one"):
         runner = BlockPoolRunner(model, num_blocks=16, block_size=4)
         logits = []
         for tokens in ([3, 4, 5, 6, 7], [8], [9, 10]):
-            held = list(runner.cache.arrays()) if hold else []
+            arrays = runner.cache.arrays()
+            held = {"none": [], "all": arrays, "one": arrays[3:4]}[hold]
+            free = [buffer_address(a) for a in arrays if all(a is not h for h in held)]
             before = [np.array(a) for a in held]
+            del arrays
             logits.append(runner.step([("a", tokens)])["a"])
             _assert_same_bits([np.array(a) for a in held], before)
             now = [buffer_address(a) for a in runner.cache.arrays()]
             assert all(buffer_address(a) not in now for a in held)
+            assert sorted(free) == sorted(a for a in now if a in free)  # the rest: in place
             del held
         runs.append(logits + [np.array(a) for a in runner.cache.arrays()])
-    assert spy.used["decoder_layer"] == 12
+    assert spy.used[used] == (6 if used == "decoder_layer" else 3) * 3
     _assert_same_bits(runs[1], runs[0])
+    _assert_same_bits(runs[2], runs[0])
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))

@@ -35,6 +35,7 @@ from mlx.utils import tree_unflatten
 
 from mlxserve.cpu import build
 from mlxserve.exceptions import ParameterError
+from mlxserve.module_changes import Watched
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +165,9 @@ def force_int8_isa(name: str) -> bool:
     return bool(module is not None and module.q8_force_isa(name))
 
 
-class CpuQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose matmul runs in the CPU kernels."""
+class CpuQuantizedLinear(Watched, nn.QuantizedLinear):
+    """nn.QuantizedLinear whose matmul runs in the CPU kernels (its changes counted:
+    models/cpu_stack.py keeps its arrays)."""
 
     act_bits: int = 0  # 8: activations rounded to int8 (use_kernels decides)
 

@@ -34,13 +34,14 @@ HEADERS += ["linear.h", "layer_parts.h", "attn_keys.h"]
 # RMSNorm and fused layer primitives round as MLX's ops do (bit for bit): no fused
 # multiply-adds there.
 EXT_SOURCES = ["qmm_ext.cpp", "attn_ext.cpp", "rope_norm_ext.cpp", "layer_ext.cpp"]
-EXT_SOURCES += ["linear_ext.cpp", "decoder_layer_ext.cpp"]
+EXT_SOURCES += ["linear_ext.cpp", "decoder_layer_ext.cpp", "decoder_stack_ext.cpp"]
 EXT_FLAGS = {
     "attn_ext.cpp": ["-O3", "-ffp-contract=off"],  # the same bits on every instruction set
     "rope_norm_ext.cpp": ["-ffp-contract=off"],
     "layer_ext.cpp": ["-O3", "-ffp-contract=off"],  # the same bits as the separate ops
     "linear_ext.cpp": ["-O3", "-ffp-contract=off"],
     "decoder_layer_ext.cpp": ["-O3", "-ffp-contract=off"],
+    "decoder_stack_ext.cpp": ["-O3", "-ffp-contract=off"],
 }
 # Per-file flags: each instruction set in its own file, chosen at run time (qmm.c).
 X86_FLAGS = {

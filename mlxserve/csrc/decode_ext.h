@@ -187,6 +187,7 @@ void register_rope_norm(nanobind::module_& m);
 void register_layer(nanobind::module_& m);
 void register_linear(nanobind::module_& m);
 void register_decoder_layer(nanobind::module_& m);
+void register_decoder_stack(nanobind::module_& m);
 
 // A primitive's eval_cpu: its outputs allocated, every array in the encoder, and weak
 // copies of the inputs then the outputs for the task (MLX keeps the arrays alive).

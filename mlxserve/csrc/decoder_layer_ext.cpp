@@ -72,6 +72,63 @@ void write_pool_rows(const float* rows, int64_t tokens, const int32_t* slots, mx
   }
 }
 
+}  // namespace
+
+bool take_pool(const mx::array& old, mx::array& pool) {
+  if (old.is_donatable() && old.flags().row_contiguous) {
+    pool.copy_shared_buffer(old);  // written in place
+    return false;
+  }
+  pool.set_data(mx::allocator::malloc(pool.nbytes()));
+  return true;
+}
+
+void copy_pool(const mx::array& old, mx::array& pool) {
+  std::vector<char> keep;
+  std::memcpy(pool.data<char>(), dense(old, keep), old.nbytes());
+}
+
+void decoder_layer_rows(const AttentionInputSpec& in, int64_t num_rows, float scale,
+                        const OutputMlpSpec& out, const float* x, int64_t tokens, int64_t d,
+                        const mx::array* w, mx::array& k_pool, mx::array& v_pool, float* h) {
+  std::vector<char> ks, kt, kc;
+  const int pools = in.num_inputs() - 1;  // w's index of the old K pool
+  const mx::array& tables = w[pools + 3];
+  const RopeSpec& rope = in.rope;
+  std::vector<float> qkv(static_cast<size_t>(tokens * rope.row()));
+  void* parts[3];  // q (tokens, heads, head_dim), k, v (tokens, kv_heads, head_dim)
+  float* next = qkv.data();
+  for (int i = 0; i < 3; i++) {
+    parts[i] = next;
+    next += tokens * rope.heads[i] * int64_t{rope.head_dims[i]};
+  }
+  in.run(x, tokens, d, w, parts);
+  const auto* slots = static_cast<const int32_t*>(dense(w[pools + 2], ks));
+  write_pool_rows(static_cast<float*>(parts[1]), tokens, slots, k_pool);
+  write_pool_rows(static_cast<float*>(parts[2]), tokens, slots, v_pool);
+  std::vector<float> attn(static_cast<size_t>(tokens * rope.heads[0] * rope.head_dims[0]));
+  PagedRows r;
+  r.q = parts[0];
+  r.q_type = F32;
+  r.out_rows = tokens;
+  r.heads = rope.heads[0];
+  r.dk = rope.head_dims[0];
+  r.k_pool = &k_pool;
+  r.v_pool = &v_pool;
+  r.tables = static_cast<const int32_t*>(dense(tables, kt));
+  r.max_blocks = tables.shape(1);
+  r.ctx = static_cast<const int32_t*>(dense(w[pools + 4], kc));
+  r.rows = num_rows;
+  r.scale = scale;
+  r.window = 0;
+  r.sinks = nullptr;
+  r.out = attn.data();
+  paged_attention_rows(r);
+  out.run(x, attn.data(), tokens, d, &w[pools + 5], h);
+}
+
+namespace {
+
 // Inputs: attention_input's, k_pool, v_pool, slot_mapping, block_tables, context_lens, then
 // output_mlp's weights. Outputs: h, k_pool, v_pool.
 class CpuDecoderLayer : public mx::Primitive {
@@ -88,62 +145,21 @@ class CpuDecoderLayer : public mx::Primitive {
     if (!outputs[0].is_tracer())
       for (auto& o : outputs)
         if (&o.inputs() != &inputs) o.inputs().clear();
-    bool copy[2];
-    for (int i = 0; i < 2; i++) {
-      const mx::array& old = inputs[pools + i];
-      mx::array& pool = outputs[1 + i];
-      copy[i] = !(old.is_donatable() && old.flags().row_contiguous);
-      if (copy[i])
-        pool.set_data(mx::allocator::malloc(pool.nbytes()));
-      else
-        pool.copy_shared_buffer(old);  // written in place
-    }
+    const bool copy_k = take_pool(inputs[pools], outputs[1]);
+    const bool copy_v = take_pool(inputs[pools + 1], outputs[2]);
     outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
     auto a = start(stream(), inputs, outputs, /* allocate = */ false);
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.dispatch([a = std::move(a), pools, copy_k = copy[0], copy_v = copy[1],
-                      in = in_, rows = rows_, scale = scale_, out = out_]() mutable {
-      std::vector<char> kp, ks, kt, kc, kx;
+    encoder.dispatch([a = std::move(a), pools, copy_k, copy_v, in = in_, rows = rows_,
+                      scale = scale_, out = out_]() mutable {
+      std::vector<char> kx;
       mx::array &h = a[a.size() - 3], &k_pool = a[a.size() - 2], &v_pool = a[a.size() - 1];
-      const bool copies[2] = {copy_k, copy_v};
-      for (int i = 0; i < 2; i++)
-        if (copies[i])
-          std::memcpy(a[a.size() - 2 + i].data<char>(), dense(a[pools + i], kp),
-                      a[pools + i].nbytes());
-      const mx::array &x = a[0], &tables = a[pools + 3];
-      const int64_t tokens = x.shape(0), d = x.shape(1);
-      const RopeSpec& rope = in.rope;
-      std::vector<float> qkv(static_cast<size_t>(tokens * rope.row()));
-      void* parts[3];  // q (tokens, heads, head_dim), k, v (tokens, kv_heads, head_dim)
-      float* next = qkv.data();
-      for (int i = 0; i < 3; i++) {
-        parts[i] = next;
-        next += tokens * rope.heads[i] * int64_t{rope.head_dims[i]};
-      }
-      in.run(a.data(), parts);
-      const auto* slots = static_cast<const int32_t*>(dense(a[pools + 2], ks));
-      write_pool_rows(static_cast<float*>(parts[1]), tokens, slots, k_pool);
-      write_pool_rows(static_cast<float*>(parts[2]), tokens, slots, v_pool);
-      std::vector<float> attn(static_cast<size_t>(tokens * rope.heads[0] * rope.head_dims[0]));
-      PagedRows r;
-      r.q = parts[0];
-      r.q_type = F32;
-      r.out_rows = tokens;
-      r.heads = rope.heads[0];
-      r.dk = rope.head_dims[0];
-      r.k_pool = &k_pool;
-      r.v_pool = &v_pool;
-      r.tables = static_cast<const int32_t*>(dense(tables, kt));
-      r.max_blocks = tables.shape(1);
-      r.ctx = static_cast<const int32_t*>(dense(a[pools + 4], kc));
-      r.rows = rows;
-      r.scale = scale;
-      r.window = 0;
-      r.sinks = nullptr;
-      r.out = attn.data();
-      paged_attention_rows(r);
+      if (copy_k) copy_pool(a[pools], k_pool);
+      if (copy_v) copy_pool(a[pools + 1], v_pool);
+      const mx::array& x = a[0];
       const auto* xs = static_cast<const float*>(dense(x, kx));
-      out.run(xs, attn.data(), tokens, d, &a[pools + 5], h.data<float>());
+      decoder_layer_rows(in, rows, scale, out, xs, x.shape(0), x.shape(1), &a[1], k_pool,
+                         v_pool, h.data<float>());
     });
   }
 

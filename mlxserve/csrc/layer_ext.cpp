@@ -39,19 +39,19 @@ using namespace nb::literals;
 
 namespace mlxserve_decode {
 
-void AttentionInputSpec::run(const mx::array* a, void* const* dst) const {
-  std::vector<char> kx, kn, kc, ks, kq, kk;
-  const mx::array &x = a[0], &norm = a[1];
-  const int64_t d = x.shape(-1), rows = x.shape(0);
+void AttentionInputSpec::run(const float* x, int64_t rows, int64_t d, const mx::array* w,
+                             void* const* dst) const {
+  std::vector<char> kn, kc, ks, kq, kk;
+  const mx::array& norm = w[0];
   std::vector<float> normed(static_cast<size_t>(rows * d));
-  rms_norm_rows(dense(x, kx), F32, dense(norm, kn), elem_of(norm.dtype()), normed.data(), F32,
-                rows, d, eps);
-  const int64_t n = out_features(a[2]);
+  rms_norm_rows(x, F32, dense(norm, kn), elem_of(norm.dtype()), normed.data(), F32, rows, d,
+                eps);
+  const int64_t n = out_features(w[1]);
   std::vector<float> y(static_cast<size_t>(rows * n));
-  linear(normed.data(), rows, &a[2], qkv, y.data());
-  const mx::array &cos_t = a[2 + qkv.num_inputs()], &sin_t = a[3 + qkv.num_inputs()];
+  linear(normed.data(), rows, &w[1], qkv, y.data());
+  const mx::array &cos_t = w[1 + qkv.num_inputs()], &sin_t = w[2 + qkv.num_inputs()];
   if (qk_norm) {  // per-head RMSNorm of q's and k's heads (qwen3), in place, before RoPE
-    const mx::array &qn = a[4 + qkv.num_inputs()], &kn_w = a[5 + qkv.num_inputs()];
+    const mx::array &qn = w[3 + qkv.num_inputs()], &kn_w = w[4 + qkv.num_inputs()];
     const void* weights[2] = {dense(qn, kq), dense(kn_w, kk)};
     const int types[2] = {elem_of(qn.dtype()), elem_of(kn_w.dtype())};
     for (int64_t t = 0; t < rows; t++) {
@@ -109,7 +109,10 @@ class CpuAttentionInput : public mx::Primitive {
     encoder.dispatch([a = std::move(arrays), n_in = inputs.size(), spec = spec_]() mutable {
       std::vector<void*> dst;
       for (size_t i = n_in; i < a.size(); i++) dst.push_back(a[i].data<void>());
-      spec.run(a.data(), dst.data());
+      std::vector<char> kx;
+      const mx::array& x = a[0];
+      const auto* xs = static_cast<const float*>(dense(x, kx));
+      spec.run(xs, x.shape(0), x.shape(1), &a[1], dst.data());
     });
   }
 

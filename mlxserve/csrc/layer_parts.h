@@ -25,8 +25,9 @@ struct AttentionInputSpec {
            qk_eps == o.qk_eps;
   }
 
-  // The rope_split parts of x's rows into dst[i] (rows, heads_i, head_dims_i) float32.
-  void run(const mx::array* a, void* const* dst) const;
+  // The rope_split parts of x's rows (rows, d) into dst[i] (rows, heads_i, head_dims_i)
+  // float32; w: the arrays after x (norm weight, qkv's, cos, sin[, q_norm, k_norm]).
+  void run(const float* x, int64_t rows, int64_t d, const mx::array* w, void* const* dst) const;
 };
 
 // output_mlp's settings. Its weights, consecutive primitive inputs: o's arrays, the norm
@@ -62,5 +63,20 @@ OutputMlpSpec output_mlp_spec(const std::string& name, const mx::array& x, int64
                               const std::vector<mx::array>& down,
                               const std::vector<int>& down_settings,
                               std::vector<mx::array>& inputs);
+
+// A whole layer (decoder_layer_ext.cpp) on `tokens` rows of x (tokens, d) float32 into h:
+// attention_input, k and v written into the pools' slots, the paged attention of rows
+// [0, num_rows), output_mlp. w: decoder_layer's inputs after x (attention_input's arrays,
+// the old pools, slot_mapping, block_tables, context_lens, output_mlp's weights); k_pool and
+// v_pool: the pools written (evaluated outputs holding the old pools' contents).
+void decoder_layer_rows(const AttentionInputSpec& in, int64_t num_rows, float scale,
+                        const OutputMlpSpec& out, const float* x, int64_t tokens, int64_t d,
+                        const mx::array* w, mx::array& k_pool, mx::array& v_pool, float* h);
+
+// The buffer of `pool`, a layer's written pool: the old pool's when it can be donated
+// (nothing else holds it: written in place), else a new one; true when the old contents
+// must be copied into it first (copy_pool, in the task).
+bool take_pool(const mx::array& old, mx::array& pool);
+void copy_pool(const mx::array& old, mx::array& pool);
 
 }  // namespace mlxserve_decode

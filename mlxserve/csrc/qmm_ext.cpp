@@ -195,4 +195,5 @@ NB_MODULE(MLXSERVE_EXT_NAME, m) {
   mlxserve_decode::register_layer(m);  // layer_ext.cpp
   mlxserve_decode::register_linear(m);  // linear_ext.cpp
   mlxserve_decode::register_decoder_layer(m);  // decoder_layer_ext.cpp
+  mlxserve_decode::register_decoder_stack(m);  // decoder_stack_ext.cpp
 }

@@ -10,6 +10,9 @@ layer on the quantized matmul kernels and float32 or int8 K/V pools, a layer is 
         pools can be donated; the paged attention of ops/cpu.py
         output_mlp: o_proj, + x, RMSNorm, gate|up projection, SwiGLU, down, + h
 
+Where every layer of a model is such a layer, models/cpu_stack.py makes all of them one
+op (the same function per layer, in order).
+
 Where the whole layer does not apply but its dense halves do (another attention: the
 Metal kernels, an mlx-lm layer's), ``attention_input`` and ``output_mlp`` are one op each
 around the separate K/V write and attention (5 ops). A quantized embedding's lookup is one
@@ -35,10 +38,10 @@ from mlxserve.cpu import CpuQuantizedEmbedding, CpuQuantizedLinear
 from mlxserve.ops import AttentionMetadata
 from mlxserve.ops import cpu as cpu_ops
 
-__all__ = ["attention_input", "decoder_layer", "embed", "output_mlp"]
+__all__ = ["attention_input", "decoder_layer", "embed", "linear_args", "output_mlp"]
 
 
-def _linear(layer: Any) -> tuple[list[mx.array], list[int]] | None:
+def linear_args(layer: Any) -> tuple[list[mx.array], list[int]] | None:
     """A kernel layer's arrays (w, scales, biases[, bias]) and settings; None otherwise."""
     if type(layer) is not CpuQuantizedLinear:  # (subclasses: sharded layers, wrappers)
         return None
@@ -58,7 +61,7 @@ def _attention_input_args(
     None where the fused half does not apply."""
     if x.dtype != mx.float32 or "qkv_proj" not in attn:
         return None
-    qkv = _linear(attn.qkv_proj)
+    qkv = linear_args(attn.qkv_proj)
     module = ops.cpu_module() if qkv is not None else None
     if module is None:
         return None
@@ -104,7 +107,7 @@ def _output_mlp_args(
     mlp = layer.mlp
     if "gate_up_proj" not in mlp:
         return None
-    parts = [_linear(layer.self_attn.o_proj), _linear(mlp.gate_up_proj), _linear(mlp.down_proj)]
+    parts = [linear_args(m) for m in (layer.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if None in parts:
         return None
     (o, o_set), (gate_up, gate_up_set), (down, down_set) = parts

@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from mlxserve import ops
 from mlxserve.models import compiled
+from mlxserve.module_changes import Watched
 from mlxserve.utils import uses_gpu
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
@@ -71,7 +72,7 @@ def llama3_inv_freq(
     return out
 
 
-class RMSNorm(nn.RMSNorm):
+class RMSNorm(Watched, nn.RMSNorm):
     """nn.RMSNorm; on the CPU one op of mlxserve's CPU primitives (ops.cpu_module), else
     compiled into 3 ops instead of MLX's 11 (models/compiled.py)."""
 
@@ -92,9 +93,10 @@ class _RopeTables:
     positions: mx.array | None = None
     cos: mx.array | None = None  # (num_tokens, 1, dims // 2)
     sin: mx.array | None = None
+    inv_freqs: mx.array | None = None  # (dims // 2,): the same every step, made once
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Watched):
     """RoPE applied at an explicit position per token (flat token axis, any mix of requests).
 
     Scaling types: ``linear`` (positions / factor), ``llama3`` (per-frequency scaling),
@@ -176,14 +178,18 @@ class RotaryEmbedding(nn.Module):
         memo = self._memo
         if memo.positions is positions and memo.cos is not None and memo.cos.dtype == dtype:
             return memo.cos, memo.sin
-        half = self.dims // 2
-        if self._freqs is None:
-            exponent = mx.arange(0, -half, -1, dtype=mx.float32)
-            inv_freqs = mx.exp(exponent * mx.array(math.log(self._base) / half, mx.float32))
-        else:
-            inv_freqs = mx.reciprocal(self._freqs)
-        at = positions.astype(mx.float32) * mx.array(self._scale, mx.float32)  # (num_tokens,)
-        theta = at[:, None, None] * inv_freqs  # (num_tokens, 1, half)
+        if memo.inv_freqs is None:
+            half = self.dims // 2
+            if self._freqs is None:
+                exponent = mx.arange(0, -half, -1, dtype=mx.float32)
+                c = mx.array(math.log(self._base) / half, mx.float32)
+                memo.inv_freqs = mx.exp(exponent * c)
+            else:
+                memo.inv_freqs = mx.reciprocal(self._freqs)
+        at = positions.astype(mx.float32)  # (num_tokens,)
+        if self._scale != 1.0:  # (times 1.0 changes no value: no op for it)
+            at = at * mx.array(self._scale, mx.float32)
+        theta = at[:, None, None] * memo.inv_freqs  # (num_tokens, 1, half)
         cos, sin = mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
         memo.positions, memo.cos, memo.sin = positions, cos, sin
         return cos, sin

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve.models import compiled, cpu_layer
+from mlxserve.models import compiled, cpu_layer, cpu_stack
 from mlxserve.models.base import (
     BaseModelArgs,
     KVCache,
@@ -28,6 +28,7 @@ from mlxserve.models.base import (
     split_hidden_rows,
 )
 from mlxserve.models.layers import RMSNorm, RotaryEmbedding, resolve_rope
+from mlxserve.module_changes import Watched
 from mlxserve.ops import AttentionMetadata
 
 
@@ -101,7 +102,7 @@ class ModelArgs(BaseModelArgs):
         )
 
 
-class Attention(nn.Module):
+class Attention(Watched):
     """Self-attention of one layer over the paged KV cache."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
@@ -173,7 +174,7 @@ class Attention(nn.Module):
         self._qkv_split = [sizes[0], sizes[0] + sizes[1]]
 
 
-class MLP(nn.Module):
+class MLP(Watched):
     """SwiGLU feed-forward."""
 
     def __init__(self, args: ModelArgs) -> None:
@@ -196,7 +197,7 @@ class MLP(nn.Module):
         self.gate_up_proj = gate_up_proj
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Watched):
     """Pre-norm attention block followed by a pre-norm MLP block."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
@@ -212,7 +213,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         # On the CPU kernels the layer is one op (models/cpu_layer.py), else None; a
         # subclass that attends its own way keeps the halves.
-        if type(attn).attend is Attention.attend:
+        if self.attends_as_llama:
             h = cpu_layer.decoder_layer(self, x, positions, md, cache)
             if h is not None:
                 return h
@@ -227,6 +228,11 @@ class DecoderLayer(nn.Module):
         h = x + attn.o_proj(out.reshape(x.shape[0], -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    @property
+    def attends_as_llama(self) -> bool:
+        """Whether the attention is Attention's own (a subclass may attend its own way)."""
+        return type(self.self_attn).attend is Attention.attend
+
 
 class DecoderStack(nn.Module):
     """Embeddings, layers and the final norm (``model.*`` in checkpoints)."""
@@ -240,6 +246,7 @@ class DecoderStack(nn.Module):
         for layer in self.layers[1:]:
             layer.self_attn.rope = self.layers[0].self_attn.rope
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self._stack_args = cpu_stack.StackArgs()  # the layers as one op (CPU kernels)
 
     def __call__(
         self,
@@ -252,8 +259,12 @@ class DecoderStack(nn.Module):
         h = cpu_layer.embed(self.embed_tokens, input_ids)  # one op on the CPU kernels
         if h is None:
             h = self.embed_tokens(input_ids)  # (num_tokens, hidden)
-        for layer in self.layers:
-            h = layer(h, positions, md, cache)
+        out = cpu_stack.decoder_stack(self._stack_args, self.layers, h, positions, md, cache)
+        if out is None:  # (not on the CPU kernels: layer by layer)
+            for layer in self.layers:
+                h = layer(h, positions, md, cache)
+        else:
+            h = out
         return self.norm(select_rows(h, logits_indices))
 
 
