@@ -322,8 +322,8 @@ def test_decode_profile_runs_a_step_and_the_verification_rows(tmp_path: Path) ->
 
 def test_layer_ops_runs_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """bench/layer_ops.py end to end on the tiny model (it swaps cpu_stack.decoder_stack,
-    cpu_layer.decoder_layer, engine.pipelined and the runner's launch: renames there would
-    break it)."""
+    cpu_layer.decoder_layer, engine.async_scheduling and the runner's launch: renames there
+    would break it)."""
     from bench import layer_ops
 
     _, model_dir = make_tiny_model_dir(tmp_path / "m")
