@@ -38,11 +38,11 @@ def make_llm(model_dir, async_scheduling: bool, **kwargs) -> LLM:
     llm.num_ahead = 0
     llm.num_ahead_while_sync = 0  # ... while a request needing host tokens was live
 
-    def counting_launch(so, previous=None):
+    def counting_launch(so, previous=None, start=True):
         if so.placeholder_request_ids:
             llm.num_ahead += 1
             llm.num_ahead_while_sync += bool(llm.engine.scheduler.sync_request_ids)
-        return launch(so, previous)
+        return launch(so, previous, start)
 
     runner.launch = counting_launch
     return llm
@@ -264,3 +264,30 @@ def test_the_flag_reaches_the_engine(model_dir) -> None:
     assert engine_config(parser.parse_args([]), None).async_scheduling
     off = parser.parse_args(["--no-async-scheduling"])
     assert not engine_config(off, None).async_scheduling
+
+
+def test_steps_scheduled_ahead_write_the_kv_pool_in_place(model_dir) -> None:
+    """MLX decides at dispatch whether a pool write reuses its input's buffer: a step
+    dispatched while the previous one still runs copied every pool array. The engine
+    dispatches the step ahead once the previous one is collected, so the memory never
+    holds a second copy of a pool array, and the runner's watch sees no copy."""
+    import mlx.core as mx
+
+    llm = make_llm(model_dir, True, num_blocks=512)
+    engine, runner = llm.engine, llm.engine.runner
+    runner.pool_watch.every = 1  # compare every step
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts(3, seed=19)):
+        engine.add_request(str(i), None, params, prompt_token_ids=p)
+    for _ in range(4):  # prefills done, the pool made
+        engine.step()
+    pool = max(a.nbytes for a in runner.kv_cache.arrays())
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert llm.num_ahead >= steps - 2 >= 30
+    assert mx.get_peak_memory() - base < pool
+    assert runner.pool_watch.num_copied_steps == 0 and runner.pool_watch._calls >= 30

@@ -250,9 +250,9 @@ def test_steps_update_the_kv_pool_in_place(
     if hold_old_pool:
         launch = runner.launch
 
-        def launch_holding(so, previous=None):
+        def launch_holding(so, previous=None, start=True):
             held[:] = [] if runner.kv_cache is None else runner.kv_cache.arrays()
-            return launch(so, previous)
+            return launch(so, previous, start)
 
         runner.launch = launch_holding
     caplog.set_level("WARNING", logger="mlxserve")

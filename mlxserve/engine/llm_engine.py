@@ -6,13 +6,15 @@ step():  Scheduler.schedule() -> ModelRunner.launch() / collect() -> Scheduler.u
          -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
 
 Async scheduling (``EngineConfig.async_scheduling``, vLLM's ``--async-scheduling``, on by
-default): step N+1 is scheduled and launched before step N is collected, its decodes fed
-N's sampled tokens on the device, so the host's Python (build N+1, then update and
-process N) runs while the device computes::
+default): step N+1 is scheduled and built before step N is collected, its decodes fed N's
+sampled tokens on the device, and dispatched as soon as N is collected; so the host's
+Python (schedule and build N+1, then update and process N) runs while the device computes::
 
-    sync:   | sched+build N | compute N |collect+process N| sched+build N+1 | compute N+1 |
-    async:  | sched+build N+1 | collect N (wait) | process N |     (N+1 computes meanwhile)
-            |<----------- compute N ---------->|<--------- compute N+1 ------------->|
+    sync:   | sched+build N | dispatch | wait N | update+process N | sched+build N+1 | ...
+    async:  | sched+build N+1 | wait N | dispatch N+1 | update+process N | sched+build N+2
+    device:     ...compute N ......... |   ...compute N+1 ...............................|
+
+(N+1 is dispatched only once N is done: see ModelRunner.launch's ``start``.)
 
 A step is scheduled ahead only when nothing running needs the previous token on the host
 to build it (core/scheduler.needs_host_tokens: penalties, grammars, embeddings, prompt
@@ -303,11 +305,19 @@ class LLMEngine:
             if self._in_flight is None:
                 return []
         current = self._in_flight
-        self._in_flight = self._launch(current[1]) if self._may_schedule_ahead() else None
-        collected = self._collect(current, delta)
+        ahead = self._launch(current[1]) if self._may_schedule_ahead() else None
+        self._in_flight = ahead
+        try:
+            collected = self._collect(current, delta)
+        except BaseException:
+            if ahead is not None:
+                self.runner.start(ahead[1])
+            raise
         if isinstance(collected, list):  # the KV pool is lost: every request failed
-            self._in_flight = None  # the step ahead read the lost pool; its requests ended
+            self._in_flight = None  # the step ahead wrote the lost pool; its requests ended
             return collected
+        if ahead is not None:  # built while N computed; dispatched once N is done (see
+            self.runner.start(ahead[1])  # ModelRunner.launch), before N's outputs
         outputs = self._process(*collected, delta=delta)
         if self._in_flight is None:
             self._flush_finished()
@@ -338,7 +348,7 @@ class LLMEngine:
         # Growing the pool evaluates it: a step in flight finishes first (stream order).
         self.runner.ensure_blocks(self.block_pool.num_allocated_blocks, slots)
         try:
-            handle = self.runner.launch(so, previous)
+            handle = self.runner.launch(so, previous, start=previous is None)
         except Exception:
             parents = {self.fanout.owner(r.request_id)[0] for r in so.scheduled_requests}
             self.abort_request([p.request_id for p in parents])
