@@ -308,16 +308,12 @@ class LLMEngine:
         ahead = self._launch(current[1]) if self._may_schedule_ahead() else None
         self._in_flight = ahead
         try:
-            collected = self._collect(current, delta)
-        except BaseException:
-            if ahead is not None:
-                self.runner.start(ahead[1])
-            raise
+            collected = self._collect(current, delta, ahead)
+        finally:
+            if ahead is not None and self._in_flight is ahead:
+                self.runner.start(ahead[1])  # (started already unless collect raised)
         if isinstance(collected, list):  # the KV pool is lost: every request failed
-            self._in_flight = None  # the step ahead wrote the lost pool; its requests ended
             return collected
-        if ahead is not None:  # built while N computed; dispatched once N is done (see
-            self.runner.start(ahead[1])  # ModelRunner.launch), before N's outputs
         outputs = self._process(*collected, delta=delta)
         if self._in_flight is None:
             self._flush_finished()
@@ -364,16 +360,23 @@ class LLMEngine:
             self.scheduler.update_from_output(so, self.runner.collect(self.runner.launch(so)))
 
     def _collect(
-        self, step: tuple[SchedulerOutput, StepHandle], delta: bool
+        self,
+        step: tuple[SchedulerOutput, StepHandle],
+        delta: bool,
+        ahead: tuple[SchedulerOutput, StepHandle] | None = None,
     ) -> tuple | list[RequestOutput]:
         """Wait for a launched step: (its SchedulerOutput, ModelRunnerOutput, the
         requests it changed, outputs of the requests it failed); or, if the KV pool was
-        lost, the final outputs of every request."""
+        lost, the final outputs of every request. ``ahead``: the step built ahead of this
+        one, dispatched as soon as this one is done (before the scheduler's update)."""
         so, handle = step
         try:
             ro = self.runner.collect(handle)
         except KVCacheLostError as e:
+            self._in_flight = None  # the step ahead wrote the lost pool: never started
             return self._fail_everything(str(e), delta)
+        if ahead is not None:
+            self.runner.start(ahead[1])
         failures = self._fail(ro.failed, delta)
         return (so, ro, self.scheduler.update_from_output(so, ro), failures)
 

@@ -72,6 +72,7 @@ class StepHandle:
     # Built, not started (launch(start=False)): the pool arrays it writes, i.e. the
     # previous step's, for the PoolWatch once that step is done; dropped when started.
     pool_before: list[mx.array] | None = None
+    is_started: bool = False
 
     def previous_tokens(self) -> PreviousTokens | None:
         """This step's lazily sampled tokens, for a step launched before it is collected
@@ -307,7 +308,11 @@ class ModelRunner:
         return handle
 
     def start(self, handle: StepHandle) -> None:
-        """Start evaluating a step built by ``launch(start=False)``; returns at once."""
+        """Start evaluating a step built by ``launch(start=False)``; returns at once (a
+        step started already is left alone)."""
+        if handle.is_started:
+            return
+        handle.is_started = True
         if handle.pool_before is not None:
             # The previous step is done: its pool arrays' buffers, for the watch (their
             # references dropped before this step's writes are dispatched).
