@@ -1,7 +1,7 @@
 """One decode step taken apart: host (Python) vs MLX evaluation, and compute per part.
 
     PYTHONPATH=. python bench/decode_profile.py [MODEL] [--batch 1 8] [--steps 20] [--ops]
-        [--json F]
+        [--overlap-rounds 3] [--json F]
 
 Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
 
@@ -14,12 +14,22 @@ Two measurements of the same model (default: the embedded SmolLM2-135M Q4_1):
    eval (MLX: dispatch of every op + compute), read (results to host lists). The op count
    is the number of nodes MLX evaluates for one step (``mx.export_to_dot`` of the graph);
    ``--ops`` prints them by primitive (a histogram: which pieces are op-heavy).
+   These steps run in the synchronous order (async scheduling off), so that each part's
+   Python is timed alone.
 2. **Parts.** The compute of each kind of op at the step's shapes, alone: every layer's
    projections, the LM head, attention (K/V write + paged attention), RoPE, norms, the
    elementwise rest (SwiGLU, residual adds), the sampler; each evaluated as one graph of
    all its layers (so the per-``eval`` cost is paid once), best of ``--repeats``. And
    MLX's dispatch cost per op: a chain of 1,000 adds on a (B, hidden) array.
-3. **Verification rows.** A forward pass over 1, 2, 5, 8 decode rows of one request (as a
+3. **Exposed host time.** The same B requests decoded by the real engine loop
+   (``mx.async_eval`` as is), rounds alternating async scheduling on and off: wall and CPU
+   time per step. With eval = the synchronous eval-only time of the same steps (a third
+   run from the same fresh requests, each evaluation timed as in 1.), the host time left
+   exposed is wall - eval, its share (wall - eval) / wall: what the Python
+   of a step costs once async scheduling overlaps it with the compute (the overlapped
+   Python still takes a core: on a 2-core machine it competes with the compute's threads,
+   which the CPU time per step shows).
+4. **Verification rows.** A forward pass over 1, 2, 5, 8 decode rows of one request (as a
    speculative verification is laid out) after ``--verify-context`` cached tokens, and
    its attention alone, best of ``--repeats`` (wall and CPU time), relative to one row.
 
@@ -103,16 +113,11 @@ class _Timer:
         self._undo.clear()
 
 
-def profile_engine(
-    engine, batch: int, steps: int, histogram: dict[str, int] | None = None
-) -> dict[str, float]:
-    """Mean ms per decode step at ``batch`` requests, per part (see module docstring);
-    ``histogram`` (if given) gets the step's ops by primitive."""
-    from mlxserve.worker import model_runner, step_build
-
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+def start_decoding(engine, batch: int, max_tokens: int, tag: str) -> list[str]:
+    """Add ``batch`` greedy requests (32-token prompts) and step until all are decoding."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = make_prompts(engine.tokenizer, batch, 32, start=70_000 + batch)
-    ids = [f"prof{batch}-{i}" for i in range(batch)]
+    ids = [f"{tag}{batch}-{i}" for i in range(batch)]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, None, params, prompt_token_ids=p)
     sched = engine.scheduler
@@ -120,6 +125,64 @@ def profile_engine(
         engine.step()
     for _ in range(3):  # warm: decode-only steps, shapes seen
         engine.step()
+    return ids
+
+
+def stop_decoding(engine, ids: list[str]) -> None:
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def profile_overlap(engine, batch: int, steps: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Median wall and CPU ms per decode step of the real engine loop at ``batch``
+    requests, async scheduling on vs off, and the eval-only compute of the same steps
+    (synchronous order, ``mx.async_eval`` made ``mx.eval`` and timed); in ``rounds``
+    rounds, each mode from the same fresh requests (same contexts: prefix-cache hits)."""
+    was_async = engine.async_scheduling
+    runs: dict[str, list[tuple[float, float]]] = {"async": [], "sync": [], "eval": []}
+    blocked = [0.0]
+
+    def eval_now(*arrays):
+        t = time.perf_counter()
+        mx.eval(*arrays)
+        blocked[0] += time.perf_counter() - t
+
+    try:
+        for _ in range(rounds):
+            for mode in runs:
+                engine.async_scheduling = mode == "async"
+                ids = start_decoding(engine, batch, steps + 16, f"overlap-{mode}")
+                if mode == "eval":
+                    mx.async_eval, blocked[0] = eval_now, 0.0
+                t0, c0 = time.perf_counter(), time.process_time()
+                try:
+                    for _ in range(steps):
+                        engine.step()
+                finally:
+                    mx.async_eval = _ASYNC_EVAL
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if mode == "eval":
+                    wall = blocked[0]
+                runs[mode].append((wall / steps * 1000, cpu / steps * 1000))
+                stop_decoding(engine, ids)
+    finally:
+        engine.async_scheduling = was_async
+    out = {}
+    for mode, vals in runs.items():
+        walls, cpus = sorted(v[0] for v in vals), sorted(v[1] for v in vals)
+        out[mode] = {"step": walls[len(walls) // 2], "cpu": cpus[len(cpus) // 2]}
+    return out
+
+
+def profile_engine(
+    engine, batch: int, steps: int, histogram: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Mean ms per decode step at ``batch`` requests, per part (see module docstring);
+    ``histogram`` (if given) gets the step's ops by primitive."""
+    from mlxserve.worker import model_runner, step_build
+
+    ids = start_decoding(engine, batch, steps + 16, "prof")
     runner = engine.runner
     t = _Timer()
     sync_eval = mx.eval
@@ -152,9 +215,7 @@ def profile_engine(
     finally:
         t.restore()
         mx.async_eval = _ASYNC_EVAL
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
+    stop_decoding(engine, ids)
     ms = {k: v / steps * 1000 for k, v in t.seconds.items()}
     ms["step"] = wall / steps * 1000
     ms["cpu"] = cpu / steps * 1000  # CPU time of all threads: robust to other load
@@ -342,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 8], help="none: skip")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument(
+        "--overlap-rounds",
+        type=int,
+        default=3,
+        help="rounds of the exposed-host-time measurement (async scheduling on / off); 0: skip",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument(
         "--ops", action="store_true", help="print each step's ops by primitive (a histogram)"
@@ -363,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, object] = {"load_start": load, "steps": {}, "parts": {}}
     for b in args.batch:
         histogram: dict[str, int] = {}
+        was_async, engine.async_scheduling = engine.async_scheduling, False  # see 1.
         ms = profile_engine(engine, b, args.steps, histogram)
+        engine.async_scheduling = was_async
         results["steps"][b] = ms
         results.setdefault("ops", {})[b] = histogram
         print(
@@ -378,6 +447,22 @@ def main(argv: list[str] | None = None) -> int:
             print("  ops by primitive:")
             for name, n in histogram.items():
                 print(f"  {name:36s} {n:5d}")
+        if args.overlap_rounds:
+            overlap = profile_overlap(engine, b, args.steps, args.overlap_rounds)
+            results.setdefault("overlap", {})[b] = overlap
+            compute = overlap.pop("eval")["step"]
+            overlap["compute"] = compute
+            print(
+                f"  real engine loop, median of {args.overlap_rounds} rounds (eval-only "
+                f"compute of the same steps {compute:.1f} ms):"
+            )
+            for mode, o in list(overlap.items())[:2]:
+                exposed = o["step"] - compute
+                o["exposed_host"], o["host_share"] = exposed, exposed / o["step"]
+                print(
+                    f"  {mode:5s} scheduling: step {o['step']:6.1f} ms, exposed host "
+                    f"{exposed:5.1f} ms ({exposed / o['step']:.0%}), CPU time {o['cpu']:.1f} ms"
+                )
         parts = profile_parts(engine.runner.model, b, args.repeats)
         results["parts"][b] = parts
         print(f"  parts alone (best of {args.repeats}):")

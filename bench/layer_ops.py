@@ -1,5 +1,5 @@
 """Single-stream decode on the CPU: the layers as one op, a layer as one op or 5 ops, and
-pipelined steps, A/B.
+async scheduling, A/B.
 
     PYTHONPATH=. python bench/layer_ops.py [MODEL] [--rounds 5] [--tokens 64]
         [--forward-reps 60] [--kv-cache-dtype auto|int8] [--variants V ...]
@@ -13,9 +13,9 @@ change in the machine's load hits them alike:
   the round);
 * ``5 ops``: the layer's halves around the separate K/V write and attention (the stack and
   decoder_layer switched off);
-* ``stack, pipelined``: ``LLMEngine.pipelined`` on, as on Metal: each ``step()`` collects
-  the step in flight, launches the next one, and processes the collected outputs while
-  the new step computes.
+* ``stack, async``: async scheduling (the engine's default): each ``step()`` builds the
+  next step while the one in flight computes; the other variants run steps in the
+  synchronous order (``LLMEngine.async_scheduling`` off).
 
 Per variant: decode tok/s (tokens after the first over their wall time; median over the
 rounds), the runner's graph build per step (``launch`` less its ``mx.async_eval``), the
@@ -51,7 +51,7 @@ import mlx.core as mx  # noqa: E402
 from mlxserve.cli.bench import make_engine, make_prompts, timed_generate  # noqa: E402
 from mlxserve.models import cpu_layer, cpu_stack  # noqa: E402
 
-VARIANTS = ("stack", "one op", "5 ops", "stack, pipelined")
+VARIANTS = ("stack", "one op", "5 ops", "stack, async")
 _OFF = {"stack": (), "one op": ("stack",), "5 ops": ("stack", "layer")}
 
 
@@ -87,7 +87,8 @@ def run_round(engine, variant: str, prompt: list[int], tokens: int) -> dict[str,
         return call
 
     _switch(variant)
-    engine.pipelined = variant.endswith("pipelined")
+    was_async = engine.async_scheduling
+    engine.async_scheduling = variant.endswith("async")
     mx.async_eval = timing(real_async_eval, "async_eval")
     runner.launch = timing(runner.launch, "launch")
     watch = engine.runner.pool_watch
@@ -100,7 +101,7 @@ def run_round(engine, variant: str, prompt: list[int], tokens: int) -> dict[str,
         _switch("stack")
         mx.async_eval = real_async_eval
         del runner.launch  # the class's method again
-        engine.pipelined = False
+        engine.async_scheduling = was_async
     return {
         "tok_s": (tokens - 1) / (r["wall_s"] - r["first_token_s"]),
         "async_eval_ms": timed["async_eval"][0] / max(timed["async_eval"][1], 1) * 1000,
@@ -153,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     engine = make_engine(args.model, kv_cache_dtype=args.kv_cache_dtype)
-    assert not engine.pipelined, "this compares the CPU path"
     prompts = make_prompts(engine.tokenizer, args.rounds * len(args.variants) + 1, 32)
     run_round(engine, "stack", prompts[-1], 8)  # warm up
     results: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}

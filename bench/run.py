@@ -72,6 +72,7 @@ def offline(args, spec: OfflineSpec, tok, gguf: Path, work: Path) -> dict[str, d
             str(spec.prompt_tokens),
         ]
         cmd += ["--batch-sizes", *map(str, spec.batch_sizes)]
+        cmd += ["--no-async-scheduling"] if args.no_async_scheduling else []
         data = run_json(cmd, child_env(extra_env), out)
         res[name] = data["offline"]
         res[name]["profile"] = data.get("profile")
@@ -116,6 +117,8 @@ def server_specs(
     ]
     if args.max_num_batched_tokens:
         mlxserve_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.no_async_scheduling:
+        mlxserve_cmd += ["--no-async-scheduling"]
     if "mlxserve" in args.peers:
         specs["mlxserve"] = serving.ServerSpec("mlxserve", mlxserve_cmd)
     if "mlx-lm" in args.peers:
@@ -274,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="mlxserve serve's step token budget (default: the server's)",
+    )
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="mlxserve (bench and serve) with async scheduling off",
     )
     args = p.parse_args(argv)
     args.peers = [x for x in args.peers.split(",") if x]

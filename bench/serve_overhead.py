@@ -220,11 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="repeat each case; best TPOT kept")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: serve's")
     p.add_argument(
-        "--pipelined",
+        "--async-scheduling",
         choices=["auto", "on", "off"],
         default="auto",
-        help="LLMEngine.pipelined (auto: the engine's choice; on: the CPU's order before "
-        "2026-12-01, outputs returned one call late)",
+        help="LLMEngine.async_scheduling (auto: the engine's choice, on where it applies)",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -236,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     # The server's step budget in every mode, so that each mode runs the same steps.
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(serving=True)
     engine = make_engine(args.model, max_num_batched_tokens=budget)
-    if args.pipelined != "auto":
-        engine.pipelined = args.pipelined == "on"
+    if args.async_scheduling != "auto":
+        engine.async_scheduling = args.async_scheduling == "on"
     tok = engine.tokenizer
-    print(f"pipelined {engine.pipelined}; budget {budget} tokens per step")
+    print(f"async scheduling {engine.async_scheduling}; budget {budget} tokens per step")
     print(f"load average at start: {os.getloadavg()}")
     run_offline(engine, make_prompts(tok, 2, 32, start=900), 8)  # warm up
     results: dict[str, dict] = {}

@@ -286,6 +286,9 @@ class EngineConfig:
     distributed_timeout_seconds: float = 120.0
     # Speculative decoding (None: off); a dict or JSON string is parsed into the dataclass.
     speculative_config: SpeculativeConfig | None = None
+    # Schedule and launch step N+1 before step N's tokens reach the host (vLLM's
+    # --async-scheduling), where nothing needs them there (engine/llm_engine.py).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(

@@ -1,5 +1,5 @@
 """Outputs reach callers without delay: AsyncLLM hands a step's outputs to each event loop
-in one wakeup, not one per request; on the CPU a step returns the token it computed.
+in one wakeup, not one per request; a step returns the token it computed.
 
 Before, every output of a step was its own ``call_soon_threadsafe`` (a self-pipe write and
 a callback on the loop): 32 streams woke the server's loop 32 times per step. The tokens
@@ -15,7 +15,6 @@ import pytest
 
 from mlxserve import LLM, SamplingParams
 from mlxserve.engine.async_llm import AsyncLLM
-from mlxserve.utils import uses_gpu
 from tests.engine_helpers import make_tiny_model_dir
 
 PROMPTS = [[5, 6, 7 + i, 9, 10 + 2 * i] for i in range(6)]
@@ -106,13 +105,15 @@ def test_streams_on_two_event_loops_each_get_their_outputs(llm, reference) -> No
     assert results[1] == reference[1::2]
 
 
-@pytest.mark.skipif(uses_gpu(), reason="on Metal the engine pipelines: outputs trail a step")
-def test_on_the_cpu_a_step_returns_the_token_it_computed(llm, reference) -> None:
-    """MLX's async_eval returns near the end of a CPU step, so step() collects the step
-    it launched: each call returns its own token (it returned the previous step's, one
-    call late, the first call nothing: a token reached its caller a whole step late)."""
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_step_returns_the_token_it_computed(
+    llm, reference, async_scheduling, monkeypatch
+) -> None:
+    """step() returns the outputs of the step it collects: each call returns its own token,
+    the first call included, with steps scheduled ahead too (the Metal-only "pipelined"
+    order this replaced returned each token one call late, the first call nothing)."""
     engine = llm.engine
-    assert not engine.pipelined
+    monkeypatch.setattr(engine, "async_scheduling", async_scheduling)
     engine.add_request("one", None, GREEDY, prompt_token_ids=PROMPTS[0])
     tokens = []
     for _ in range(GREEDY.max_tokens):

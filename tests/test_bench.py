@@ -313,17 +313,22 @@ def test_decode_profile_runs_a_step_and_the_verification_rows(tmp_path: Path) ->
     out = tmp_path / "profile.json"
     argv = [str(model_dir), "--batch", "2", "--steps", "3", "--repeats", "1"]
     argv += ["--verify-rows", "1", "3", "--verify-context", "20", "--json", str(out)]
+    argv += ["--overlap-rounds", "1"]
     assert decode_profile.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["steps"]["2"]["step"] > 0 and data["steps"]["2"]["ops"] > 0
+    assert {m: data["overlap"]["2"][m]["step"] > 0 for m in ("async", "sync")} == {
+        "async": True,
+        "sync": True,
+    }
     assert set(data["verification"]) == {"1", "3"}
     assert data["verification"]["1"]["forward"]["vs_1_row"] == 1.0
 
 
 def test_layer_ops_runs_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """bench/layer_ops.py end to end on the tiny model (it swaps cpu_stack.decoder_stack,
-    cpu_layer.decoder_layer, engine.pipelined and the runner's launch: renames there would
-    break it)."""
+    cpu_layer.decoder_layer, engine.async_scheduling and the runner's launch: renames there
+    would break it)."""
     from bench import layer_ops
 
     _, model_dir = make_tiny_model_dir(tmp_path / "m")

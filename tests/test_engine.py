@@ -223,28 +223,36 @@ def test_plain_script_without_main_guard(tiny, tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "kv_cache_dtype,hold_old_pool",
-    [("auto", False), ("int8", False), ("auto", True)],
-    ids=["float", "int8", "an-extra-reference-copies"],
+    "kv_cache_dtype,hold_old_pool,async_scheduling",
+    [("auto", False, True), ("auto", False, False), ("int8", False, True), ("auto", True, False)],
+    ids=["float", "float-sync", "int8", "an-extra-reference-copies"],
 )
-def test_steps_update_the_kv_pool_in_place(tiny, caplog, kv_cache_dtype, hold_old_pool) -> None:
+def test_steps_update_the_kv_pool_in_place(
+    tiny, caplog, kv_cache_dtype, hold_old_pool, async_scheduling
+) -> None:
     """Each step's K/V write reuses the pool arrays' own buffers (MLX donates them to the
-    scatter): the buffer addresses stay put from step to step. Holding the old pool arrays
-    across a step (as a stray reference would) makes every step copy them instead: the
-    addresses move, and the engine warns once."""
+    scatter): the buffer addresses stay put from step to step, with steps scheduled ahead
+    too. Holding the old pool arrays across a step (as a stray reference would) makes
+    every step copy them instead: the addresses move, and the engine warns once (the
+    watch compares steps collected with no later step in flight: synchronous ones)."""
     from mlxserve.worker.pool_watch import buffer_address
 
     _, model_dir = tiny
-    llm = LLM(str(model_dir), num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(
+        str(model_dir),
+        num_blocks=64,
+        kv_cache_dtype=kv_cache_dtype,
+        async_scheduling=async_scheduling,
+    )
     engine, runner = llm.engine, llm.engine.runner
     runner.pool_watch.every = 1  # compare every step (the engine samples 2 in 8)
     held: list[mx.array] = []
     if hold_old_pool:
         launch = runner.launch
 
-        def launch_holding(so):
+        def launch_holding(so, previous=None, start=True):
             held[:] = [] if runner.kv_cache is None else runner.kv_cache.arrays()
-            return launch(so)
+            return launch(so, previous, start)
 
         runner.launch = launch_holding
     caplog.set_level("WARNING", logger="mlxserve")

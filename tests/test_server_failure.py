@@ -37,14 +37,14 @@ class Faults:
         self.fail_at: set[int] = set()
         self.where = "launch"
         self.calls = {"launch": 0, "collect": 0}
-        engine.runner.launch = lambda so: self._call("launch", so)
-        engine.runner.collect = lambda step: self._call("collect", step)
+        engine.runner.launch = lambda *args, **kw: self._call("launch", *args, **kw)
+        engine.runner.collect = lambda *args, **kw: self._call("collect", *args, **kw)
 
-    def _call(self, name: str, arg):
+    def _call(self, name: str, *args, **kw):
         self.calls[name] += 1
         if name == self.where and self.calls[name] in self.fail_at:
             raise RuntimeError("injected fault")
-        return self.real[name](arg)
+        return self.real[name](*args, **kw)
 
     def fail_in(self, *steps: int, where: str = "launch") -> None:
         self.where = where

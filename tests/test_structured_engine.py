@@ -161,11 +161,11 @@ def test_a_lost_runner_state_is_rebuilt_from_the_output_tokens(llm, monkeypatch)
     launch = runner.launch
     launches = []
 
-    def forgetful_launch(so):
+    def forgetful_launch(so, previous=None, start=True):
         launches.append(so)
         if len(launches) == 8:  # mid-output, between two steps: the state is rebuilt
             runner._states.clear()  # from the request's output tokens (grammar replayed)
-        return launch(so)
+        return launch(so, previous, start)
 
     monkeypatch.setattr(runner, "launch", forgetful_launch)
     out = llm.generate(["Once upon"], params, use_tqdm=False)[0].outputs[0]

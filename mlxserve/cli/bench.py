@@ -228,6 +228,12 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-batch", type=int, default=d.profile_batch, help="0: no profile")
     p.add_argument("--profile-steps", type=int, default=d.profile_steps)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's async scheduling (as `serve`'s flag)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(handler=bench_command)
 
@@ -264,7 +270,7 @@ def bench_command(args: argparse.Namespace) -> int:
         profile_batch=args.profile_batch,
         profile_steps=args.profile_steps,
     )
-    extra = {}
+    extra = {"async_scheduling": args.async_scheduling}
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     need = max(spec.batch_sizes + (spec.profile_batch, 1))

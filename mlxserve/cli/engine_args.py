@@ -68,6 +68,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "scale per token and KV head: about 2x the tokens of a float16 cache, 3.8x float32)",
     )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=EngineConfig.async_scheduling,
+        help="schedule and launch each step before the previous step's tokens reach the "
+        "host, so the engine's Python overlaps the compute (steps that need those tokens "
+        "on the host, e.g. penalties or structured outputs, run in order)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--chat-template", default=None, help="a Jinja chat template, or a file holding one"

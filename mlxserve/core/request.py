@@ -70,6 +70,8 @@ class Request:
         "spec_acceptance",
         "spec_paused_until",
         "num_drafter_tokens",
+        "num_output_placeholders",
+        "num_uncollected_tokens",
     )
 
     def __init__(
@@ -113,6 +115,12 @@ class Request:
         # A draft model's own KV (same slots as the target's): positions it has computed
         # for this request; it never reads blocks it did not write for this request.
         self.num_drafter_tokens = 0
+        # Async scheduling (core/scheduler.py): tokens this request samples in steps that are
+        # scheduled but whose output update_from_output has not seen yet (their values are
+        # still on the device), and the tokens fed in those steps (their K/V not yet known
+        # to be written: never hashed into the prefix cache before then).
+        self.num_output_placeholders = 0
+        self.num_uncollected_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

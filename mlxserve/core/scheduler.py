@@ -41,6 +41,28 @@ the blocks only they used are freed; prefix-cache hashes only ever cover verifie
 With a draft model the drafts are placeholders the runner fills in the same step, and
 ``SchedulerOutput.drafter_feeds`` says which known tokens the draft model computes first
 (its catch-up, bounded per step: core/spec_decode.py).
+
+Async scheduling (the engine's, as vLLM's ``--async-scheduling``): step N+1 may be
+scheduled before step N's output is back, i.e. ``schedule()`` twice, then
+``update_from_output(N)``, ``schedule()``, ``update_from_output(N+1)``... A request that
+samples in N is then scheduled in N+1 with an *output placeholder*: its input is the token
+N samples, which the runner takes on the device from N's sampled tokens::
+
+    known tokens T, computed T-1   schedule N:   feed t(T-1), sample x   placeholders 1
+                                   schedule N+1: feed x (position T)     placeholders 2
+                                   update N:     x appended, known T+1   placeholders 1
+
+``num_output_placeholders`` counts those tokens: the tokens left to compute, the sampling
+row and the limits count them (no step past max_tokens or max_model_len is scheduled for a
+request whose token in flight is its last). At most one token is in flight before a step:
+the engine keeps one step ahead. What is not yet known is never hashed: ``cache_blocks``
+covers only tokens fed in steps whose output has been seen (``num_uncollected_tokens``).
+A request preempted while its token is in flight keeps that token (it is valid: its K/V
+was computed before the blocks were freed) and is not readmitted before it arrives. A
+request that ends at N (EOS, stop string, abort) may still be computed in N+1: that extra
+token is discarded (the runner and update_from_output skip finished requests), and its
+blocks, freed at N, are written by N+1 before any later step reads or writes them (every
+step's pool write takes the previous step's pool arrays as inputs: stream order).
 """
 
 from __future__ import annotations
@@ -56,6 +78,22 @@ from mlxserve.core.spec_decode import SpecDecoder
 from mlxserve.exceptions import ParameterError
 
 __all__ = ["ModelRunnerOutput", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+
+def needs_host_tokens(request: Request) -> bool:
+    """Whether building this request's next step needs its previous token on the host, so a
+    step holding it is never scheduled ahead (async scheduling): penalties count the output
+    tokens, a grammar's bitmask follows them, an embedding request finishes with its last
+    chunk, prompt logprobs are reported with the first token."""
+    p = request.sampling_params
+    return (
+        p.repetition_penalty != 1.0
+        or bool(p.presence_penalty)
+        or bool(p.frequency_penalty)
+        or p.prompt_logprobs is not None
+        or request.structured_output is not None
+        or request.pooling is not None
+    )
 
 
 def min_prefill_tokens(max_num_batched_tokens: int) -> int:
@@ -101,6 +139,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.finished_request_ids: list[str] = []
         self.num_preemptions = 0
+        # Live requests for which no step may be scheduled ahead (needs_host_tokens).
+        self.sync_request_ids: set[str] = set()
         # A recurrent state cannot roll back past rejected drafts: the engine turns it off.
         assert speculative_config is None or not cache_config.num_state_slots
         self.spec = None if speculative_config is None else SpecDecoder(speculative_config, clock)
@@ -130,6 +170,8 @@ class Scheduler:
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if needs_host_tokens(request):
+            self.sync_request_ids.add(request.request_id)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests now (stop string hit, client gone...) and free their blocks.
@@ -153,6 +195,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self.sync_request_ids.discard(request.request_id)
         self.finished_request_ids.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
@@ -170,7 +213,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocate their blocks."""
         budget = self.scheduler_config.max_num_batched_tokens
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        num_decodes = sum(1 for r in self.running if self._num_left(r) == 1)
         # Decodes take one token each; prefill chunks get the rest, at least half the budget.
         prefill_budget = max(budget - num_decodes, min_prefill_tokens(budget))
         scheduled: list[Request] = []
@@ -183,10 +226,12 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            num_left = request.num_tokens - request.num_computed_tokens
+            index += 1
+            if request.num_output_placeholders and self._is_last_in_flight(request):
+                continue  # its token in flight ends it: nothing past max_tokens / the length
+            num_left = self._num_left(request)
             assert num_left >= 1, f"{request} has nothing to compute; missed update_from_output?"
             num_new = 1 if num_left == 1 else min(num_left, prefill_budget)
-            index += 1
             if num_new == 0:
                 continue  # prefill share spent; newer decodes still get their token
             if speculate and num_left == 1:
@@ -213,6 +258,8 @@ class Scheduler:
             and len(self.running) < max_num_seqs
         ):
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with its token in flight: readmitted once it is known
             hit, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, prefill_budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hit) is None:
@@ -228,6 +275,19 @@ class Scheduler:
             prefill_budget -= num_new
 
         return self._make_output(scheduled, num_scheduled, preempted, drafts)
+
+    @staticmethod
+    def _num_left(request: Request) -> int:
+        """Tokens the request has to compute, its output placeholders included."""
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
+    def _is_last_in_flight(self, request: Request) -> bool:
+        """Whether the request's token in flight is its last (max_tokens or the length)."""
+        n = request.num_output_placeholders
+        max_tokens = request.max_tokens
+        return (
+            max_tokens is not None and request.num_output_tokens + n >= max_tokens
+        ) or request.num_tokens + n >= self.max_num_tokens
 
     def _begin_spec_step(self, budget: int) -> bool:
         assert self.spec is not None
@@ -271,12 +331,19 @@ class Scheduler:
         decodes: list[Request] = []
         verifies: list[Request] = []  # decodes with drafts: the runner's decode rows too
         chunks: list[Request] = []
+        placeholders: set[str] = set()
         for request in scheduled:
             rid = request.request_id
             start = start_positions[rid] = request.num_computed_tokens
+            if request.num_output_placeholders:  # fed the token its previous step samples
+                assert request.num_output_placeholders == 1 and rid not in drafts, request
+                placeholders.add(rid)
             request.num_computed_tokens += num_scheduled[rid]
-            if request.num_computed_tokens == request.num_tokens + len(drafts.get(rid, ())):
+            request.num_uncollected_tokens += num_scheduled[rid]
+            num_known = request.num_tokens + request.num_output_placeholders
+            if request.num_computed_tokens == num_known + len(drafts.get(rid, ())):
                 sampling.add(rid)
+                request.num_output_placeholders += 1
             is_decode = num_scheduled[rid] == 1 and start >= request.num_prompt_tokens
             (decodes if is_decode else verifies if rid in drafts else chunks).append(request)
         finished, self.finished_request_ids = self.finished_request_ids, []
@@ -306,6 +373,7 @@ class Scheduler:
             state_slots=state_slots,
             draft_token_ids=drafts,
             drafter_feeds=feeds,
+            placeholder_request_ids=placeholders,
         )
 
     def update_from_output(
@@ -320,8 +388,11 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         for request in scheduler_output.scheduled_requests:
             rid = request.request_id
+            request.num_uncollected_tokens -= scheduler_output.num_scheduled_tokens[rid]
+            if rid in scheduler_output.sampling_request_ids:
+                request.num_output_placeholders -= 1
             if request.is_finished:
-                continue  # aborted after schedule(); its blocks are already free
+                continue  # ended after schedule() (abort, stop); its blocks are already free
             if request.pooling is not None:  # prefill only: done once the vector is out
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
                 if rid in model_runner_output.pooled:
@@ -330,6 +401,8 @@ class Scheduler:
                     any_finished = True
                     self._release(request)
                 continue
+            # Preempted while its token was in flight (async scheduling): no blocks left.
+            is_preempted = request.status == RequestStatus.PREEMPTED
             new_token_ids = sampled.get(rid) or []
             drafts = scheduler_output.draft_token_ids.get(rid, ())
             if rid in scheduler_output.sampling_request_ids:
@@ -354,13 +427,18 @@ class Scheduler:
             if drafts:
                 assert self.spec is not None
                 self.spec.record(request, len(drafts), len(new_token_ids) - 1)
-            # Cache before a possible free, so the finished request's blocks stay reusable.
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            # Cache before a possible free, so the finished request's blocks stay reusable;
+            # only K/V of steps whose output is back (async scheduling: N+1 is in flight).
+            if not is_preempted:
+                num_known = request.num_computed_tokens - request.num_uncollected_tokens
+                self.kv_cache_manager.cache_blocks(request, num_known)
             if not new_token_ids:
                 continue
             updated.append(request)
             if is_stopped:
                 any_finished = True
+                if is_preempted:
+                    self.waiting.remove(request)
                 self._release(request)
             elif drafts:
                 self.kv_cache_manager.free_excess_blocks(request)

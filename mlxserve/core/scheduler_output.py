@@ -10,6 +10,9 @@ from mlxserve.core.request import Request
 # A draft token the runner's draft model proposes in this step (speculative_config.model):
 # the scheduler knows how many drafts a request verifies, not what they are.
 DRAFTER_TOKEN = -1
+# The input of a decode scheduled before its previous step's token reached the host (async
+# scheduling): the runner takes it on the device from that step's sampled tokens.
+PLACEHOLDER_TOKEN = -2
 
 
 @dataclass
@@ -37,6 +40,10 @@ class SchedulerOutput:
     them in the same step, after feeding the draft model the request's known tokens
     ``drafter_feeds[rid] = (start, end)`` (its catch-up: the prompt chunk the target
     computes, the tokens accepted last step, or what it missed while not speculating).
+
+    Async scheduling: a request in ``placeholder_request_ids`` is a decode scheduled before
+    the step that samples its input token was collected; ``token_ids`` gives
+    ``[PLACEHOLDER_TOKEN]`` until that token is on the host.
     """
 
     # Batch order: the first num_decodes requests are decodes (one token, prompt done),
@@ -54,6 +61,7 @@ class SchedulerOutput:
     state_slots: dict[str, StateSlots] = field(default_factory=dict)  # recurrent layers
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
     drafter_feeds: dict[str, tuple[int, int]] = field(default_factory=dict)  # draft model
+    placeholder_request_ids: set[str] = field(default_factory=set)  # async scheduling
 
     def token_ids(self, request: Request) -> list[int]:
         """The tokens the runner feeds for request this step (its drafts last)."""
@@ -62,6 +70,8 @@ class SchedulerOutput:
         drafts = self.draft_token_ids.get(rid)
         if drafts:
             return request.get_token_ids(start, request.num_tokens) + drafts
+        if rid in self.placeholder_request_ids and start >= request.num_tokens:
+            return [PLACEHOLDER_TOKEN]
         return request.get_token_ids(start, start + self.num_scheduled_tokens[rid])
 
     def samples(self, request_id: str) -> bool:
@@ -91,6 +101,7 @@ class SchedulerOutput:
             state_slots={rid: s for rid, s in self.state_slots.items() if rid in ids},
             draft_token_ids={rid: d for rid, d in self.draft_token_ids.items() if rid in ids},
             drafter_feeds={rid: f for rid, f in self.drafter_feeds.items() if rid in ids},
+            placeholder_request_ids=self.placeholder_request_ids & ids,
         )
 
 

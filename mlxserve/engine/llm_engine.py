@@ -5,6 +5,23 @@ add_request -> admission (tokenize, checks) -> ParallelSampling (n > 1) -> Sched
 step():  Scheduler.schedule() -> ModelRunner.launch() / collect() -> Scheduler.update_from_output()
          -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
 
+Async scheduling (``EngineConfig.async_scheduling``, vLLM's ``--async-scheduling``, on by
+default): step N+1 is scheduled and built before step N is collected, its decodes fed N's
+sampled tokens on the device, and dispatched as soon as N is collected; so the host's
+Python (schedule and build N+1, then update and process N) runs while the device computes::
+
+    sync:   | sched+build N | dispatch | wait N | update+process N | sched+build N+1 | ...
+    async:  | sched+build N+1 | wait N | dispatch N+1 | update+process N | sched+build N+2
+    device:     ...compute N ......... |   ...compute N+1 ...............................|
+
+(N+1 is dispatched only once N is done: see ModelRunner.launch's ``start``.)
+
+A step is scheduled ahead only when nothing running needs the previous token on the host
+to build it (core/scheduler.needs_host_tokens: penalties, grammars, embeddings, prompt
+logprobs) and the engine has neither speculative decoding, other ranks (tensor / pipeline
+parallel), nor recurrent state (models/ with a state layout); otherwise that step runs in
+the synchronous order. Outputs are the same token for token either way.
+
 The engine keeps requests, scheduling and outputs; the ModelRunner owns the device (model,
 KV arrays, every evaluation). A request whose step fails ends alone with finish_reason
 "error" (RequestOutput.error says why); the others in the batch go on, token-exact.
@@ -36,7 +53,7 @@ from mlxserve.loader import LoadedModel, load_model
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.structured_output.grammar import GrammarCompiler, StructuredOutputRequest
-from mlxserve.utils import release_free_memory, uses_gpu
+from mlxserve.utils import release_free_memory
 from mlxserve.worker import metal_memory
 from mlxserve.worker.isolation import describe
 from mlxserve.worker.memory import tree_bytes
@@ -125,15 +142,18 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.fanout)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        # The step launched and not yet collected (async scheduling keeps one between calls).
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
-        # Whether step() returns the previous step's outputs while launching the next (see
-        # _step). Not on the CPU: what would overlap the next step's compute is only the
-        # collected step's output processing (the next launch needs its tokens), ~0.1-0.3 ms
-        # of a ~15-25 ms step, and the outputs would reach callers a whole step late. (With
-        # a layer in one op MLX's async_eval now returns a few ms into a step, no longer
-        # ~10 ops before its end; measured, pipelining still gained nothing here:
-        # bench/layer_ops.py, bench/README.md.)
-        self.pipelined = uses_gpu()
+        # Whether steps may be scheduled ahead (see _step). Replaces the Metal-only
+        # "pipelined" order (collect N, launch N+1, process N), which only overlapped N's
+        # output processing: N+1's inputs had to reach the host first.
+        self.async_scheduling = config.async_scheduling and not (
+            self.ranks is not None
+            or self.runner.channel is not None
+            or self.speculative_config is not None
+            or self.runner.drafter is not None
+            or layout.has_state
+        )
         # Prompt tokens computed so far (prefix-cache hits excluded), for throughput logs.
         self.num_prompt_tokens_computed = 0
         # Loading and planning left freed buffers in MLX's cache and the C heap: hand
@@ -272,58 +292,91 @@ class LLMEngine:
     def _step(self, delta: bool = False) -> list[RequestOutput]:
         """Advance by one forward pass; outputs of the requests that changed.
 
-        Pipelined (on Metal): the step launched by the previous call is collected first,
-        the next one is scheduled and launched, and the collected step's outputs are
-        detokenized while the new one computes. So outputs trail the launch by one call,
-        and a request stopped by a stop string may have computed one extra token,
-        discarded. Otherwise (the CPU) the step launched is collected in the same call.
+        Synchronous order: schedule N, launch it, collect it (wait for its tokens), update
+        the scheduler, process the outputs. Async scheduling (when :meth:`_may_schedule_ahead`):
+        step N was launched by the previous call; schedule and launch N+1 first, then
+        collect N and return its outputs, leaving N+1 in flight. Either way a call returns
+        the outputs of the step it collected. A request ended by step N (EOS, stop string,
+        abort between calls) may have been computed in N+1 too: that token is discarded.
         A request the runner reports as failed ends with finish_reason "error".
         """
-        collected = None
-        if self._in_flight is not None:
-            collected = self._collect(delta)
-            if isinstance(collected, list):  # the KV pool is lost: every request failed
-                return collected
-        so = self.scheduler.schedule()
-        if so.scheduled_requests or so.finished_request_ids:
-            slots = self.state_pool.num_allocated_slots if self.state_pool is not None else 0
-            self.runner.ensure_blocks(self.block_pool.num_allocated_blocks, slots)
-            try:
-                self._in_flight = (so, self.runner.launch(so))
-            except Exception:
-                parents = {self.fanout.owner(r.request_id)[0] for r in so.scheduled_requests}
-                self.abort_request([p.request_id for p in parents])
-                raise
-            self._note_scheduled(so)
-        if not self.pipelined and self._in_flight is not None:
-            assert collected is None  # nothing was in flight when this call began
-            collected = self._collect(delta)
-            if isinstance(collected, list):
-                return collected
-        if collected is None:
-            return []
+        if self._in_flight is None:
+            self._in_flight = self._launch()
+            if self._in_flight is None:
+                return []
+        current = self._in_flight
+        ahead = self._launch(current[1]) if self._may_schedule_ahead() else None
+        self._in_flight = ahead
+        try:
+            collected = self._collect(current, delta, ahead)
+        finally:
+            if ahead is not None and self._in_flight is ahead:
+                self.runner.start(ahead[1])  # (started already unless collect raised)
+        if isinstance(collected, list):  # the KV pool is lost: every request failed
+            return collected
         outputs = self._process(*collected, delta=delta)
-        if not self.pipelined:
+        if self._in_flight is None:
             self._flush_finished()
         return outputs
 
+    def _may_schedule_ahead(self) -> bool:
+        """Whether the next step can be scheduled before the one in flight is collected:
+        async scheduling is on for this engine, no live request needs its previous token
+        on the host, and the step in flight can feed its sampled tokens on the device."""
+        return (
+            self.async_scheduling
+            and not self.scheduler.sync_request_ids
+            and self._in_flight is not None
+            and self._in_flight[1].previous_tokens() is not None
+        )
+
+    def _launch(
+        self, previous: StepHandle | None = None
+    ) -> tuple[SchedulerOutput, StepHandle] | None:
+        """Schedule a step and launch it (None: nothing to compute). ``previous``: the step
+        in flight, when this one is scheduled ahead of its collection."""
+        so = self.scheduler.schedule()
+        if not so.scheduled_requests:
+            if so.finished_request_ids:  # only finished requests: the runner drops them
+                self.scheduler.update_from_output(so, self.runner.collect(self.runner.launch(so)))
+            return None
+        slots = self.state_pool.num_allocated_slots if self.state_pool is not None else 0
+        # Growing the pool evaluates it: a step in flight finishes first (stream order).
+        self.runner.ensure_blocks(self.block_pool.num_allocated_blocks, slots)
+        try:
+            handle = self.runner.launch(so, previous, start=previous is None)
+        except Exception:
+            parents = {self.fanout.owner(r.request_id)[0] for r in so.scheduled_requests}
+            self.abort_request([p.request_id for p in parents])
+            raise
+        self._note_scheduled(so)
+        return so, handle
+
     def _flush_finished(self) -> None:
         """Pass requests that finished to the runner (it frees their state) when no step
-        follows to carry them: pipelined, the call that collected the last step did."""
+        follows to carry them."""
         if self.scheduler.finished_request_ids and not self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()  # nothing to compute: only the finished ids
             self.scheduler.update_from_output(so, self.runner.collect(self.runner.launch(so)))
 
-    def _collect(self, delta: bool) -> tuple | list[RequestOutput]:
-        """Wait for the step in flight: (its SchedulerOutput, ModelRunnerOutput, the
+    def _collect(
+        self,
+        step: tuple[SchedulerOutput, StepHandle],
+        delta: bool,
+        ahead: tuple[SchedulerOutput, StepHandle] | None = None,
+    ) -> tuple | list[RequestOutput]:
+        """Wait for a launched step: (its SchedulerOutput, ModelRunnerOutput, the
         requests it changed, outputs of the requests it failed); or, if the KV pool was
-        lost, the final outputs of every request."""
-        so, handle = self._in_flight
-        self._in_flight = None
+        lost, the final outputs of every request. ``ahead``: the step built ahead of this
+        one, dispatched as soon as this one is done (before the scheduler's update)."""
+        so, handle = step
         try:
             ro = self.runner.collect(handle)
         except KVCacheLostError as e:
+            self._in_flight = None  # the step ahead wrote the lost pool: never started
             return self._fail_everything(str(e), delta)
+        if ahead is not None:
+            self.runner.start(ahead[1])
         failures = self._fail(ro.failed, delta)
         return (so, ro, self.scheduler.update_from_output(so, ro), failures)
 

@@ -98,7 +98,7 @@ class GrammarState:
             self._tail = tail[-len(self._trigger or b"") :] if self._trigger else b""
             return
         if token_id in self.end_token_ids or self.matcher.is_stopped():
-            return  # the request ends here (a pipelined step may still sample once more)
+            return  # the request ends here (a step in flight may still sample once more)
         if not self.matcher.consume_token(token_id):
             raise ValueError(f"the grammar rejected token {token_id}: {self.matcher.get_error()}")
 

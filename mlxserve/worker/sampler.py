@@ -65,9 +65,10 @@ class SamplingState:
         self.num_output_tokens += 1
 
     def ahead(self, num_tokens: int) -> SamplingState:
-        """This state as it will be ``num_tokens`` outputs later, for a draft's row: its
+        """This state as it will be ``num_tokens`` outputs later, for a draft's row or a
+        decode scheduled while its previous token is in flight (async scheduling): its
         noise key and min_tokens masking move on; token counts do not (requests with
-        penalties do not speculate)."""
+        penalties neither speculate nor are scheduled ahead)."""
         if not num_tokens:
             return self
         return replace(self, num_output_tokens=self.num_output_tokens + num_tokens)

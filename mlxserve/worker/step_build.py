@@ -7,6 +7,10 @@ Batch layout on the flat token axis (decodes first, as AttentionMetadata wants):
                                                                    whose chunk reaches its
                                                                    end; every row of s0)
 
+A decode scheduled ahead (async scheduling: its input token is a placeholder, the token
+the previous step samples) is fed that token on the device, gathered from the previous
+step's lazily sampled token ids: nothing waits for the previous step here.
+
 A request with speculative drafts (s0: its last token, then drafts x0 x1) samples at each
 of its rows, and row i verifies draft i (worker/sampler.py); worker/step_results.py keeps
 the accepted drafts and the token of the first row whose draft is rejected (or of the last
@@ -28,6 +32,7 @@ import mlx.core as mx
 
 from mlxserve.core.request import Request
 from mlxserve.core.scheduler import SchedulerOutput
+from mlxserve.core.scheduler_output import PLACEHOLDER_TOKEN
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.models.base import KVCache
 from mlxserve.structured_output.grammar import fill_bitmasks
@@ -66,6 +71,9 @@ class StepPart:
     # MTP (worker/mtp.py): its pass over the step's rows, given the sampler's result.
     follow: Callable[[SamplerOutput | None], list[mx.array]] | None = None
     followed: list[mx.array] = field(default_factory=list)  # its arrays to evaluate
+    # Per sampler, how many of its tokens are in flight before this step's (async
+    # scheduling: 1 when its input is the previous step's token, not yet in its state).
+    aheads: list[int] = field(default_factory=list)
     # Writes of each KV pool in this graph: > 1 for pipeline micro-batches on rank 0,
     # whose later writes are in place only if the earlier ones' readers have finished.
     pool_writes: int = 1
@@ -93,6 +101,14 @@ class StepPart:
         return out
 
 
+@dataclass
+class PreviousTokens:
+    """The previous step's sampled token ids (lazy, (S,) int32) and each sampler's row."""
+
+    token_ids: mx.array
+    rows: dict[str, int]
+
+
 def build_part(
     so: SchedulerOutput,
     *,
@@ -104,11 +120,13 @@ def build_part(
     request_states: RequestStates,
     drafter: Drafter | None,
     for_ranks: bool,
+    previous: PreviousTokens | None = None,
 ) -> StepPart:
     """The lazy graph of the step ``so``: flat inputs, the model's forward, the sampler
     (unless a sampler has a grammar: then its logits, for :func:`sample_masked`).
 
     ``for_ranks`` (tensor parallel): also note the forward's inputs for the other ranks.
+    ``previous``: the previous step's sampled tokens, for the decodes scheduled ahead.
     """
     # The scheduler orders decodes (one token each) first, as the attention op wants.
     input_ids: list[int] = []
@@ -118,6 +136,9 @@ def build_part(
     sample_rows: list[int] = []
     samplers: list[Request] = []
     drafts: list[list[int]] = []
+    aheads: list[int] = []
+    gather_rows: list[int] = []  # rows fed a token of the previous step, on the device
+    gather_from: list[int] = []  # its row in the previous step's sampled tokens
     plp_rows: list[int] = []  # rows whose logits score the next prompt token
     plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
     pooling = PoolingRows()  # embedding requests: hidden states, no logits
@@ -132,7 +153,13 @@ def build_part(
         start = so.start_positions[rid]
         end = start + n
         row0 = len(input_ids)
-        input_ids.extend(so.token_ids(req))
+        tokens = so.token_ids(req)
+        if tokens == [PLACEHOLDER_TOKEN]:
+            assert previous is not None, f"{req}: its input token is neither known nor given"
+            gather_rows.append(row0)
+            gather_from.append(previous.rows[rid])
+            tokens = [0]  # replaced below
+        input_ids.extend(tokens)
         positions.extend(range(start, end))
         if req.pooling is not None:
             query_lens.append(n)
@@ -164,11 +191,16 @@ def build_part(
             sample_rows.extend(range(row0 + n - 1 - len(spec), row0 + n))
             samplers.append(req)
             drafts.append(spec)
+            # Outputs before this sample minus those its state holds: 1 while the previous
+            # step's token is in flight (its noise key and min_tokens count it).
+            num_before = start + n - len(spec) - req.num_prompt_tokens
+            aheads.append(num_before - state.sampling.num_output_tokens)
     md, extra = step_metadata(
         layout, so, query_lens, context_lens, tables, block_size, takes_layout
     )
     rows = sample_rows + plp_rows + pooling.rows
     inputs = None
+    assert not (for_ranks and gather_rows), "tensor parallel steps are never scheduled ahead"
     if for_ranks:
         # One full-attention group (the tensor-parallel models): one table per entry
         # of query_lens (a request with drafts has one per verified position).
@@ -184,6 +216,9 @@ def build_part(
     ids = mx.array(input_ids, dtype=mx.int32)
     if proposal is not None:
         ids[mx.array(proposed_rows, dtype=mx.int32)] = proposal.token_ids
+    if gather_rows:
+        taken = previous.token_ids[mx.array(gather_from, dtype=mx.int32)]
+        ids[mx.array(gather_rows, dtype=mx.int32)] = taken
     with nullcontext() if drafter is None else drafter.capture() as captured:
         out = model(
             ids,
@@ -199,7 +234,7 @@ def build_part(
     result = None
     num_rows = len(sample_rows)
     sample_logits = logits[:num_rows] if samplers else None
-    part = StepPart(samplers, None, plp_targets, None, sample_logits, drafts)
+    part = StepPart(samplers, None, plp_targets, None, sample_logits, drafts, aheads=aheads)
     part.poolers, part.pooled, part.proposal = pooling.requests, pooled, proposal
     if hasattr(model, "pool_writes"):  # models.pipeline_parallel.PipelineStage
         part.pool_writes = model.pool_writes(md.query_lens)
@@ -231,10 +266,10 @@ def sample_row_inputs(
     states: list[SamplingState] = []
     draft_ids: list[int] = []
     rows: list[int] = []  # the rows with a draft
-    for req, spec in zip(part.samplers, part.drafts, strict=True):
+    for req, spec, ahead in zip(part.samplers, part.drafts, part.aheads, strict=True):
         state = request_states[req.request_id].sampling
         rows += range(len(states), len(states) + len(spec))
-        states += [state.ahead(i) for i in range(len(spec) + 1)]
+        states += [state.ahead(ahead + i) for i in range(len(spec) + 1)]
         draft_ids += [*spec, -1]
     if len(states) == len(part.samplers):
         return states, None, None

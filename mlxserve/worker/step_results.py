@@ -88,11 +88,18 @@ def commit(
     pool_sums: PoolingSums,
 ) -> None:
     """Apply a part's results to the request states and the step's output."""
+    # A request that ended after this step was launched (async scheduling: the step was
+    # scheduled before its previous token, an EOS or a stop string, was known; or an
+    # abort) gets nothing: its extra token is discarded, its state may be gone.
     for req, entry in read.prompt_logprobs:
+        if req.is_finished:
+            continue
         state = request_states[req.request_id]
         state.prompt_logprobs.append(entry)
         state.prompt_logprobs_done = len(state.prompt_logprobs) == req.num_prompt_tokens
     for req, tokens, entries in read.samples:
+        if req.is_finished:
+            continue
         state = request_states[req.request_id]
         # The prompt's logprobs go out with its first token: the engine reports a request
         # in the steps it samples in, and the last prompt token (it has no logprob of
