@@ -163,6 +163,9 @@ def test_a_lost_kv_pool_fails_every_request_then_serves_from_a_fresh_pool(
         t.start()
         t.join()
         runner.kv_cache.keys[0] = box[0]
+        ahead = llm.engine._in_flight  # async scheduling: the step built on this one
+        if ahead is not None and ahead[1].before is not None:
+            ahead[1].before.keys[0] = box[0]  # the pool its re-runs would start from
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(model_runner, "read_part", read)
@@ -244,3 +247,50 @@ def test_a_broken_group_the_engine_cannot_report_still_fails_its_callers(
         engine.ranks = None
         release.set()
         async_llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_the_step_after_a_failed_one_is_fed_the_tokens_its_re_run_reports(
+    model_dir, monkeypatch, async_scheduling
+) -> None:
+    """Async scheduling builds step N+1 on N's sampled tokens before N is read. If reading
+    N fails, N is re-run in parts, and those parts' tokens are the ones reported: N+1 must
+    be fed them, not the failed graph's. Here the failed graph's tokens are made wrong on
+    purpose (as a near tie under another batch, or a sampler that failed, would make
+    them): the victims' outputs must still be the reference's."""
+    llm = LLM(
+        str(model_dir),
+        num_blocks=256,
+        max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
+    )
+    prompts = victims()
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    vocab = llm.engine.vocab_size
+    real_build, real_read = model_runner.build_part, model_runner.read_part
+    poisoned: list[int] = []
+
+    def build(so, **kwargs):
+        part = real_build(so, **kwargs)
+        if not poisoned and any(is_marked(r) for r in part.samplers):
+            poisoned.append(len(part.samplers))  # the first graph holding the attacker
+            part.result.token_ids = (part.result.token_ids + 1) % vocab
+        return part
+
+    def read(part):
+        if any(is_marked(r) for r in part.samplers):
+            raise RuntimeError("injected fault while reading the step")
+        return real_read(part)
+
+    monkeypatch.setattr(model_runner, "build_part", build)
+    monkeypatch.setattr(model_runner, "read_part", read)
+    mixed = prompts[:ATTACKER] + [[5, 6, 7, 8, 9]] + prompts[ATTACKER:]
+    params = [GREEDY] * len(mixed)
+    params[ATTACKER] = marked_params()
+    outs = llm.generate(mixed, params, use_tqdm=False)
+    assert poisoned and poisoned[0] > 1  # the poisoned step sampled for victims too
+    bad = outs.pop(ATTACKER)
+    assert bad.error is not None and "injected fault" in bad.error
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert all(o.error is None for o in outs)
+    assert_idle(llm)

@@ -371,7 +371,7 @@ class LLMEngine:
         one, dispatched as soon as this one is done (before the scheduler's update)."""
         so, handle = step
         try:
-            ro = self.runner.collect(handle)
+            ro = self.runner.collect(handle, None if ahead is None else ahead[1])
         except KVCacheLostError as e:
             self._in_flight = None  # the step ahead wrote the lost pool: never started
             return self._fail_everything(str(e), delta)

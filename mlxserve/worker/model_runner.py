@@ -72,6 +72,9 @@ class StepHandle:
     # Built, not started (launch(start=False)): the pool arrays it writes, i.e. the
     # previous step's, for the PoolWatch once that step is done; dropped when started.
     pool_before: list[mx.array] | None = None
+    # And those arrays as a snapshot: if the previous step fails, its re-runs start from
+    # them and this step is built again on the tokens they report (ModelRunner.collect).
+    before: PoolSnapshot | None = None
     is_started: bool = False
 
     def previous_tokens(self) -> PreviousTokens | None:
@@ -301,7 +304,7 @@ class ModelRunner:
             tokens = previous.previous_tokens()
             assert tokens is not None, "the previous step cannot feed a step launched ahead"
         if not start:
-            handle.pool_before = self._pool_arrays()
+            handle.pool_before, handle.before = self._pool_arrays(), self._snapshot()
         handle.parts = self._build_isolating(so, handle.failed, tokens)
         if start:
             self.start(handle)
@@ -318,7 +321,7 @@ class ModelRunner:
             # references dropped before this step's writes are dispatched).
             if len(handle.parts) == 1:
                 self.pool_watch.check(handle.pool_before, rewrites=handle.parts[0].pool_writes > 1)
-            handle.pool_before = None
+            handle.pool_before = handle.before = None
         if not handle.parts:
             return
         outs = self._pool_arrays()
@@ -347,11 +350,13 @@ class ModelRunner:
         """
         mx.clear_streams()
 
-    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+    def collect(self, handle: StepHandle, ahead: StepHandle | None = None) -> ModelRunnerOutput:
         """Wait for a launched step; its sampled tokens (and logprobs) as host lists.
 
         If the step failed, it is re-run for halves of its requests; the requests that
         fail alone end up in ``failed`` (KVCacheLostError if the pool itself is lost).
+        ``ahead``: the step built on this one's sampled tokens and not started yet (async
+        scheduling); if this one fails, it is built again on the tokens the re-runs report.
         """
         output = ModelRunnerOutput({}, {}, {}, failed=dict(handle.failed))
         error = handle.error
@@ -379,11 +384,41 @@ class ModelRunner:
             error,
         )
         handle.parts = []  # drop the failed graph before re-running
+        # The step built ahead reads the failed graph's pools and tokens: it goes too (its
+        # pool writes with it), else settling the pool would evaluate the failed graph again.
+        rebuild = ahead is not None and not ahead.is_started and ahead.before is not None
+        if rebuild:
+            ahead.before.restore(self.kv_cache, self.drafter)
+            ahead.parts = []
         self.pool_watch.forget()  # the re-runs hold the old pool arrays: copies, on purpose
         self._settle_pool()
-        live = [r for r in so.scheduled_requests if r.request_id not in output.failed]
+        # (Requests that ended since the step was built are not re-run: their rows are
+        # discarded, and one fed a token only the device had cannot be built again.)
+        live = [
+            r
+            for r in so.scheduled_requests
+            if r.request_id not in output.failed and not r.is_finished
+        ]
         bisect(so.subset(live), error, output.failed, lambda sub: self._rerun(sub, output))
+        if rebuild:
+            self._rebuild(ahead, output)
         return output
+
+    def _rebuild(self, ahead: StepHandle, output: ModelRunnerOutput) -> None:
+        """Build the step ahead again, its decodes fed the tokens ``output`` reports (those
+        of the failed step's re-runs, not of its failed graph: near ties can differ between
+        batches). A request that failed has none: it is fed 0, and its row is discarded
+        (the engine ends it before that step is read)."""
+        so = ahead.scheduler_output
+        ids = sorted(so.placeholder_request_ids)
+        sampled = output.sampled_token_ids
+        tokens = [sampled[rid][-1] if sampled.get(rid) else 0 for rid in ids]
+        previous = PreviousTokens(
+            mx.array(tokens or [0], dtype=mx.int32), {rid: i for i, rid in enumerate(ids)}
+        )
+        ahead.failed.clear()
+        ahead.pool_before, ahead.before = self._pool_arrays(), self._snapshot()
+        ahead.parts = self._build_isolating(so, ahead.failed, previous)
 
     def _rerun(self, so: SchedulerOutput, output: ModelRunnerOutput) -> str | None:
         """Run part of a failed step to the end; its error, or None once committed."""
