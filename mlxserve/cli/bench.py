@@ -283,10 +283,12 @@ def bench_command(args: argparse.Namespace) -> int:
     results["offline"] = run_offline(engine, spec)
     if spec.profile_batch:
         prof = profile_steps(engine, spec.profile_batch, spec.profile_steps)
+        overlap = engine.async_scheduling
         results["profile"] = asdict(prof)
         print(
             f"[mlxserve] step at batch {prof.batch}: {prof.step_ms:.1f} ms, host (Python) "
             f"{prof.host_ms:.1f} ms = {prof.host_share:.0%}, waiting for MLX {prof.wait_ms:.1f} ms"
+            + (" (async scheduling: the host work runs while a step computes)" if overlap else "")
         )
         print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in prof.parts_ms.items()))
     if args.json:
