@@ -235,3 +235,30 @@ def test_server_under_tp2_answers_like_one_process_then_exits_when_a_rank_dies(
         assert not alive(rank_pid)
     finally:
         server.stop()
+
+
+def test_a_broken_ring_names_the_rank_that_exits_a_moment_later(monkeypatch) -> None:
+    """A killed rank's sockets close before its process can be reaped: the collective
+    fails first. The error still names the rank and its signal once it is reaped (within
+    the grace period), and falls back to the ring's own error when no rank exits."""
+    from types import SimpleNamespace
+
+    from mlxserve.worker import spmd
+
+    group = SimpleNamespace(rank=lambda: 0, size=lambda: 2)
+    polls = []
+
+    def reaped_on_the_third_poll() -> str | None:
+        polls.append(time.monotonic())
+        return "rank 1 exited (killed by signal 9)" if len(polls) >= 3 else None
+
+    channel = spmd.StepChannel(group, reaped_on_the_third_poll)
+    error = channel.lost(RuntimeError("[ring] Recv failed"))
+    assert str(error) == (
+        "tensor parallel: a rank is gone (rank 1 exited (killed by signal 9)); the engine stops"
+    )
+    monkeypatch.setattr(spmd, "EXIT_GRACE_SECONDS", 0.1)
+    t0 = time.monotonic()
+    error = spmd.StepChannel(group, lambda: None).lost(RuntimeError("[ring] Recv failed"))
+    assert "([ring] Recv failed)" in str(error)
+    assert 0.1 <= time.monotonic() - t0 < 2.0

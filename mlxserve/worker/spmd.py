@@ -38,6 +38,9 @@ from mlxserve.ops import AttentionMetadata
 
 FORWARD, STOP, STATS = 1, 2, 3
 HEADER_LEN = 4  # kind, payload length, and room to grow
+# A rank's sockets close while it exits, so a collective can fail a moment before the
+# process can be reaped: how long to wait for that, to name the rank and how it ended.
+EXIT_GRACE_SECONDS = 1.0
 NUM_STATS = 12  # counters per rank in a STATS reply (room to grow)
 
 
@@ -140,8 +143,14 @@ class StepChannel:
         return np.array(out)
 
     def lost(self, error: BaseException) -> RankLostError:
-        """The RankLostError for ``error`` raised by a collective."""
-        why = self._is_lost() or str(error)
+        """The RankLostError for ``error`` raised by a collective (naming the rank that
+        exited, if one does within EXIT_GRACE_SECONDS)."""
+        why = self._is_lost()
+        deadline = time.monotonic() + EXIT_GRACE_SECONDS
+        while why is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            why = self._is_lost()
+        why = why or str(error)
         return RankLostError(f"{self.name}: a rank is gone ({why}); the engine stops")
 
     def check(self, error: BaseException) -> None:
