@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from mlxserve.core.block_pool import BlockPool
-from mlxserve.core.request import RequestStatus
+from mlxserve.core.request import Request, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from mlxserve.sampling_params import SamplingParams
 
 VOCAB = 50
 
@@ -174,6 +175,30 @@ def check_pool(pool: BlockPool, tables: Sequence[Sequence[int]]) -> None:
     assert pool.get_num_free_blocks() + num_used + 1 == pool.num_blocks
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash and block.token_ids is not None
+
+
+def request_of(op: tuple, index: int, eos: frozenset[int]) -> Request:
+    """The request of a random stream's ("add", prompt, max_tokens, min_tokens, ignore_eos)
+    op, the ``index``-th added (min_tokens at most max_tokens, as admission requires)."""
+    _, prompt, max_tokens, min_tokens, ignore_eos = op
+    if max_tokens is not None:
+        min_tokens = min(min_tokens, max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
+    return Request(f"r{index}", prompt, params, eos_token_ids=eos)
+
+
+def check_all_released(scheduler: Scheduler, num_blocks: int) -> None:
+    """Once every request has ended nothing leaks: all ``num_blocks`` blocks but the null
+    one free and unreferenced, no request's blocks or cached-block counts kept, no live
+    state slot."""
+    kv = scheduler.kv_cache_manager
+    assert kv.get_num_free_blocks() == num_blocks - 1 and kv.usage == 0.0
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    for manager in kv.managers:
+        assert manager.req_to_blocks == {} and manager.num_cached_blocks == {}
+    if kv.state_pool is not None:
+        states = kv.state_pool
+        assert states.live == {} and states.num_available() == states.num_slots - 1
 
 
 def step_token_limit(out: SchedulerOutput, was_running: set[str], budget: int) -> int:

@@ -18,7 +18,14 @@ from mlxserve.core.request import Request, RequestStatus
 from mlxserve.core.scheduler import Scheduler, SchedulerOutput
 from mlxserve.core.scheduler_output import PLACEHOLDER_TOKEN
 from mlxserve.sampling_params import SamplingParams
-from tests.scheduler_harness import PagedFakeModel, check_pool, next_token, reference_generate
+from tests.scheduler_harness import (
+    PagedFakeModel,
+    check_all_released,
+    check_pool,
+    next_token,
+    reference_generate,
+    request_of,
+)
 from tests.test_scheduler_properties import EOS, scenarios
 
 
@@ -88,15 +95,10 @@ def test_random_streams_scheduled_ahead_finish_with_the_reference_tokens(scenari
     aborted: set[str] = set()
     for op in ops:
         if op[0] == "add":
-            _, prompt, max_tokens, min_tokens, ignore_eos = op
-            if max_tokens is not None:
-                min_tokens = min(min_tokens, max_tokens)
-            params = SamplingParams(
-                max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos
-            )
+            prompt = op[1]
             if not 1 <= len(prompt) <= max_model_len - 1 or len(prompt) > pool_tokens:
                 continue
-            r = Request(f"r{len(added)}", prompt, params, eos_token_ids=EOS)
+            r = request_of(op, len(added), EOS)
             sched.add_request(r)
             added.append(r)
         elif op[0] == "step":
@@ -123,10 +125,7 @@ def test_random_streams_scheduled_ahead_finish_with_the_reference_tokens(scenari
         else:
             assert r.num_output_tokens <= sampled <= r.num_output_tokens + 1, r
         assert r.num_output_placeholders == 0
-    kv = sched.kv_cache_manager
-    assert kv.get_num_free_blocks() == num_blocks - 1 and kv.usage == 0.0
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
-    assert kv.managers[0].req_to_blocks == {}
+    check_all_released(sched, num_blocks)
     stats = sched.make_stats()
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hit: {stats.prefix_cache_hits > 0}")

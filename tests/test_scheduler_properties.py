@@ -21,7 +21,9 @@ from tests.scheduler_harness import (
     VOCAB,
     OracleProposer,
     PagedFakeModel,
+    check_all_released,
     reference_generate,
+    request_of,
     run_to_completion,
     step,
 )
@@ -108,15 +110,10 @@ def test_random_streams_keep_invariants_and_finish(scenario):
 
     for op in ops:
         if op[0] == "add":
-            _, prompt, max_tokens, min_tokens, ignore_eos = op
-            if max_tokens is not None:
-                min_tokens = min(min_tokens, max_tokens)
-            params = SamplingParams(
-                max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos
-            )
+            prompt = op[1]
             if not 1 <= len(prompt) <= max_model_len - 1:
                 continue  # LLMEngine.add_request rejects it before the scheduler sees it
-            r = Request(f"r{len(added)}", prompt, params, eos_token_ids=EOS)
+            r = request_of(op, len(added), EOS)
             fits = len(prompt) <= pool_tokens
             try:
                 sched.add_request(r)
@@ -146,10 +143,7 @@ def test_random_streams_keep_invariants_and_finish(scenario):
         else:
             assert r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
             assert r.output_token_ids == want, r
-    kv = sched.kv_cache_manager
-    assert kv.get_num_free_blocks() == num_blocks - 1 and kv.usage == 0.0
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
-    assert kv.managers[0].req_to_blocks == {} and kv.managers[0].num_cached_blocks == {}
+    check_all_released(sched, num_blocks)
     stats = sched.make_stats()
     assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
     event(f"requests: {min(len(added), 5)}+" if len(added) >= 5 else f"requests: {len(added)}")
@@ -222,15 +216,10 @@ def test_hybrid_streams_keep_invariants_and_finish(scenario):
     aborted: set[str] = set()
     for op in ops:
         if op[0] == "add":
-            _, prompt, max_tokens, min_tokens, ignore_eos = op
-            if max_tokens is not None:
-                min_tokens = min(min_tokens, max_tokens)
-            params = SamplingParams(
-                max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos
-            )
+            prompt = op[1]
             if not 1 <= len(prompt) <= scheduler_config.max_model_len - 1:
                 continue
-            r = Request(f"r{len(added)}", prompt, params, eos_token_ids=EOS)
+            r = request_of(op, len(added), EOS)
             fits = pool_tokens is None or len(prompt) <= pool_tokens
             try:
                 sched.add_request(r)
@@ -258,14 +247,8 @@ def test_hybrid_streams_keep_invariants_and_finish(scenario):
             assert r.output_token_ids == want[: r.num_output_tokens]
         else:
             assert r.output_token_ids == want, r
+    check_all_released(sched, cache_config.num_blocks)
     kv = sched.kv_cache_manager
-    assert kv.get_num_free_blocks() == cache_config.num_blocks - 1
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
-    for manager in kv.managers:
-        assert manager.req_to_blocks == {} and manager.num_cached_blocks == {}
-    if kv.state_pool is not None:
-        states = kv.state_pool
-        assert states.live == {} and states.num_available() == states.num_slots - 1
     stats = sched.make_stats()
     event(f"groups {windows}, state {kv.state_pool is not None}")
     event(f"prefix hit: {stats.prefix_cache_hits > 0}")
