@@ -39,14 +39,18 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("cpu_layer")
+def quantized_checkpoints(root: Path, models: dict, seed: int) -> dict[str, Path]:
+    """Each config of ``models`` as a 4-bit (group 32) mlx-lm checkpoint under ``root``."""
     quantize = {"group_size": 32, "bits": 4}
     return {
-        name: make_mlx_lm_checkpoint(root / name, config, seed=5, quantize=quantize)[1]
-        for name, config in MODELS.items()
+        name: make_mlx_lm_checkpoint(root / name, config, seed=seed, quantize=quantize)[1]
+        for name, config in models.items()
     }
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return quantized_checkpoints(tmp_path_factory.mktemp("cpu_layer"), MODELS, seed=5)
 
 
 def _load(path: Path, act_bits: int) -> nn.Module:

@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxserve import cpu, ops
 from mlxserve.models import KVCache, cpu_stack, llama
 from mlxserve.ops import AttentionMetadata, kv_quant
-from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, tiny_config
-from tests.test_cpu_layer import LAYERS, _assert_same_bits, _load, _Spy
+from tests.model_helpers import BlockPoolRunner, tiny_config
+from tests.test_cpu_layer import LAYERS, _assert_same_bits, _load, _Spy, quantized_checkpoints
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="mlxserve's CPU kernels not built")
 
@@ -34,12 +34,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("cpu_stack")
-    quantize = {"group_size": 32, "bits": 4}
-    return {
-        name: make_mlx_lm_checkpoint(root / name, config, seed=7, quantize=quantize)[1]
-        for name, config in MODELS.items()
-    }
+    return quantized_checkpoints(tmp_path_factory.mktemp("cpu_stack"), MODELS, seed=7)
 
 
 def _many_rows(model: nn.Module, kv_dtype: mx.Dtype) -> list[np.ndarray]:
