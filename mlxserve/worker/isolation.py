@@ -52,6 +52,12 @@ class PoolSnapshot:
         states = [list(arrays) for arrays in kv_cache.states]
         return cls(list(kv_cache.keys), list(kv_cache.values), states, saved)
 
+    def arrays(self) -> list[mx.array]:
+        """The arrays in the order of the runner's pool arrays (the target's keys, values,
+        states, then the draft model's keys and values)."""
+        drafter = [] if self.drafter is None else [a for part in self.drafter for a in part]
+        return [*self.keys, *self.values, *(a for s in self.states for a in s), *drafter]
+
     def restore(self, kv_cache: KVCache, drafter: Drafter | None) -> None:
         """Put the arrays back (drops the lazy writes of a failed build)."""
         kv_cache.keys[:], kv_cache.values[:] = self.keys, self.values

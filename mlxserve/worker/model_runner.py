@@ -70,10 +70,9 @@ class StepHandle:
     error: str | None = None  # mx.async_eval itself raised
     index: int = 0  # launches before this one and it: the latest has the runner's pool
     # Built, not started (launch(start=False)): the pool arrays it writes, i.e. the
-    # previous step's, for the PoolWatch once that step is done; dropped when started.
-    pool_before: list[mx.array] | None = None
-    # And those arrays as a snapshot: if the previous step fails, its re-runs start from
-    # them and this step is built again on the tokens they report (ModelRunner.collect).
+    # previous step's, dropped when started: for the PoolWatch once that step is done, and
+    # if that step fails, where its re-runs start from (this step is then built again on
+    # the tokens they report, ModelRunner.collect).
     before: PoolSnapshot | None = None
     is_started: bool = False
 
@@ -304,7 +303,7 @@ class ModelRunner:
             tokens = previous.previous_tokens()
             assert tokens is not None, "the previous step cannot feed a step launched ahead"
         if not start:
-            handle.pool_before, handle.before = self._pool_arrays(), self._snapshot()
+            handle.before = self._snapshot()
         handle.parts = self._build_isolating(so, handle.failed, tokens)
         if start:
             self.start(handle)
@@ -316,12 +315,13 @@ class ModelRunner:
         if handle.is_started:
             return
         handle.is_started = True
-        if handle.pool_before is not None:
+        if handle.before is not None:
             # The previous step is done: its pool arrays' buffers, for the watch (their
             # references dropped before this step's writes are dispatched).
             if len(handle.parts) == 1:
-                self.pool_watch.check(handle.pool_before, rewrites=handle.parts[0].pool_writes > 1)
-            handle.pool_before = handle.before = None
+                rewrites = handle.parts[0].pool_writes > 1
+                self.pool_watch.check(handle.before.arrays(), rewrites=rewrites)
+            handle.before = None
         if not handle.parts:
             return
         outs = self._pool_arrays()
@@ -417,7 +417,7 @@ class ModelRunner:
             mx.array(tokens or [0], dtype=mx.int32), {rid: i for i, rid in enumerate(ids)}
         )
         ahead.failed.clear()
-        ahead.pool_before, ahead.before = self._pool_arrays(), self._snapshot()
+        ahead.before = self._snapshot()
         ahead.parts = self._build_isolating(so, ahead.failed, previous)
 
     def _rerun(self, so: SchedulerOutput, output: ModelRunnerOutput) -> str | None:
