@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.common import cache_dir
 
 VERSION = "0.3.36"  # llama-cpp-python; its vendor/llama.cpp is what gets built
-TARGETS = ("llama-server", "llama-bench", "llama-batched-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize")
 BUILD = "native-noamx"  # names the build options below (a different build, a new folder)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # ggml builds AMX code only if enabled
 
