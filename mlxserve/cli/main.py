@@ -48,8 +48,8 @@ class CommandParser(argparse.ArgumentParser):
         if not self.intermixed or self._is_parsing:  # Python < 3.13's intermixed parsing
             return super().parse_known_args(args, namespace)  # calls this method again
         args = list(sys.argv[1:] if args is None else args)
-        # Python < 3.13 reads the words after `--` as options in its second pass (`-- -hi`
-        # is taken for -h), so they are kept out of argparse's hands.
+        # Python 3.11's intermixed parsing reads the words after `--` as options in its
+        # second pass (`-- -hi` is taken for -h), so they are kept out of argparse's hands.
         cut = args.index("--") if "--" in args else len(args)
         self._is_parsing = True
         try:

