@@ -33,6 +33,11 @@ class LLM:
         exits); nothing to do in one process."""
         self.engine.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own defaults (generation_config.json, a GGUF's
+        general.sampling.*, the embedded model's card), as vLLM's; used when none is given."""
+        return SamplingParams(**self.engine.loaded.generation_defaults)
+
     def get_tokenizer(self):
         """The model's tokenizer (encode/decode/apply_chat_template)."""
         return self.engine.tokenizer
@@ -46,12 +51,15 @@ class LLM:
         """Complete every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt). A prompt that cannot run
+        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt). No ``sampling_params``:
+        the model's defaults (:meth:`get_default_sampling_params`). A prompt that cannot run
         (too long, empty...) raises ParameterError before anything is queued. A request
         that fails while running comes back finished with finish_reason "error" and
         ``RequestOutput.error`` saying why; the other prompts' outputs are unaffected.
         """
         items = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(items))
         ids = []
         for item, p in zip(items, params, strict=True):
@@ -182,10 +190,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams], n: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from mlxserve.cli.chat import ChatSession
 from mlxserve.config import EngineConfig
 from mlxserve.sampling_params import SamplingParams
 from tests.engine_helpers import make_tiny_model_dir
-from tests.paths import ROOT
+from tests.paths import ROOT, SMOLLM2_GGUF
 
 RUN = [sys.executable, "-m", "mlxserve.cli", "run"]
 
@@ -32,8 +33,9 @@ def run_cli(args: list[str], stdin: str | None = None) -> subprocess.CompletedPr
     )
 
 
-def test_one_shot_answers_with_the_default_model() -> None:
-    args = [QUESTION, "--max-tokens", "12", "--temperature", "0"]
+def test_one_shot_answers_with_flags_anywhere() -> None:
+    """Flags before, between and after MODEL and the prompt (the model named by its path)."""
+    args = ["--max-tokens", "12", str(SMOLLM2_GGUF), "--temperature", "0", QUESTION, "--seed", "3"]
     out = run_cli(args, stdin="")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "The capital of France is Paris."
@@ -46,9 +48,8 @@ def test_a_greedy_loop_is_stopped_with_a_note() -> None:
     until the attention's vectorized softmax, and now ends after two lines.)"""
     out = run_cli(["Write a poem about autumn.", "--temperature", "0"], stdin="")
     assert out.returncode == 0, out.stderr
-    assert out.stderr.endswith(
-        "[stopped: the answer repeats itself; /set stop_on_loop off (or --no-stop-on-loop) "
-        "allows it]\n"
+    assert out.stderr.endswith(  # one-shot: the flag, not a REPL command
+        "[stopped: the answer repeats itself; --no-stop-on-loop allows it]\n"
     )
     # The answer ends in one block of text repeated (which block depends on the path:
     # "a leaf's fate is determined, " with float activations, two lines with int8 ones):
@@ -140,6 +141,16 @@ def test_repl_two_turns_clear_ctrl_c_and_exit() -> None:
     # the same answers every time.
     term = Terminal(["--max-tokens", "400", "--temperature", "0"])
     term.expect(">>> ")
+    # The default model's card defaults are "model" defaults; no --seed flag was given.
+    term.send("/set\n")
+    table = term.expect(">>> ")
+    for row in [
+        "temperature          0.0      (flag)",
+        "top_p                0.9      (model)",
+        "top_k                40       (default)",
+        "seed                 none     (default)",
+    ]:
+        assert row in table, table
     term.send(QUESTION + "\n")
     answer = term.expect(">>> ")
     assert "Paris" in answer
@@ -202,6 +213,7 @@ def test_repl_on_a_terminal_multiline_settings_and_ctrl_d(tmp_path: Path) -> Non
         "top_k                7        (flag)",
         "max_tokens           3        (flag)",
         "min_p                0.0      (default)",
+        "seed                 0        (default)",
     ]:
         assert row in table
     term.send('"""\n')
@@ -217,3 +229,24 @@ def test_repl_on_a_terminal_multiline_settings_and_ctrl_d(tmp_path: Path) -> Non
     term.send("\x04")  # Ctrl-D
     assert term.wait() == 0
     assert term.buffer == "\r\n"  # the newline after the prompt (the pty adds the \r)
+
+
+def test_install_hints_name_the_clones_extras() -> None:
+    """mlxserve is installed from its git clone, not from PyPI: a hint that says
+    `pip install mlxserve[extra]` fails for every user; `pip install -e '.[extra]'` works."""
+    files = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.toml", "*.sh", "*.txt"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout.split()
+    pypi_extra = re.compile(r"\bmlxserve\[[\w,-]+\]")
+    found = [
+        f"{name}:{number}: {line.strip()}"
+        for name in files
+        if (ROOT / name).is_file() and name != "tests/test_cli.py"
+        for number, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+        if pypi_extra.search(line)
+    ]
+    assert found == []

@@ -54,6 +54,14 @@ def test_defaults_are_the_chat_ones_when_the_model_has_none() -> None:
     )
     assert params.seed == 0  # the engine's --seed: a sampled answer is reproducible
     assert {sources[k] for k in CHAT_DEFAULTS} == {"default"}
+    assert sources["seed"] == "default"  # no --seed given: /set must not say "--seed"
+
+
+def test_a_seed_flag_is_shown_as_a_flag() -> None:
+    params, sources = chat_sampling(parse_run("--seed", "7"), {})
+    assert (params.seed, sources["seed"]) == (7, "flag")
+    params, sources = chat_sampling(parse_run("--seed", "0"), {})
+    assert (params.seed, sources["seed"]) == (0, "flag")
 
 
 def test_the_model_overrides_the_defaults_and_flags_override_the_model() -> None:
@@ -64,6 +72,34 @@ def test_the_model_overrides_the_defaults_and_flags_override_the_model() -> None
     assert sources["temperature"] == sources["max_tokens"] == "flag"
     assert sources["top_p"] == sources["top_k"] == "model"
     assert sources["min_p"] == "default"
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["./dir", "--temperature", "0", "hi"], ["./dir", "hi"]),  # flags between
+        (["--temperature", "0", "./dir", "hi"], ["./dir", "hi"]),
+        (["./dir", "hi", "--temperature", "0"], ["./dir", "hi"]),
+        (["what", "--temperature", "0", "is", "-v", "this"], ["what", "is", "this"]),
+        (["-5 + 3 = ?", "--temperature", "0"], ["-5 + 3 = ?"]),  # a prompt, not an option
+        (["--temperature", "0", "--", "-hi", "--top-k"], ["-hi", "--top-k"]),  # -- ends options
+        (["./dir", "--temperature", "0", "--", "-x"], ["./dir", "-x"]),
+        (["--temperature", "0"], []),
+    ],
+)
+def test_flags_anywhere_among_model_and_prompt(argv: list[str], words: list[str]) -> None:
+    args = parse_run(*argv)
+    assert args.words == words
+    assert args.temperature == 0
+
+
+def test_an_unknown_flag_among_the_words_is_still_refused(capsys) -> None:
+    from mlxserve.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "./dir", "--no-such-flag", "hi"])
+    assert exc.value.code == 2
+    assert "mlxserve run: error: unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
 def test_a_bad_flag_is_refused_before_loading() -> None:
@@ -110,6 +146,23 @@ def test_a_looping_answer_stops_and_the_history_keeps_one_copy(session_factory) 
     assert notes.getvalue() == (
         "[stopped at max_tokens=400; /set max_tokens N (or --max-tokens N) for more]\n"
     )
+
+
+def test_one_shot_notes_name_flags_not_repl_commands(session_factory) -> None:
+    """A one-shot answer ends the program: its notes name the flag to rerun with."""
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    session = session_factory(params, is_one_shot=True)
+    notes = io.StringIO()
+    session.answer("hello", io.StringIO(), notes=notes)
+    assert notes.getvalue() == (
+        "[stopped: the answer repeats itself; --no-stop-on-loop allows it]\n"
+    )
+    session = session_factory(
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), is_one_shot=True
+    )
+    notes = io.StringIO()
+    session.answer("hello", io.StringIO(), notes=notes)
+    assert notes.getvalue() == "[stopped at max_tokens=2; --max-tokens N for more]\n"
 
 
 # ---- the REPL ----------------------------------------------------------------------------
@@ -216,6 +269,22 @@ def test_an_existing_directory_is_a_model(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mymodel").mkdir()
     assert split_model_and_prompt(["mymodel", "hi"], None) == ("mymodel", "hi")
+
+
+@pytest.mark.parametrize("word", ["llama3.2:1b", "qwen2.5-coder:0.5b", "hf.co/acme/x-GGUF:Q4_K_M"])
+def test_an_ollama_name_read_as_the_prompt_says_so(hub_cache, capsys, word: str) -> None:
+    assert split_model_and_prompt([word, "hi"], None) == (None, f"{word} hi")  # unchanged
+    assert capsys.readouterr().err == (
+        f"note: {word!r} looks like an Ollama model name but is not a local or downloaded "
+        "model, so it is read as the prompt; name a model with --model: a hub id "
+        "(owner/name), a directory or a .gguf file\n"
+    )
+
+
+@pytest.mark.parametrize("words", [["10:30", "in 12h time?"], ["hello"], ["Summarize:", "x"]])
+def test_a_prompt_that_is_no_model_name_gets_no_note(hub_cache, capsys, words) -> None:
+    assert split_model_and_prompt(words, None) == (None, " ".join(words))
+    assert capsys.readouterr().err == ""
 
 
 def test_a_hub_id_read_as_the_prompt_says_so(hub_cache, capsys) -> None:

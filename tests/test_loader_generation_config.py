@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxserve.loader import load_model
+from mlxserve.loader import load_model, resolve_model
 from mlxserve.loader.generation_config import from_gguf_metadata, from_model_dir
 from tests.engine_helpers import make_tiny_model_dir
 from tests.gguf_helpers import write_gguf
@@ -103,3 +103,34 @@ def test_the_embedded_model_has_none(smollm2_gguf: Path) -> None:
     from mlxserve.gguf_file import read_gguf_metadata
 
     assert from_gguf_metadata(read_gguf_metadata(smollm2_gguf)) == {}
+
+
+# HuggingFaceTB/SmolLM2-135M-Instruct's model card: generate(..., temperature=0.2, top_p=0.9)
+CARD = {"temperature": 0.2, "top_p": 0.9}
+
+
+def test_the_embedded_model_carries_its_cards_defaults(smollm2_gguf: Path, tmp_path) -> None:
+    """Its GGUF has no general.sampling.*, so its resolution brings the card's values, by
+    default or named by its path; a copy of the file elsewhere is just a GGUF."""
+    loaded = load_model(None, skip_tokenizer_init=True)
+    assert loaded.generation_defaults == CARD
+    assert load_model(str(smollm2_gguf), skip_tokenizer_init=True).generation_defaults == CARD
+    (tmp_path / "copy.gguf").symlink_to(smollm2_gguf)  # the same file: the same model
+    assert resolve_model(str(tmp_path / "copy.gguf")).sampling_defaults == CARD
+
+
+def test_llm_without_sampling_params_takes_the_models_defaults(tmp_path: Path) -> None:
+    """As vLLM's LLM.generate: no SamplingParams means the model's defaults. Here greedy
+    and 5 tokens (the oracle: the same request with those set explicitly)."""
+    from mlxserve import LLM, SamplingParams
+
+    _, model_dir = make_tiny_model_dir(tmp_path / "dir")
+    write_generation_config(model_dir, {"temperature": 0.0, "max_new_tokens": 5})
+    llm = LLM(str(model_dir), num_blocks=32)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+    prompt = [5, 17, 42]
+    (want,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert want.outputs[0].finish_reason == "length"  # no EOS in the way of the count
+    for _ in range(2):  # greedy: the same every time, where temperature 1 would differ
+        (got,) = llm.generate([prompt], use_tqdm=False)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids

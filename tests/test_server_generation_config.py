@@ -109,3 +109,23 @@ def other_apis_take_the_defaults(url: str) -> None:
             assert outs[0]["content"] == outs[1]["content"]
         else:
             assert outs[0]["eval_count"] == 5 and outs[0]["response"] == outs[1]["response"]
+
+
+def test_the_embedded_model_serves_with_its_cards_defaults(tmp_path) -> None:
+    """The default model has no generation_config: its model card's temperature 0.2 and
+    top_p 0.9 are its defaults, so a request without them samples as one that sets them."""
+    server = start_server(["--max-model-len", "256"], tmp_path / "embedded.log")
+    try:
+        assert "temperature=0.2, top_p=0.9" in server.log()
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+
+        def answer(**fields) -> str:
+            body = {"messages": question, "max_tokens": 12, "ignore_eos": True, **fields}
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        for seed in (1, 2):
+            assert answer(seed=seed) == answer(seed=seed, temperature=0.2, top_p=0.9)
+    finally:
+        server.stop()

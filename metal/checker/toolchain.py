@@ -41,7 +41,8 @@ CLANG_FLAGS = [
 CLANG_VERSIONS = range(40, 16, -1)
 INSTALL_HINT = (
     "get one with `apt-get install clang-19` (Debian 12; any clang >= 17), "
-    "`pip install mlxserve[metal-check]` (ziglang's clang), or set MLXSERVE_CLANG"
+    "`pip install -e '.[metal-check]'` in the mlxserve clone (ziglang's clang), or set "
+    "MLXSERVE_CLANG"
 )
 
 

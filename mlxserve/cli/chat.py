@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import itertools
 import os
+import re
 import signal
 import sys
 from typing import TextIO
@@ -28,9 +29,10 @@ from mlxserve.sampling_params import SamplingParams
 # sampling (temperature 0.8, top_k 40, top_p 0.9), and a cap on an answer's length.
 # repetition_penalty stays 1: here it weighs every token of the conversation, prompt
 # included, not Ollama's last 64, and the loop stop below handles degenerate repeats.
-# Measured on the default model (8 questions x 2 seeds, 500 tokens): answers that loop:
-# greedy 6/16, temperature 0.2 + top_p 0.9 (its model card's) 8/16, these 1/16
-# (with repetition_penalty 1.1: 0/16); mean answer 196 tokens.
+# The embedded default model brings its card's temperature 0.2 and top_p 0.9 (as "model"
+# defaults, see mlxserve.loader): at 0.8 it drifts off topic, often into French; at 0.2 it
+# loops more often (8 of 16 answers of 500 tokens, against 1 of 16 at 0.8), which the loop
+# stop cuts.
 CHAT_DEFAULTS: dict[str, float | int | None] = {
     "temperature": 0.8,
     "top_k": 40,
@@ -45,9 +47,8 @@ CHAT_DEFAULTS: dict[str, float | int | None] = {
 SAMPLING_SETTINGS = (*CHAT_DEFAULTS, "seed")
 INT_SETTINGS = ("top_k", "max_tokens", "seed")
 NONE_WORDS = ("none", "off", "-")
-LOOP_NOTE = (
-    "[stopped: the answer repeats itself; /set stop_on_loop off (or --no-stop-on-loop) allows it]"
-)
+# Ollama's NAME:TAG model names (llama3.2:1b, hf.co/owner/name:Q4_K_M); "10:30" is no name.
+TAGGED_NAME = re.compile(r"^[A-Za-z][\w.-]*(/[\w.-]+)*:[\w.-]+$")
 
 
 class ChatSession:
@@ -63,6 +64,7 @@ class ChatSession:
         use_chat_template: bool = True,
         stop_on_loop: bool = True,
         sources: dict[str, str] | None = None,
+        is_one_shot: bool = False,
     ) -> None:
         self.engine = engine
         self.params = params
@@ -70,6 +72,8 @@ class ChatSession:
         self.use_chat_template = use_chat_template and engine.tokenizer.chat_template is not None
         self.stop_on_loop = stop_on_loop
         self.sources = dict(sources or {})  # setting -> where its value came from
+        # One answer, then exit: notes name flags, not REPL commands the user cannot type.
+        self.is_one_shot = is_one_shot
         self.messages: list[dict[str, str]] = []
         self.clear()
 
@@ -125,7 +129,7 @@ class ChatSession:
                             self.engine.step()
                         kept = self.engine.tokenizer.decode(token_ids[: loop.keep])
                         parts = [kept]
-                        note = LOOP_NOTE
+                        note = self._loop_note()
                         break
                     if sample.finish_reason == "length":
                         note = self._length_note(len(token_ids))
@@ -141,10 +145,22 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": reply})
         return reply
 
+    def _loop_note(self) -> str:
+        if self.is_one_shot:
+            return "[stopped: the answer repeats itself; --no-stop-on-loop allows it]"
+        return (
+            "[stopped: the answer repeats itself; /set stop_on_loop off (or --no-stop-on-loop) "
+            "allows it]"
+        )
+
     def _length_note(self, num_tokens: int) -> str:
         cap = self.params.max_tokens
         if cap is not None and num_tokens >= cap:
+            if self.is_one_shot:
+                return f"[stopped at max_tokens={cap}; --max-tokens N for more]"
             return f"[stopped at max_tokens={cap}; /set max_tokens N (or --max-tokens N) for more]"
+        if self.is_one_shot:
+            return "[stopped: the context is full]"
         return "[stopped: the context is full; /clear starts a new conversation]"
 
     # ------------------------------------------------------------- settings
@@ -206,8 +222,9 @@ def _show(value: object) -> str:
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Sampling flags; unset ones (None) leave the model's or the chat defaults."""
     g = parser.add_argument_group(
-        "sampling (default: the model's generation_config, else Ollama's: temperature 0.8, "
-        "top-k 40, top-p 0.9; at most 1024 tokens an answer)"
+        "sampling (default: the model's own: its generation_config, GGUF general.sampling.*, "
+        "or for the embedded model its card's temperature 0.2, top-p 0.9; else Ollama's: "
+        "temperature 0.8, top-k 40, top-p 0.9; at most 1024 tokens an answer)"
     )
     g.add_argument("--temperature", type=float, default=None, help="0: greedy")
     g.add_argument("--top-p", type=float, default=None)
@@ -241,9 +258,11 @@ def chat_sampling(
             values[name], sources[name] = model_defaults[name], "model"
         else:
             values[name], sources[name] = default, "default"
-    # The engine's --seed (default 0) makes sampled answers reproducible, as before.
-    seed = args.seed if values["temperature"] > 0 else None
-    sources["seed"] = "--seed"
+    # The engine's seed (--seed, default 0) makes sampled answers reproducible.
+    seed = EngineConfig.seed if args.seed is None else args.seed
+    sources["seed"] = "default" if args.seed is None else "flag"
+    if values["temperature"] == 0:
+        seed = None  # greedy: nothing to seed
     return SamplingParams(**values, seed=seed, stop=args.stop), sources
 
 
@@ -254,7 +273,9 @@ def split_model_and_prompt(
 
     That is: an existing file or directory, a path (./x, /x, ~/x) or a .gguf name, or a
     hub id (owner/name) already in the local Hugging Face cache. Anything else, `and/or`
-    included, is the prompt; a hub model not downloaded yet is named with --model.
+    included, is the prompt; a hub model not downloaded yet is named with --model. A first
+    word that looks like a model name (owner/name, name:tag) gets a note on stderr saying
+    it was read as the prompt.
     """
     from mlxserve.loader.hub import is_cached, is_repo_id
 
@@ -273,6 +294,13 @@ def split_model_and_prompt(
             f"to download it from the hub: mlxserve run --model {first}",
             file=sys.stderr,
         )
+    elif TAGGED_NAME.match(first):
+        print(
+            f"note: {first!r} looks like an Ollama model name but is not a local or downloaded "
+            "model, so it is read as the prompt; name a model with --model: a hub id "
+            "(owner/name), a directory or a .gguf file",
+            file=sys.stderr,
+        )
     return None, " ".join(words)
 
 
@@ -282,7 +310,9 @@ def add_run_command(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="chat with a model in the terminal",
         description="Chat with a model: a streaming REPL, or one answer when "
-        "a PROMPT is given or stdin is piped.",
+        "a PROMPT is given or stdin is piped. Options may come before, between or after "
+        "MODEL and PROMPT; after -- every word is the prompt's (one starting with - too).",
+        intermixed=True,  # main.CommandParser
     )
     run.add_argument(
         "words",
@@ -332,6 +362,7 @@ def run_command(args: argparse.Namespace) -> int:
         system=args.system,
         use_chat_template=not args.no_chat_template,
         stop_on_loop=args.stop_on_loop,
+        is_one_shot=prompt is not None,
     )
     loaded = session.engine.loaded
     check_quantization(args, loaded.source.kind, loaded.config)

@@ -76,7 +76,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "host, so the engine's Python overlaps the compute (steps that need those tokens "
         "on the host, e.g. penalties or structured outputs, run in order)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,  # unset: EngineConfig's 0, and `run` can say no flag was given
+        help=f"random seed (default {EngineConfig.seed})",
+    )
     g.add_argument(
         "--chat-template", default=None, help="a Jinja chat template, or a file holding one"
     )
@@ -126,6 +131,8 @@ def engine_config(args: argparse.Namespace, model: str | None) -> EngineConfig:
     values = {k: v for k, v in vars(args).items() if k in names and k != "model"}
     if values.get("kv_cache_memory_bytes") is None:  # keep the environment's default
         values.pop("kv_cache_memory_bytes", None)
+    if values.get("seed") is None:
+        values.pop("seed", None)
     if args.chat_template and os.path.isfile(args.chat_template):
         with open(args.chat_template, encoding="utf-8") as f:
             values["chat_template"] = f.read()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from mlxserve import __version__
 from mlxserve.cli.bench import add_bench_command
@@ -29,10 +31,40 @@ SUB_COMMANDS = (
 )
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser. ``intermixed=True``: options may come anywhere among the
+    words (`run ./dir --temperature 0 "hi"`), as argparse's intermixed parsing allows, and
+    every word after `--` is one more of the words (the ``nargs="*"`` positional), even a
+    word that starts with "-"."""
+
+    def __init__(self, *args: Any, intermixed: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.intermixed = intermixed
+        self._is_parsing = False
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if not self.intermixed or self._is_parsing:  # Python < 3.13's intermixed parsing
+            return super().parse_known_args(args, namespace)  # calls this method again
+        args = list(sys.argv[1:] if args is None else args)
+        # Python 3.11's intermixed parsing reads the words after `--` as options in its
+        # second pass (`-- -hi` is taken for -h), so they are kept out of argparse's hands.
+        cut = args.index("--") if "--" in args else len(args)
+        self._is_parsing = True
+        try:
+            namespace, extras = self.parse_known_intermixed_args(args[:cut], namespace)
+        finally:
+            self._is_parsing = False
+        (words,) = (a for a in self._get_positional_actions() if a.nargs == argparse.ZERO_OR_MORE)
+        setattr(namespace, words.dest, [*(getattr(namespace, words.dest) or []), *args[cut + 1 :]])
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxserve", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mlxserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for add_command in SUB_COMMANDS:
         add_command(sub)
     return parser

@@ -2,7 +2,9 @@
 
 As vLLM does (``--generation-config auto``), only these keys are taken, renamed to
 SamplingParams' fields; a front-end decides what they are defaults for (``mlxserve run``
-uses them under explicit flags).
+uses them under explicit flags, ``serve`` for fields a request leaves out, ``LLM`` when no
+SamplingParams is given). The embedded default model carries neither file: its model
+card's values come with its resolution (``loader.DEFAULT_MODEL_SAMPLING``).
 """
 
 from __future__ import annotations

@@ -411,7 +411,7 @@ def require_mlx_lm() -> types.ModuleType:
     except ImportError:
         raise UnsupportedModelError(
             f"this architecture runs through mlx-lm, which is not installed: pip install "
-            f"'{MLX_LM_PIN}' (or 'mlxserve[mlx-lm]')"
+            f"'{MLX_LM_PIN}' (or, in the mlxserve clone, pip install -e '.[mlx-lm]')"
         ) from None
     version = tuple(int(x) for x in mlx_lm.__version__.split(".")[:3] if x.isdigit())
     low, high = TESTED_MLX_LM
