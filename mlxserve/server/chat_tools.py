@@ -96,8 +96,13 @@ class ChatFeatures:
         if reasoning_parser is None and template and THINK_END in template:
             reasoning_parser = "qwen3"  # follows the prompt: R1-style templates open <think>
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
-        self._special_ids = {
-            t: i for t in ("[TOOL_CALLS]", "[ARGS]") if (i := tokenizer.token_to_id(t)) is not None
+        # Tool-call markers the vocabulary spells as one token (Qwen's <tool_call>, Mistral's
+        # [TOOL_CALLS]): forced-call grammars ask for those tokens, and the reply is decoded
+        # with them kept where they are special tokens, or the parser would never see them.
+        markers = {m for p in TOOL_PARSERS.values() for m in p.markers}
+        self._marker_ids = {m: i for m in markers if (i := tokenizer.token_to_id(m)) is not None}
+        self._special_markers = {
+            m for m, i in self._marker_ids.items() if i in tokenizer.all_special_ids
         }
         if self.harmony:
             logger.info("chat: harmony (gpt-oss): reasoning, content and tool calls by channel")
@@ -108,6 +113,11 @@ class ChatFeatures:
             "" if self.native_tools else " (tools described in the system message)",
             reasoning_parser or "none",
         )
+
+    def keeps_special_tokens(self, parser: str) -> bool:
+        """Whether a reply in ``parser``'s format must be decoded with special tokens kept."""
+        cls = TOOL_PARSERS[parser]
+        return cls.needs_special_tokens or any(m in self._special_markers for m in cls.markers)
 
     def template_inputs(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
@@ -172,9 +182,9 @@ class ChatFeatures:
             # "required": one call or more (parallel_tool_calls allowing); a named
             # function: exactly one call of it, as OpenAI's forced function.
             several = parallel_tool_calls and choice == "required"
-            grammar = call_grammar(parser, functions, several, self._special_ids.get)
+            grammar = call_grammar(parser, functions, several, self._marker_ids.get)
             params.structured_outputs = StructuredOutputsParams(grammar=grammar)
-        if parser is not None and TOOL_PARSERS[parser].needs_special_tokens:
+        if parser is not None and self.keeps_special_tokens(parser):
             params.skip_special_tokens = False  # its markers are special tokens
         template_messages, template_tools = self.template_inputs(messages, use_tools)
         return ChatPlan(
