@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import INT32_MAX, MAX_STOP, SamplingParams
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
-from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
 from mlxserve.server.protocol import _Strict, model_defaults
 from mlxserve.server.streams import ClientDisconnected, SSEResponse
 from mlxserve.server.tool_messages import (
@@ -140,7 +140,9 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 def error_response(e: APIError) -> JSONResponse:
     """An error in Anthropic's shape."""
-    return JSONResponse(error_body(e.status, e.message), status_code=e.status)
+    return JSONResponse(
+        error_body(e.status, e.message), status_code=e.status, headers=closing_headers(e.status)
+    )
 
 
 def event(name: str, data: dict[str, Any]) -> str:
@@ -282,6 +284,8 @@ def _as_api_error(e: Exception) -> APIError:
 def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
     """Register /v1/messages and /v1/messages/count_tokens; errors leave in Anthropic's shape."""
     from mlxserve.server.body import parse_body
+
+    add_error_shape(app, "/v1/messages", error_response)
 
     async def messages(request: Request) -> Response:
         try:

@@ -29,7 +29,7 @@ from mlxserve.parsers import ToolCall
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed, started
-from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
 from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
@@ -149,7 +149,9 @@ def now_iso() -> str:
 
 def error_response(e: APIError) -> JSONResponse:
     """An error in Ollama's shape."""
-    return JSONResponse({"error": e.message}, status_code=e.status)
+    return JSONResponse(
+        {"error": e.message}, status_code=e.status, headers=closing_headers(e.status)
+    )
 
 
 def _done_fields(res: ChatResult) -> dict[str, Any]:
@@ -243,10 +245,14 @@ class OllamaServing:
         messages = ollama_messages([m.model_dump(exclude_none=True) for m in req.messages])
         if not messages:
             raise bad_request("messages must not be empty", "messages")
+        functions = [t.get("function") or {} for t in req.tools or ()]
         tools = [
-            function_tool(f.get("name"), f.get("description"), f.get("parameters"), "tools")
-            for f in (t.get("function") or {} for t in req.tools or ())
-        ]
+            function_tool(
+                f.get("name"), f.get("description"), f.get("parameters"), "tools",
+                f"tools.{i}.function.parameters",
+            )
+            for i, f in enumerate(functions)
+        ]  # fmt: skip
         return await self._run(
             raw, req.stream, params, model, "message", messages=messages, tools=tools or None
         )
@@ -347,6 +353,8 @@ def _line(obj: dict[str, Any]) -> str:
 def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
     """Register /api/* on ``app``; every error leaves in Ollama's shape."""
     from mlxserve.server.body import parse_body, parse_json, read_body
+
+    add_error_shape(app, "/api/", error_response)
 
     def route(method: str, path: str):
         def register(handler):
