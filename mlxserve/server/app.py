@@ -235,10 +235,16 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
                 return tokenizer.encode(text, add_special_tokens=True)
             return tokenizer.encode_rendered_chat(text)
 
-        tokens = await run_in_threadpool(encode)
+        def encode_with_strs() -> tuple[list[int], list[str | None] | None]:
+            tokens = encode()
+            return tokens, [tokenizer.id_to_token(t) for t in tokens] if (
+                body.return_token_strs
+            ) else None
+
+        tokens, strs = await run_in_threadpool(encode_with_strs)
         out = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
-        if body.return_token_strs:
-            out["token_strs"] = [tokenizer.id_to_token(t) for t in tokens]
+        if strs is not None:
+            out["token_strs"] = strs
         return out
 
     @app.post(

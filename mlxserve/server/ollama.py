@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from pydantic import ConfigDict
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -29,6 +30,7 @@ from mlxserve.parsers import ToolCall
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed, started
+from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
 from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
@@ -314,16 +316,25 @@ class OllamaServing:
         return NDJSONResponse(frames, run.close)
 
     # ------------------------------------------------------------ embeddings
-    async def embed(self, raw: Request, texts: list[str], dimensions: int | None) -> list:
-        """Vectors of ``texts`` through the engine (the /v1/embeddings path)."""
+    async def embed(
+        self, raw: Request, texts: list[str], dimensions: int | None
+    ) -> tuple[list, int]:
+        """(vectors of ``texts``, their number of tokens), through the engine as
+        /v1/embeddings does: as many inputs at most, checked before any is tokenized."""
+        if len(texts) > MAX_EMBEDDING_INPUTS:
+            raise bad_request(
+                f"input holds {len(texts)} items; at most {MAX_EMBEDDING_INPUTS} per request",
+                "input",
+            )
         try:
             pooling = PoolingParams(dimensions=dimensions)
         except ParameterError as e:
             raise bad_request(str(e), e.parameter) from None
         self.serving.check_accepting()
         tok = self.serving.tokenizer
+        ids = await run_in_threadpool(lambda: [tok.encode(t) for t in texts])
         rid = f"ollama-embed-{uuid.uuid4().hex}"
-        requests = [(f"{rid}-{i}", t, tok.encode(t), None) for i, t in enumerate(texts)]
+        requests = [(f"{rid}-{i}", t, ids[i], None) for i, t in enumerate(texts)]
         group = RequestGroup(
             self.serving.llm, requests, self.serving.in_flight, pooling_params=pooling
         )
@@ -337,7 +348,7 @@ class OllamaServing:
             return vectors
 
         try:
-            return await run_unless_disconnected(raw, work())
+            return await run_unless_disconnected(raw, work()), sum(map(len, ids))
         except ParameterError as e:
             raise bad_request(str(e), "input" if e.parameter == "prompt" else e.parameter) from None
         except ValueError as e:
@@ -363,6 +374,8 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
                     out = await handler(request)
                 except APIError as e:
                     return error_response(e)
+                except ClientDisconnected:  # nobody is left to answer; not a server error
+                    return Response(status_code=499)
                 except Exception as e:  # noqa: BLE001 -- every error in Ollama's shape
                     logger.exception("internal error while handling a request")
                     message = f"internal server error: {type(e).__name__}: {e}"
@@ -408,19 +421,18 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
         model = ollama.model_name(body.model)
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
         start = time.monotonic()
-        vectors = await ollama.embed(request, texts, body.dimensions)
-        tok = ollama.serving.tokenizer
+        vectors, num_tokens = await ollama.embed(request, texts, body.dimensions)
         return {
             "model": model,
             "embeddings": vectors,
             "total_duration": int((time.monotonic() - start) * 1e9),
             "load_duration": 0,
-            "prompt_eval_count": sum(len(tok.encode(t)) for t in texts),
+            "prompt_eval_count": num_tokens,
         }
 
     @route("POST", "/api/embeddings")
     async def embeddings(request: Request):
         body = await parse_body(request, OllamaEmbeddingsRequest, limit)
         ollama.model_name(body.model)
-        (vector,) = await ollama.embed(request, [body.prompt], None)
+        (vector,), _ = await ollama.embed(request, [body.prompt], None)
         return {"embedding": vector}
