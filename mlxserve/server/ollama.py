@@ -32,6 +32,7 @@ from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed, started
 from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
 from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
+from mlxserve.server.ollama_models import OllamaModels
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
 from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
@@ -74,7 +75,7 @@ class _Common(_Strict):
     model: str
     stream: bool = True
     options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None  # the model always stays loaded here
+    keep_alive: str | int | float | None = None  # 0: see ollama_models.py
     format: str | dict[str, Any] | None = None
     think: bool | None = None
 
@@ -175,6 +176,7 @@ class OllamaServing:
         self.serving = serving
         self.engine = engine
         self.model_size = model_size
+        self.models = OllamaModels(serving.llm, serving.model_names)
 
     def model_name(self, name: str) -> str:
         """A served name (Ollama's ":latest" tag allowed); 404 otherwise."""
@@ -256,7 +258,7 @@ class OllamaServing:
             for i, f in enumerate(functions)
         ]  # fmt: skip
         return await self._run(
-            raw, req.stream, params, model, "message", messages=messages, tools=tools or None
+            raw, req, params, model, "message", messages=messages, tools=tools or None
         )
 
     async def generate(self, raw: Request, req: OllamaGenerateRequest) -> Response:
@@ -264,23 +266,34 @@ class OllamaServing:
         for name in ("suffix", "context", "images"):
             if getattr(req, name):
                 raise bad_request(f"{name} is not supported", name)
-        if not req.prompt:  # Ollama's way of asking for the model to be loaded: it is
+        if not req.prompt:  # Ollama's way of asking for the model to be (un)loaded
+            unload = self.models.keep_alive(req.keep_alive, model)
             body = {"model": model, "created_at": now_iso(), "response": ""}
-            return JSONResponse(body | {"done": True, "done_reason": "load"})
+            return JSONResponse(
+                body | {"done": True, "done_reason": "unload" if unload else "load"}
+            )
         params = req.sampling_params(self.serving.sampling_defaults)
         if req.raw:
-            return await self._run(raw, req.stream, params, model, "response", prompt=req.prompt)
+            return await self._run(raw, req, params, model, "response", prompt=req.prompt)
         messages = [{"role": "system", "content": req.system}] if req.system else []
         messages.append({"role": "user", "content": req.prompt})
-        return await self._run(raw, req.stream, params, model, "response", messages=messages)
+        return await self._run(raw, req, params, model, "response", messages=messages)
 
     async def _run(
-        self, raw: Request, stream: bool, params: SamplingParams, model: str, key: str, **what
+        self,
+        raw: Request,
+        req: _Common,
+        params: SamplingParams,
+        model: str,
+        key: str,
+        **what,
     ) -> Response:
+        stream, keep_alive = req.stream, req.keep_alive
         run = ChatRun(self.serving, "ollama", "messages" if key == "message" else "prompt")
         run.field_names = {"structured_outputs": "format"}
         if not await started(run, raw, run.start(raw, params, **what)):
             return Response(status_code=499)
+        self.models.keep_alive(keep_alive, model)  # the request runs: acts once it is over
 
         def piece(content: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
             if key == "response":
@@ -406,6 +419,18 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
             raise bad_request("the body must be a JSON object")
         return ollama.show(body)
 
+    @route("POST", "/api/pull")
+    async def pull(request: Request):
+        body = parse_json(await read_body(request, limit))
+        status = ollama.models.pull(body)
+        if isinstance(body, dict) and body.get("stream") is False:
+            return status
+        return Response(_line(status), media_type="application/x-ndjson")
+
+    @route("DELETE", "/api/delete")
+    async def delete(request: Request):
+        ollama.models.delete(parse_json(await read_body(request, limit)))
+
     @route("POST", "/api/chat")
     async def chat(request: Request):
         return await ollama.chat(request, await parse_body(request, OllamaChatRequest, limit))
@@ -422,6 +447,7 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
         start = time.monotonic()
         vectors, num_tokens = await ollama.embed(request, texts, body.dimensions)
+        ollama.models.keep_alive(body.keep_alive, model)
         return {
             "model": model,
             "embeddings": vectors,
