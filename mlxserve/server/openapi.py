@@ -18,7 +18,8 @@ from pydantic.json_schema import models_json_schema
 _REF = "#/components/schemas/{model}"
 DESCRIPTION = (
     "OpenAI-compatible API of mlxserve. Request fields set to null count as not given; "
-    'types are strict ("10" is not an integer, true is not 1).'
+    'types are strict ("10" is not an integer, true is not 1; 10.0 is the integer 10, as '
+    "JSON Schema reads it)."
 )
 
 
@@ -245,7 +246,10 @@ def install_openapi(
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(defs.get("$defs", {}))
             for model in body_models:
-                field = components[model.__name__]["properties"].get("model")
+                properties = components[model.__name__]["properties"]
+                for name, field in properties.items():
+                    properties[name] = _nullable(field)
+                field = properties.get("model")
                 if field is not None:
                     field["enum"] = [*model_names, None]
             _drop_422(schema)
@@ -253,6 +257,16 @@ def install_openapi(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _nullable(field: dict[str, Any]) -> dict[str, Any]:
+    """A top-level body field that also takes null, which the server reads as "not given"
+    (mlxserve.server.body.parse_model), whatever the field's own type."""
+    options = field.get("anyOf", [field])
+    if any(o.get("type") == "null" for o in options):
+        return field
+    outer = {k: field.pop(k) for k in ("title", "description", "default") if k in field}
+    return outer | {"anyOf": [field, {"type": "null"}]}
 
 
 def _drop_422(schema: dict[str, Any]) -> None:
