@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import INT32_MAX, MAX_STOP, SamplingParams
+from mlxserve.server import openapi as doc
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
 from mlxserve.server.protocol import _Strict, model_defaults
@@ -301,7 +302,16 @@ def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
         except Exception as e:  # noqa: BLE001 -- every error in Anthropic's shape
             return error_response(_as_api_error(e))
 
-    app.add_api_route("/v1/messages", messages, methods=["POST"], include_in_schema=False)
+    sse = "text/event-stream"
     app.add_api_route(
-        "/v1/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False
+        "/v1/messages",
+        messages,
+        methods=["POST"],
+        **doc.other_api_route(MessagesRequest, doc.AnthropicError, sse),
+    )
+    app.add_api_route(
+        "/v1/messages/count_tokens",
+        count_tokens,
+        methods=["POST"],
+        **doc.other_api_route(CountTokensRequest, doc.AnthropicError),
     )

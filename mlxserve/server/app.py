@@ -24,7 +24,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server import openapi as doc
-from mlxserve.server.anthropic import AnthropicServing, add_anthropic_routes
+from mlxserve.server.anthropic import (
+    AnthropicServing,
+    CountTokensRequest,
+    MessagesRequest,
+    add_anthropic_routes,
+)
 from mlxserve.server.anthropic import error_body as anthropic_error_body
 from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
 from mlxserve.server.chat_tools import ChatFeatures
@@ -37,14 +42,22 @@ from mlxserve.server.errors import (
     install_error_handlers,
 )
 from mlxserve.server.metrics import ServerMetrics
-from mlxserve.server.ollama import OllamaServing, add_ollama_routes
+from mlxserve.server.ollama import (
+    OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaServing,
+    add_ollama_routes,
+)
+from mlxserve.server.ollama_models import OllamaDeleteRequest, OllamaPullRequest, OllamaShowRequest
 from mlxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from mlxserve.server.responses import ResponsesServing, add_responses_routes
+from mlxserve.server.responses import ResponsesRequest, ResponsesServing, add_responses_routes
 from mlxserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("mlxserve")
@@ -82,6 +95,21 @@ class ServerConfig:
             )
 
 
+# The request bodies of the Anthropic, Responses and Ollama routes, in /openapi.json too.
+OTHER_API_BODIES = [
+    MessagesRequest,
+    CountTokensRequest,
+    ResponsesRequest,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaEmbedRequest,
+    OllamaEmbeddingsRequest,
+    OllamaShowRequest,
+    OllamaPullRequest,
+    OllamaDeleteRequest,
+]
+
+
 def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over a running AsyncLLM (whose on_step feeds ``metrics``)."""
     engine = llm.engine
@@ -117,6 +145,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
             EmbeddingRequest,
             TokenizeRequest,
             DetokenizeRequest,
+            *OTHER_API_BODIES,
         ],
         list(config.model_names),
     )

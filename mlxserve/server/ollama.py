@@ -29,10 +29,16 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.parsers import ToolCall
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from mlxserve.server import openapi as doc
 from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed, started
 from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
 from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
-from mlxserve.server.ollama_models import OllamaModels
+from mlxserve.server.ollama_models import (
+    OllamaDeleteRequest,
+    OllamaModels,
+    OllamaPullRequest,
+    OllamaShowRequest,
+)
 from mlxserve.server.protocol import _Strict
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
 from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
@@ -370,6 +376,9 @@ class OllamaServing:
             await group.close()
 
 
+NDJSON = "application/x-ndjson"
+
+
 def _line(obj: dict[str, Any]) -> str:
     return json.dumps(obj, ensure_ascii=False) + "\n"
 
@@ -380,7 +389,9 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
 
     add_error_shape(app, "/api/", error_response)
 
-    def route(method: str, path: str):
+    def route(method: str, path: str, body: type | None = None, stream: bool = False):
+        documented = doc.other_api_route(body, doc.OllamaError, NDJSON if stream else None)
+
         def register(handler):
             async def endpoint(request: Request) -> Response:
                 try:
@@ -395,7 +406,7 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
                     return error_response(APIError(500, message))
                 return out if isinstance(out, Response) else JSONResponse(out)
 
-            app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
+            app.add_api_route(path, endpoint, methods=[method], **documented)
             return handler
 
         return register
@@ -412,35 +423,35 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
     async def version(request: Request):
         return ollama.version()
 
-    @route("POST", "/api/show")
+    @route("POST", "/api/show", OllamaShowRequest)
     async def show(request: Request):
         body = parse_json(await read_body(request, limit))
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object")
         return ollama.show(body)
 
-    @route("POST", "/api/pull")
+    @route("POST", "/api/pull", OllamaPullRequest, stream=True)
     async def pull(request: Request):
         body = parse_json(await read_body(request, limit))
         status = ollama.models.pull(body)
         if isinstance(body, dict) and body.get("stream") is False:
             return status
-        return Response(_line(status), media_type="application/x-ndjson")
+        return Response(_line(status), media_type=NDJSON)
 
-    @route("DELETE", "/api/delete")
+    @route("DELETE", "/api/delete", OllamaDeleteRequest)
     async def delete(request: Request):
         ollama.models.delete(parse_json(await read_body(request, limit)))
 
-    @route("POST", "/api/chat")
+    @route("POST", "/api/chat", OllamaChatRequest, stream=True)
     async def chat(request: Request):
         return await ollama.chat(request, await parse_body(request, OllamaChatRequest, limit))
 
-    @route("POST", "/api/generate")
+    @route("POST", "/api/generate", OllamaGenerateRequest, stream=True)
     async def generate(request: Request):
         body = await parse_body(request, OllamaGenerateRequest, limit)
         return await ollama.generate(request, body)
 
-    @route("POST", "/api/embed")
+    @route("POST", "/api/embed", OllamaEmbedRequest)
     async def embed(request: Request):
         body = await parse_body(request, OllamaEmbedRequest, limit)
         model = ollama.model_name(body.model)
@@ -456,7 +467,7 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
             "prompt_eval_count": num_tokens,
         }
 
-    @route("POST", "/api/embeddings")
+    @route("POST", "/api/embeddings", OllamaEmbeddingsRequest)
     async def embeddings(request: Request):
         body = await parse_body(request, OllamaEmbeddingsRequest, limit)
         ollama.model_name(body.model)

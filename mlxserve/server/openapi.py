@@ -204,23 +204,62 @@ BODY_ERRORS = ERRORS | {
 GENERATE_ERRORS = BODY_ERRORS | {503: _error("The server is shutting down")}
 
 
+# One server-sent event (OpenAPI 3.1 has no itemSchema, so the schema is read per event, as
+# schemathesis does): its data is a JSON chunk, or "[DONE]" at the end.
+_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """The responses of a generation route: JSON, or an event stream with stream=true."""
-    # One server-sent event (OpenAPI 3.1 has no itemSchema, so the schema is read per
-    # event, as schemathesis does): its data is a JSON chunk, or "[DONE]" at the end.
-    event = {
-        "type": "object",
-        "required": ["data"],
-        "properties": {
-            "data": {"type": "string"},
-            "event": {"type": "string"},
-            "id": {"type": "string"},
-            "retry": {"type": "integer"},
-        },
-    }
-    stream = {"text/event-stream": {"schema": event}}
+    stream = {"text/event-stream": {"schema": _EVENT}}
     ok = {"description": "The completion (JSON), or an event stream", "model": model}
     return {200: ok | {"content": stream}} | GENERATE_ERRORS
+
+
+class AnthropicErrorDetail(_Doc):
+    type: str
+    message: str
+
+
+class AnthropicError(_Doc):
+    """Every error of /v1/messages*: Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class OllamaError(_Doc):
+    """Every error of /api/*: Ollama's shape."""
+
+    error: str
+
+
+def other_api_route(
+    body: type[BaseModel] | None, error: type[BaseModel], stream_type: str | None = None
+) -> dict[str, Any]:
+    """``add_api_route`` arguments documenting a route of another API (Anthropic, Responses,
+    Ollama): its request body, a 200 (JSON, or a ``stream_type`` stream when the body asks
+    for one) and its errors, in that API's shape."""
+    content: dict[str, Any] = {"application/json": {"schema": {}}}
+    if stream_type == "text/event-stream":
+        content[stream_type] = {"schema": _EVENT}
+    elif stream_type is not None:
+        content[stream_type] = {"schema": {"type": "string"}}
+    responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Successful response", "content": content},
+        "default": {"description": "An error, in this API's shape", "model": error},
+    }
+    extra = request_body(body) if body is not None else None
+    return {"include_in_schema": True, "responses": responses, "openapi_extra": extra}
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -246,12 +285,14 @@ def install_openapi(
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(defs.get("$defs", {}))
             for model in body_models:
-                properties = components[model.__name__]["properties"]
+                component = components[model.__name__]
+                properties, required = component["properties"], component.get("required", [])
                 for name, field in properties.items():
-                    properties[name] = _nullable(field)
+                    if name not in required:  # a required field's null is a missing field
+                        properties[name] = _nullable(field)
                 field = properties.get("model")
                 if field is not None:
-                    field["enum"] = [*model_names, None]
+                    field["enum"] = [*model_names] + ([] if "model" in required else [None])
             _drop_422(schema)
             app.openapi_schema = schema
         return app.openapi_schema
