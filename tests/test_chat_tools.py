@@ -182,7 +182,14 @@ def test_tool_schema_errors_name_tools(tokenizer) -> None:
     grammar = call_grammar("hermes", [bad["function"]], parallel=False)
     with pytest.raises(ParameterError, match="strin"):
         GrammarCompiler(tokenizer, VOCAB_SIZE).compile(StructuredOutputsParams(grammar=grammar))
-    req = request(tools=[bad], tool_choice="required")
+    # At the HTTP boundary it never gets that far: the schema is checked, its field named.
+    from pydantic import ValidationError
+
+    for choice in ("auto", "required"):
+        with pytest.raises(ValidationError) as e:
+            request(tools=[bad], tool_choice=choice)
+        assert e.value.errors()[0]["loc"] == ("tools", 0, "function", "parameters")
+    req = request(tools=[WEATHER], tool_choice="required")
     assert req.field_names()["structured_outputs.grammar"] == "tools"
 
 
