@@ -313,3 +313,53 @@ def test_forced_calls_take_markers_that_are_one_token(marker_tokenizer, parser, 
              message["tool_calls"]]  # fmt: skip
     assert calls == [("get_weather", {"city": "Rome"})]
     assert message["content"] is None
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_a_forced_call_on_a_harmony_model(tmp_path, choice) -> None:
+    """gpt-oss: its markers are special tokens; the grammar lets it reason, then call."""
+    import numpy as np
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    from mlxserve.structured_output.grammar import bitmask_words
+    from mlxserve.tokenizer.harmony import HARMONY_TEXT_TOKENS, HARMONY_TOKENS
+
+    write_tokenizer(tmp_path)
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    specials = dict.fromkeys([*HARMONY_TOKENS, *HARMONY_TEXT_TOKENS])
+    backend.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.chat_format == "harmony"
+    named = {"type": "function", "function": {"name": choice}}
+    req = request(tools=[WEATHER, CLOCK], tool_choice=choice if choice == "required" else named)
+    params = req.sampling_params()
+    plan = plan_of(ChatFeatures(tok), req, params)
+    reply = (
+        "<|channel|>analysis<|message|>The user asks <about> Rome.\nCall it.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Rome"}'
+    )
+    ids = tok.encode(reply, add_special_tokens=False)
+    vocab_size = tok.backend.get_vocab_size()
+    grammar = GrammarCompiler(tok, vocab_size).compile(params.structured_outputs)
+    call_id = tok.token_to_id("<|call|>")
+    state = grammar.new_state(frozenset({call_id}))
+    for t in [*ids, call_id]:  # the reply, then the end token that ends a call
+        row = np.full(bitmask_words(vocab_size), -1, dtype=np.int32)
+        state.fill_bitmask(row)
+        assert (int(row[t >> 5]) >> (t & 31)) & 1, f"token {t} ({tok.decode([t])!r}) masked"
+        state.accept(t)
+    text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    message = ReplyFormatter(plan, "").message(text)
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in
+             message["tool_calls"]]  # fmt: skip
+    assert calls == [("get_weather", {"city": "Rome"})]
+    assert message["reasoning_content"] == "The user asks <about> Rome.\nCall it."
+    # A reply that is not a call of a named tool is refused token by token.
+    state = grammar.new_state(frozenset({call_id}))
+    final = tok.encode("<|channel|>final<|message|>Hi", add_special_tokens=False)
+    with pytest.raises(ValueError):
+        for t in final:
+            state.accept(t)

@@ -59,7 +59,30 @@ def call_grammar(
         lines = [f"start: call{repeat}", f"call: {marker} ({calls})"]
         lines += [f"body{i}: {_json(b)}" for i, b in enumerate(bodies)]
         return "\n".join(lines) + "\n"
+    if parser == "harmony":
+        return _harmony(functions, token_id)
     raise ValueError(f"no tool-call grammar for the {parser!r} format")
+
+
+def _harmony(functions: list[dict[str, Any]], token_id: Callable[[str], int | None]) -> str:
+    """gpt-oss: its reasoning (an analysis message) if it wants, then one message to
+    ``functions.NAME`` with the arguments as JSON. The ``<|call|>`` that ends the call is
+    an end token of the request, allowed once the arguments are complete; a harmony reply
+    holds one call."""
+    channel, message = _token("<|channel|>", token_id), _token("<|message|>", token_id)
+    end, start = _token("<|end|>", token_id), _token("<|start|>", token_id)
+    constrain = _token("<|constrain|>", token_id)
+    calls = " | ".join(
+        f'"{f["name"]}" " " {constrain} "json" {message} body{i}' for i, f in enumerate(functions)
+    )
+    lines = [
+        "start: analysis? call",
+        f'analysis: {channel} "analysis" {message} THOUGHT {end} {start} "assistant"',
+        r"THOUGHT: /(.|\n)*/",  # text: special tokens are never text to llguidance
+        f'call: {channel} "commentary to=functions." ({calls})',
+    ]
+    lines += [f"body{i}: {_json(_params(f))}" for i, f in enumerate(functions)]
+    return "\n".join(lines) + "\n"
 
 
 def _lark(head: str, bodies: list[dict]) -> str:
