@@ -103,8 +103,8 @@ class GrammarState:
             # llguidance's error carries a dump of its state after the first line.
             error = self.matcher.get_error().strip().split("\n", 1)[0]
             raise ValueError(
-                f"internal error: the output constraint rejected token {token_id}, which the "
-                f"sampler picked under the constraint's own mask ({error})"
+                f"the output constraint rejected token {token_id}, which the sampler picked "
+                f"under the constraint's own mask ({error})"
             )
 
     def fill_bitmask(self, row: np.ndarray) -> None:
