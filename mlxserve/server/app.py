@@ -42,15 +42,16 @@ from mlxserve.server.errors import (
     install_error_handlers,
 )
 from mlxserve.server.metrics import ServerMetrics
-from mlxserve.server.ollama import (
+from mlxserve.server.ollama import OllamaServing, add_ollama_routes
+from mlxserve.server.ollama_protocol import (
     OllamaChatRequest,
+    OllamaDeleteRequest,
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
-    OllamaServing,
-    add_ollama_routes,
+    OllamaPullRequest,
+    OllamaShowRequest,
 )
-from mlxserve.server.ollama_models import OllamaDeleteRequest, OllamaPullRequest, OllamaShowRequest
 from mlxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

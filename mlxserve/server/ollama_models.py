@@ -20,7 +20,6 @@ import re
 from typing import Any
 
 from mlxserve.server.errors import APIError, bad_request
-from mlxserve.server.protocol import _Strict
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -35,28 +34,6 @@ def keep_alive_is_zero(value: str | int | float | None) -> bool:
     if isinstance(value, (int, float)):
         return value == 0
     return _ZERO_DURATION.fullmatch(value) is not None
-
-
-class _Named(_Strict):
-    model: str | None = None
-    name: str | None = None  # Ollama's older name of ``model``
-
-
-class OllamaShowRequest(_Named):
-    """POST /api/show (documented; read by hand)."""
-
-    verbose: bool | None = None
-
-
-class OllamaPullRequest(_Named):
-    """POST /api/pull (documented; read by hand)."""
-
-    insecure: bool | None = None
-    stream: bool | None = None
-
-
-class OllamaDeleteRequest(_Named):
-    """DELETE /api/delete (documented; read by hand)."""
 
 
 def model_of(body: Any) -> str:
