@@ -182,7 +182,14 @@ def test_tool_schema_errors_name_tools(tokenizer) -> None:
     grammar = call_grammar("hermes", [bad["function"]], parallel=False)
     with pytest.raises(ParameterError, match="strin"):
         GrammarCompiler(tokenizer, VOCAB_SIZE).compile(StructuredOutputsParams(grammar=grammar))
-    req = request(tools=[bad], tool_choice="required")
+    # At the HTTP boundary it never gets that far: the schema is checked, its field named.
+    from pydantic import ValidationError
+
+    for choice in ("auto", "required"):
+        with pytest.raises(ValidationError) as e:
+            request(tools=[bad], tool_choice=choice)
+        assert e.value.errors()[0]["loc"] == ("tools", 0, "function", "parameters")
+    req = request(tools=[WEATHER], tool_choice="required")
     assert req.field_names()["structured_outputs.grammar"] == "tools"
 
 
@@ -248,3 +255,111 @@ def test_a_constraint_applies_after_the_reasoning_unless_the_prompt_closed_it(qw
         plan_of(ChatFeatures(qwen_like), free).grammar_starts_after("x", free.sampling_params())
         is None
     )
+
+
+# Markers some vocabularies spell as one token (Qwen2.5's <tool_call> is id 151657, an added
+# token llguidance keeps apart from text; Llama's <|python_tag|>, Mistral's [TOOL_CALLS]).
+MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"]
+FORCED_CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    "qwen3_coder": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+    "</tool_call>",
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}',
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["special", "added"])
+def marker_tokenizer(tmp_path_factory: pytest.TempPathFactory, request) -> Tokenizer:
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    path = tmp_path_factory.mktemp("markers")
+    write_tokenizer(path)
+    backend = Backend.from_file(str(path / "tokenizer.json"))
+    backend.add_tokens([AddedToken(m, special=request.param, normalized=False) for m in MARKERS])
+    backend.save(str(path / "tokenizer.json"))
+    return Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("parser", list(FORCED_CALLS))
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_forced_calls_take_markers_that_are_one_token(marker_tokenizer, parser, choice) -> None:
+    import numpy as np
+
+    from mlxserve.structured_output.grammar import bitmask_words
+
+    tok = marker_tokenizer
+    named = {"type": "function", "function": {"name": choice}}
+    req = request(tools=[WEATHER, CLOCK], tool_choice=choice if choice == "required" else named)
+    params = req.sampling_params()
+    plan = plan_of(ChatFeatures(tok, tool_call_parser=parser), req, params)
+    text = FORCED_CALLS[parser]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert {tok.token_to_id(m) for m in MARKERS if m in text} <= set(ids)  # one token each
+    vocab_size = tok.backend.get_vocab_size()
+    grammar = GrammarCompiler(tok, vocab_size).compile(params.structured_outputs)
+    state = grammar.new_state(frozenset({tok.eos_token_id}))
+    for t in ids:  # as the sampler does: pick under the mask, then advance the grammar
+        row = np.full(bitmask_words(vocab_size), -1, dtype=np.int32)
+        state.fill_bitmask(row)
+        assert (int(row[t >> 5]) >> (t & 31)) & 1, f"token {t} ({tok.decode([t])!r}) masked"
+        state.accept(t)
+    assert state.matcher.is_accepting()
+    # The reply as the server decodes it still has its markers, so the parser finds the call.
+    reply = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    message = ReplyFormatter(plan, "").message(reply)
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in
+             message["tool_calls"]]  # fmt: skip
+    assert calls == [("get_weather", {"city": "Rome"})]
+    assert message["content"] is None
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_a_forced_call_on_a_harmony_model(tmp_path, choice) -> None:
+    """gpt-oss: its markers are special tokens; the grammar lets it reason, then call."""
+    import numpy as np
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    from mlxserve.structured_output.grammar import bitmask_words
+    from mlxserve.tokenizer.harmony import HARMONY_TEXT_TOKENS, HARMONY_TOKENS
+
+    write_tokenizer(tmp_path)
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    specials = dict.fromkeys([*HARMONY_TOKENS, *HARMONY_TEXT_TOKENS])
+    backend.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.chat_format == "harmony"
+    named = {"type": "function", "function": {"name": choice}}
+    req = request(tools=[WEATHER, CLOCK], tool_choice=choice if choice == "required" else named)
+    params = req.sampling_params()
+    plan = plan_of(ChatFeatures(tok), req, params)
+    reply = (
+        "<|channel|>analysis<|message|>The user asks <about> Rome.\nCall it.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Rome"}'
+    )
+    ids = tok.encode(reply, add_special_tokens=False)
+    vocab_size = tok.backend.get_vocab_size()
+    grammar = GrammarCompiler(tok, vocab_size).compile(params.structured_outputs)
+    call_id = tok.token_to_id("<|call|>")
+    state = grammar.new_state(frozenset({call_id}))
+    for t in [*ids, call_id]:  # the reply, then the end token that ends a call
+        row = np.full(bitmask_words(vocab_size), -1, dtype=np.int32)
+        state.fill_bitmask(row)
+        assert (int(row[t >> 5]) >> (t & 31)) & 1, f"token {t} ({tok.decode([t])!r}) masked"
+        state.accept(t)
+    text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    message = ReplyFormatter(plan, "").message(text)
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in
+             message["tool_calls"]]  # fmt: skip
+    assert calls == [("get_weather", {"city": "Rome"})]
+    assert message["reasoning_content"] == "The user asks <about> Rome.\nCall it."
+    # A reply that is not a call of a named tool is refused token by token.
+    state = grammar.new_state(frozenset({call_id}))
+    final = tok.encode("<|channel|>final<|message|>Hi", add_special_tokens=False)
+    with pytest.raises(ValueError):
+        for t in final:
+            state.accept(t)

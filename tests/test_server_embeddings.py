@@ -101,3 +101,33 @@ def test_kv_blocks_are_free_afterwards_and_prompt_tokens_counted(client, server)
     values = read_metrics(server.url)
     assert metric(values, "vllm:kv_cache_usage_perc", model_name="tiny") == 0
     assert metric(values, "vllm:num_requests_running", model_name="tiny") == 0
+
+
+# ---- Ollama's /api/embed: the same limits and the same care --------------------------------
+def test_ollama_embed_takes_as_many_inputs_as_v1_embeddings(server, tiny) -> None:
+    import httpx
+
+    from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
+
+    url = server.url + "/api/embed"
+    r = httpx.post(url, json={"model": "tiny", "input": ["hi"] * (MAX_EMBEDDING_INPUTS + 1)})
+    assert r.status_code == 400 and set(r.json()) == {"error"}  # Ollama's shape
+    assert f"at most {MAX_EMBEDDING_INPUTS}" in r.json()["error"]
+    r = httpx.post(url, json={"model": "tiny", "input": TEXTS}, timeout=60)
+    assert r.status_code == 200, r.text
+    hf = Tokenizer.from_file(str(tiny[1] / "tokenizer.json"))
+    assert r.json()["prompt_eval_count"] == sum(len(hf.encode(t).ids) for t in TEXTS)
+    assert len(r.json()["embeddings"]) == len(TEXTS)
+
+
+def test_a_client_leaving_api_embed_is_not_an_internal_error(server) -> None:
+    import httpx
+
+    def running() -> float:
+        return metric(read_metrics(server.url), "vllm:num_requests_running", model_name="tiny")
+
+    body = {"model": "tiny", "input": ["The quick brown fox " * 6] * 400}  # many steps
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/api/embed", json=body, timeout=1.0)
+    assert wait_until(lambda: running() == 0, timeout=60)
+    assert "internal error" not in server.log()

@@ -28,7 +28,7 @@ HELLO = {"role": "user", "content": "hi"}
 def server(tmp_path_factory: pytest.TempPathFactory):
     _, model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), seed=3)
     log = tmp_path_factory.mktemp("log") / "server.log"
-    s = start_server([str(model_dir), "--max-model-len", "256"], log)
+    s = start_server([str(model_dir), "--max-model-len", "1024"], log)  # room for tools
     yield s
     s.stop()
 
@@ -130,14 +130,14 @@ BAD_INPUTS = [
     ("prompts x n", C, cmpl(prompt=[[5, 6]] * 65, n=2), "prompt"),
     ("max_tokens string", C, cmpl(max_tokens="10"), "max_tokens"),
     ("max_tokens true", C, cmpl(max_tokens=True), "max_tokens"),
-    ("max_tokens decimal", C, cmpl(max_tokens=10.0), "max_tokens"),
+    ("max_tokens decimal", C, cmpl(max_tokens=10.5), "max_tokens"),
     ("n string", CHAT, chat(n="2"), "n"),
     ("stream string", C, cmpl(stream="true"), "stream"),
     ("stream int", CHAT, chat(stream=1), "stream"),
     ("echo string", C, cmpl(echo="false"), "echo"),
     ("chat logprobs int", CHAT, chat(logprobs=1), "logprobs"),
     ("temperature string", C, cmpl(temperature="0.5"), "temperature"),
-    ("prompt ids as floats", C, cmpl(prompt=[1.0, 2.0]), "prompt"),
+    ("prompt ids as decimals", C, cmpl(prompt=[1.5, 2.0]), "prompt"),
     ("tokens bool", "/detokenize", b'{"tokens": [true]}', "tokens.0"),
     ("Infinity", C, b'{"prompt": "hi", "temperature": Infinity}', "temperature"),
     ("-Infinity", C, b'{"prompt": "hi", "presence_penalty": -Infinity}', "presence_penalty"),
@@ -273,3 +273,121 @@ def test_openapi_documents_every_request_body(http) -> None:
         assert_openai_error(http.post(path, json=body), 400)
     # The served names are the documented choices of "model".
     assert components["CompletionRequest"]["properties"]["model"]["enum"] == [name, None]
+
+
+# ---- issue 29: tool schemas, error shapes of the other APIs -----------------------------------
+def tools_body(api: str, schema: dict, choice: str, model: str) -> tuple[str, dict, str]:
+    """(path, body, the schema's field path) of a request whose second tool has ``schema``."""
+    good = {"type": "object", "properties": {"a": {"type": "string"}}}
+    if api == "chat":
+        tools = [{"type": "function", "function": {"name": n, "parameters": s}}
+                 for n, s in (("f", good), ("g", schema))]  # fmt: skip
+        body = {"messages": [HELLO], "max_tokens": 2, "tools": tools, "tool_choice": choice}
+        return CHAT, body, "tools.1.function.parameters"
+    if api == "responses":
+        tools = [{"type": "function", "name": n, "parameters": s}
+                 for n, s in (("f", good), ("g", schema))]  # fmt: skip
+        body = {"input": "hi", "max_output_tokens": 16, "tools": tools, "tool_choice": choice}
+        return "/v1/responses", body, "tools.1.parameters"
+    if api == "anthropic":
+        tools = [{"name": n, "input_schema": s} for n, s in (("f", good), ("g", schema))]
+        kind = {"auto": "auto", "required": "any"}[choice]
+        body = {"model": model, "max_tokens": 2, "messages": [HELLO], "tools": tools}
+        return "/v1/messages", body | {"tool_choice": {"type": kind}}, "tools.1.input_schema"
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}}
+             for n, s in (("f", good), ("g", schema))]  # fmt: skip
+    body = {"model": model, "messages": [HELLO], "stream": False, "tools": tools}
+    return "/api/chat", body | {"options": {"num_predict": 2}}, "tools.1.function.parameters"
+
+
+def assert_api_error(api: str, r: httpx.Response, status: int) -> str:
+    """The response is an error in ``api``'s own shape; its message."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    if api == "anthropic":
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        return body["error"]["message"]
+    if api == "ollama":
+        assert set(body) == {"error"} and isinstance(body["error"], str)
+        return body["error"]
+    return assert_openai_error(r, status)["message"]
+
+
+API_CHOICES = [(a, c) for a in ("chat", "responses", "anthropic") for c in ("auto", "required")]
+
+
+@pytest.mark.parametrize("api,choice", [*API_CHOICES, ("ollama", "auto")])  # Ollama: no choice
+@pytest.mark.parametrize(
+    "schema", [{"type": "object", "properties": 5}, {"type": "nonsense"}], ids=["props", "type"]
+)
+def test_a_malformed_tool_schema_is_a_400_naming_it(http, api, choice, schema) -> None:
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    path, body, field = tools_body(api, schema, choice, model)
+    r = http.post(path, json=body)
+    message = assert_api_error(api, r, 400)
+    assert field in message
+    if api in ("chat", "responses"):
+        assert r.json()["error"]["param"] == field
+    # The same request with a valid schema is served.
+    path, body, _ = tools_body(api, {"type": "object"}, "auto", model)
+    assert http.post(path, json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "api,path,method",
+    [
+        ("ollama", "/api/nothing", "GET"),
+        ("ollama", "/api/chat", "GET"),
+        ("anthropic", "/v1/messages/nothing", "POST"),
+        ("anthropic", "/v1/messages", "GET"),
+        ("chat", "/v1/nothing", "GET"),
+        ("chat", CHAT, "GET"),
+    ],
+)
+def test_404_and_405_come_in_the_api_s_own_shape(http, api, path, method) -> None:
+    r = http.request(method, path)
+    assert_api_error(api, r, 405 if r.status_code == 405 else 404)
+    if r.status_code == 405:
+        assert "allow" in r.headers
+
+
+@pytest.mark.parametrize(
+    "api,path", [("anthropic", "/v1/messages"), ("ollama", "/api/chat"), ("ollama", "/api/embed")]
+)
+def test_413_closes_the_connection_on_every_api(http, api, path) -> None:
+    body = b'{"prompt": "' + b"a" * (4 * MIB) + b'"}'
+    r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert str(4 * MIB) in assert_api_error(api, r, 413)
+    assert r.headers["connection"] == "close"  # the rest of the body is never read
+    ok(http)
+
+
+# Bodies on both sides of the documented schema: (path, body, valid, the 400's param).
+SCHEMA_EDGES = [
+    ("null boolean", C, cmpl(stream=None, echo=None, ignore_eos=None), True, None),
+    ("null chat boolean", CHAT, chat(logprobs=None, stream=None), True, None),
+    ("integral float", C, cmpl(top_k=82434.0, max_tokens=2.0, n=1.0), True, None),
+    ("integral float ids", "/detokenize", {"tokens": [5.0, 6]}, True, None),
+    ("decimal", C, cmpl(top_k=3.5), False, "top_k"),
+    ("best_of 0", C, cmpl(best_of=0), False, "best_of"),
+    ("negative id", "/detokenize", {"tokens": [5, -1]}, False, "tokens.1"),
+    ("id past int32", "/detokenize", {"tokens": [2**31]}, False, "tokens.0"),
+]
+
+
+@pytest.mark.parametrize(
+    "path,body,valid,param", [c[1:] for c in SCHEMA_EDGES], ids=[c[0] for c in SCHEMA_EDGES]
+)
+def test_the_documented_schema_and_the_server_agree(http, path, body, valid, param) -> None:
+    """What /openapi.json calls valid is served, what it calls invalid is a 400 naming the
+    field (oracle: jsonschema on the documented schema)."""
+    spec = http.get("/openapi.json").json()
+    ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = jsonschema.Draft202012Validator({"$ref": ref["$ref"]} | spec)
+    data = json.loads(body) if isinstance(body, bytes) else body
+    assert validator.is_valid(data) == valid, list(validator.iter_errors(data))
+    r = http.post(path, content=json.dumps(data), headers={"Content-Type": "application/json"})
+    if valid:
+        assert r.status_code == 200, r.text
+    else:
+        assert_openai_error(r, 400, param)

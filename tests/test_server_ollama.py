@@ -111,3 +111,46 @@ def test_errors_in_ollamas_shape_and_the_key_is_required(client, server) -> None
     assert out.done
     values = read_metrics(server.url)
     assert metric(values, "vllm:kv_cache_usage_perc", model_name="tiny") == 0
+
+
+# ---- model management on a one-model server ---------------------------------------------------
+def test_pull_and_delete_answer_in_ollamas_shape(client) -> None:
+    assert client.pull("tiny").status == "success"  # it is here already
+    assert [p.status for p in client.pull("tiny:latest", stream=True)][-1] == "success"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3.2")
+    assert e.value.status_code == 404 and "mlxserve serve llama3.2" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("tiny")
+    assert e.value.status_code == 400 and "'tiny'" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("llama3.2")
+    assert e.value.status_code == 404 and "not found" in e.value.error
+
+
+def test_keep_alive_zero_forgets_the_prefix_cache(client, server) -> None:
+    from tests.server_harness import wait_until
+
+    def counts() -> tuple[float, float]:
+        """(prefix cache hits, prompt tokens computed), in tokens."""
+        values = read_metrics(server.url)
+        hits = metric(values, "vllm:prefix_cache_hits_total", model_name="tiny")
+        return hits, metric(values, "vllm:prompt_tokens_total", model_name="tiny")
+
+    def hits_of(**kwargs) -> float:
+        """The prefix cache hits of one generation (once the metrics counted its prompt)."""
+        hits, prompts = counts()
+        client.generate("tiny", prompt, options=OPTIONS, **kwargs)
+        assert wait_until(lambda: counts()[1] > prompts)
+        return counts()[0] - hits
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8  # several full blocks
+    hits_of()
+    assert hits_of() > 0  # the prefix was cached
+    hits_of(keep_alive=0)
+    assert wait_until(lambda: "keep_alive 0: forgot" in server.log())
+    assert hits_of() == 0  # nothing left to hit
+    # Ollama's "unload" request: answered as Ollama does; the model itself stays loaded.
+    assert client.generate("tiny", "", keep_alive="0s").done_reason == "unload"
+    assert client.generate("tiny", "").done_reason == "load"
+    assert client.generate("tiny", "x", options=OPTIONS).done

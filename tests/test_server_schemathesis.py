@@ -23,6 +23,26 @@ from tests.server_harness import start_server
 EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 40}
 GENERATION_EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 30}
 GET_EXAMPLES = 10
+# The Anthropic, Responses and Ollama routes: fewer (their validation is shared with the above).
+OTHER_API_EXAMPLES = {GenerationMode.POSITIVE: 15, GenerationMode.NEGATIVE: 10}
+OTHER_API_ROUTES = {
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+    "POST /api/chat",
+    "POST /api/generate",
+    "POST /api/embed",
+    "POST /api/embeddings",
+    "POST /api/show",
+    "POST /api/pull",
+    "DELETE /api/delete",
+    "GET /api/tags",
+    "GET /api/ps",
+    "GET /api/version",
+}
+# Where each route's generation length is, capped to MAX_TOKENS like max_tokens above.
+LENGTH_FIELDS = {"/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens"}
 MAX_TOKENS = 2  # generated requests ask for more; each generated token costs CPU time
 CHECKS = [
     not_a_server_error,
@@ -46,7 +66,20 @@ def small(case: schemathesis.Case) -> None:
     """Keep a generated generation request cheap (a few sequences of a few tokens) without
     changing whether it is valid: only values past a valid small one are lowered."""
     body = case.body
-    if isinstance(body, dict) and "embeddings" in case.path:
+    if isinstance(body, dict) and case.path in LENGTH_FIELDS:
+        key = LENGTH_FIELDS[case.path]
+        if type(body.get(key)) is int and body[key] > MAX_TOKENS:
+            body[key] = MAX_TOKENS
+        elif body.get(key) is None and key == "max_output_tokens":
+            body[key] = 16  # OpenAI's smallest; the default is the whole context
+        return
+    if isinstance(body, dict) and case.path in ("/api/chat", "/api/generate"):
+        if body.get("options") is None:
+            body["options"] = {}
+        if isinstance(body["options"], dict):
+            body["options"]["num_predict"] = MAX_TOKENS  # the default is the whole context
+        return
+    if isinstance(body, dict) and "embed" in case.path:
         if isinstance(body.get("input"), list) and body["input"]:
             body["input"] = body["input"][:2]  # each item is a prefill: two are enough
         return
@@ -73,7 +106,7 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_response(server) -> None:
         "POST /v1/embeddings",
         "POST /tokenize",
         "POST /detokenize",
-    } <= documented
+    } | OTHER_API_ROUTES <= documented
     for op in operations:
         if op.method.upper() == "POST":  # hand-parsed bodies are documented all the same
             assert op.body, f"{op.label} documents no request body"
@@ -85,6 +118,8 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_response(server) -> None:
                 if mode is GenerationMode.NEGATIVE:
                     continue  # a GET's only input is a string in the path: nothing is invalid
                 examples = GET_EXAMPLES
+            elif op.label in OTHER_API_ROUTES:
+                examples = OTHER_API_EXAMPLES[mode]
             else:
                 costly = "completions" in op.path or "embeddings" in op.path
                 examples = (GENERATION_EXAMPLES if costly else EXAMPLES)[mode]

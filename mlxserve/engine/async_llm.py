@@ -15,6 +15,7 @@ the engine cannot pin on requests fails every accepted request, and the loop goe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -85,6 +86,8 @@ class AsyncLLM:
         # tensor-parallel rank is gone); the server then exits. ``dead_reason`` keeps it.
         self._on_dead = on_dead
         self.dead_reason: str | None = None
+        # forget_cached_prefixes() calls waiting for the engine to be idle (engine thread).
+        self._forget_when_idle: list[concurrent.futures.Future[int]] = []
         self._stop = threading.Event()
         # Engine steps taken, and event-loop wakeups that handed their outputs over.
         self.num_steps = 0
@@ -157,6 +160,13 @@ class AsyncLLM:
         """Abort a request from any thread; its blocks are freed on the engine thread."""
         self._inbox.put(("abort", request_id))
 
+    def forget_cached_prefixes(self) -> concurrent.futures.Future[int]:
+        """From any thread: forget the prefix cache the next time no request runs (their
+        prefixes are in use until then). The future holds the number of blocks forgotten."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._inbox.put(("forget_prefixes", done))
+        return done
+
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(("wake",))
@@ -176,6 +186,11 @@ class AsyncLLM:
             self._drain(block=not busy)
             if self._stop.is_set():
                 break
+            if self._forget_when_idle and not self.engine.has_unfinished_requests():
+                num_forgotten = self.engine.reset_prefix_cache()
+                for done in self._forget_when_idle:
+                    done.set_result(num_forgotten)
+                self._forget_when_idle.clear()
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -237,6 +252,8 @@ class AsyncLLM:
                     stream.put(e)
             else:
                 self._accepted.add(rid)
+        elif kind == "forget_prefixes":
+            self._forget_when_idle.append(item[1])
         elif kind == "abort":
             self._accepted.discard(item[1])
             for out in self.engine.abort_request(item[1]):

@@ -247,6 +247,14 @@ class LLMEngine:
         self.outputs.remove(request_id)
         self.fanout.remove(request_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; the number of blocks that held one. Between requests
+        only (blocks in use would stay allocated, but recurrent states would be lost)."""
+        assert not self.has_unfinished_requests()
+        num_cached = self.scheduler.kv_cache_manager.block_pool.num_cached_blocks
+        self.scheduler.reset_prefix_cache()
+        return num_cached
+
     def has_unfinished_requests(self) -> bool:
         return (
             self._in_flight is not None

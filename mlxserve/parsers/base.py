@@ -150,6 +150,8 @@ class ToolParser:
     name: ClassVar[str]
     # The format's markers are special tokens: decode the output with them kept.
     needs_special_tokens: ClassVar[bool] = False
+    # The texts that frame a call; a vocabulary may hold each as one (special) token.
+    markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.functions = {

@@ -19,6 +19,7 @@ class HermesToolParser(MarkedCallParser):
     name = "hermes"
     start_marker = "<tool_call>"
     end_marker = "</tool_call>"
+    markers = (start_marker, end_marker)
 
     def parse_calls(self, body: str) -> list[tuple[str, str]] | None:
         try:

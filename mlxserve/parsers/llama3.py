@@ -20,6 +20,7 @@ class Llama3JsonToolParser(ToolParser):
     """``{"name": ..., "parameters": {...}}`` replies (``arguments`` is accepted too)."""
 
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__(tools)

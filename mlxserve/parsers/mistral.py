@@ -28,6 +28,7 @@ class MistralToolParser(MarkedCallParser):
     name = "mistral"
     needs_special_tokens = True
     start_marker = "[TOOL_CALLS]"
+    markers = (start_marker, ARGS)
 
     def new_id(self) -> str:
         return make_short_tool_call_id()

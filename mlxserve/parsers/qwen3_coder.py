@@ -34,6 +34,7 @@ class Qwen3CoderToolParser(MarkedCallParser):
     name = "qwen3_coder"
     start_marker = "<tool_call>"
     end_marker = "</tool_call>"
+    markers = (start_marker, end_marker)
 
     def parse_calls(self, body: str) -> list[tuple[str, str]] | None:
         if body.lstrip().startswith("{"):  # Hermes-style JSON (what a forced call writes)

@@ -12,6 +12,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from mlxserve.parsers.llama3 import PYTHON_TAG
+from mlxserve.parsers.mistral import ARGS
 from mlxserve.structured_output.sources import (
     DEFAULT_WHITESPACE,
     close_objects,
@@ -27,34 +29,60 @@ def call_grammar(
     parser: str,
     functions: list[dict[str, Any]],
     parallel: bool,
-    special_token: Callable[[str], int | None] = lambda _: None,
+    token_id: Callable[[str], int | None] = lambda _: None,
 ) -> str:
     """A Lark grammar for one call (or, with ``parallel``, one or more) to one of
     ``functions`` (OpenAI function objects: name, parameters), in ``parser``'s format.
 
-    ``special_token(text)`` is the id of a special token (Mistral's markers), if any.
+    ``token_id(marker)`` is the id of the token that spells a marker (``<tool_call>``,
+    ``[TOOL_CALLS]``...) whole, if the vocabulary has one: the grammar then asks for that
+    token, which is how the model writes it. llguidance keeps special tokens apart from
+    text, so a quoted ``"<tool_call>"`` would never match Qwen's single special token.
     """
     repeat = "+" if parallel else ""
     if parser in _HERMES_LIKE:
         bodies = [_object({"name": _const(f["name"]), "arguments": _params(f)}) for f in functions]
-        return _lark(
-            f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>" "\\n"?\n',
-            bodies,
-        )
+        start, end = _token("<tool_call>", token_id), _token("</tool_call>", token_id)
+        return _lark(f'start: call{repeat}\ncall: {start} "\\n" body "\\n" {end} "\\n"?\n', bodies)
     if parser == "llama3_json":
         bodies = [_object({"name": _const(f["name"]), "parameters": _params(f)}) for f in functions]
         rest = ' ("; " body)*' if parallel else ""
-        return _lark(f"start: body{rest}\n", bodies)
+        tag = token_id(PYTHON_TAG)  # Llama 3.1 may open a call with it; the parser skips it
+        head = f"<[{tag}]>? " if tag is not None else ""
+        return _lark(f"start: {head}body{rest}\n", bodies)
     if parser == "mistral":
-        marker = _token("[TOOL_CALLS]", special_token)
-        args = _token("[ARGS]", special_token)
+        marker = _token("[TOOL_CALLS]", token_id)
+        args = _token(ARGS, token_id)
         names = [json.dumps(f["name"]) for f in functions]
         bodies = [_params(f) for f in functions]
         calls = " | ".join(f"{n} {args} body{i}" for i, n in enumerate(names))
         lines = [f"start: call{repeat}", f"call: {marker} ({calls})"]
         lines += [f"body{i}: {_json(b)}" for i, b in enumerate(bodies)]
         return "\n".join(lines) + "\n"
+    if parser == "harmony":
+        return _harmony(functions, token_id)
     raise ValueError(f"no tool-call grammar for the {parser!r} format")
+
+
+def _harmony(functions: list[dict[str, Any]], token_id: Callable[[str], int | None]) -> str:
+    """gpt-oss: its reasoning (an analysis message) if it wants, then one message to
+    ``functions.NAME`` with the arguments as JSON. The ``<|call|>`` that ends the call is
+    an end token of the request, allowed once the arguments are complete; a harmony reply
+    holds one call."""
+    channel, message = _token("<|channel|>", token_id), _token("<|message|>", token_id)
+    end, start = _token("<|end|>", token_id), _token("<|start|>", token_id)
+    constrain = _token("<|constrain|>", token_id)
+    calls = " | ".join(
+        f'"{f["name"]}" " " {constrain} "json" {message} body{i}' for i, f in enumerate(functions)
+    )
+    lines = [
+        "start: analysis? call",
+        f'analysis: {channel} "analysis" {message} THOUGHT {end} {start} "assistant"',
+        r"THOUGHT: /(.|\n)*/",  # text: special tokens are never text to llguidance
+        f'call: {channel} "commentary to=functions." ({calls})',
+    ]
+    lines += [f"body{i}: {_json(_params(f))}" for i, f in enumerate(functions)]
+    return "\n".join(lines) + "\n"
 
 
 def _lark(head: str, bodies: list[dict]) -> str:
@@ -91,6 +119,7 @@ def _params(function: dict[str, Any]) -> dict:
     return close_objects(schema) if isinstance(schema, dict) and schema else {"type": "object"}
 
 
-def _token(text: str, special_token: Callable[[str], int | None]) -> str:
-    token_id = special_token(text)
-    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+def _token(text: str, token_id: Callable[[str], int | None]) -> str:
+    """The marker as a Lark item: its token (``<[id]>``) if it is one, else its text."""
+    tok = token_id(text)
+    return f"<[{tok}]>" if tok is not None else json.dumps(text)

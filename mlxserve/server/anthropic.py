@@ -24,8 +24,9 @@ from starlette.responses import JSONResponse, Response
 
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import INT32_MAX, MAX_STOP, SamplingParams
+from mlxserve.server import openapi as doc
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
-from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
 from mlxserve.server.protocol import _Strict, model_defaults
 from mlxserve.server.streams import ClientDisconnected, SSEResponse
 from mlxserve.server.tool_messages import (
@@ -140,7 +141,9 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 def error_response(e: APIError) -> JSONResponse:
     """An error in Anthropic's shape."""
-    return JSONResponse(error_body(e.status, e.message), status_code=e.status)
+    return JSONResponse(
+        error_body(e.status, e.message), status_code=e.status, headers=closing_headers(e.status)
+    )
 
 
 def event(name: str, data: dict[str, Any]) -> str:
@@ -283,6 +286,8 @@ def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
     """Register /v1/messages and /v1/messages/count_tokens; errors leave in Anthropic's shape."""
     from mlxserve.server.body import parse_body
 
+    add_error_shape(app, "/v1/messages", error_response)
+
     async def messages(request: Request) -> Response:
         try:
             body = await parse_body(request, MessagesRequest, limit)
@@ -297,7 +302,16 @@ def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
         except Exception as e:  # noqa: BLE001 -- every error in Anthropic's shape
             return error_response(_as_api_error(e))
 
-    app.add_api_route("/v1/messages", messages, methods=["POST"], include_in_schema=False)
+    sse = "text/event-stream"
     app.add_api_route(
-        "/v1/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False
+        "/v1/messages",
+        messages,
+        methods=["POST"],
+        **doc.other_api_route(MessagesRequest, doc.AnthropicError, sse),
+    )
+    app.add_api_route(
+        "/v1/messages/count_tokens",
+        count_tokens,
+        methods=["POST"],
+        **doc.other_api_route(CountTokensRequest, doc.AnthropicError),
     )

@@ -24,7 +24,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server import openapi as doc
-from mlxserve.server.anthropic import AnthropicServing, add_anthropic_routes
+from mlxserve.server.anthropic import (
+    AnthropicServing,
+    CountTokensRequest,
+    MessagesRequest,
+    add_anthropic_routes,
+)
 from mlxserve.server.anthropic import error_body as anthropic_error_body
 from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
 from mlxserve.server.chat_tools import ChatFeatures
@@ -38,13 +43,22 @@ from mlxserve.server.errors import (
 )
 from mlxserve.server.metrics import ServerMetrics
 from mlxserve.server.ollama import OllamaServing, add_ollama_routes
+from mlxserve.server.ollama_protocol import (
+    OllamaChatRequest,
+    OllamaDeleteRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaPullRequest,
+    OllamaShowRequest,
+)
 from mlxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from mlxserve.server.responses import ResponsesServing, add_responses_routes
+from mlxserve.server.responses import ResponsesRequest, ResponsesServing, add_responses_routes
 from mlxserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("mlxserve")
@@ -82,6 +96,21 @@ class ServerConfig:
             )
 
 
+# The request bodies of the Anthropic, Responses and Ollama routes, in /openapi.json too.
+OTHER_API_BODIES = [
+    MessagesRequest,
+    CountTokensRequest,
+    ResponsesRequest,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaEmbedRequest,
+    OllamaEmbeddingsRequest,
+    OllamaShowRequest,
+    OllamaPullRequest,
+    OllamaDeleteRequest,
+]
+
+
 def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over a running AsyncLLM (whose on_step feeds ``metrics``)."""
     engine = llm.engine
@@ -117,6 +146,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
             EmbeddingRequest,
             TokenizeRequest,
             DetokenizeRequest,
+            *OTHER_API_BODIES,
         ],
         list(config.model_names),
     )
@@ -235,10 +265,16 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
                 return tokenizer.encode(text, add_special_tokens=True)
             return tokenizer.encode_rendered_chat(text)
 
-        tokens = await run_in_threadpool(encode)
+        def encode_with_strs() -> tuple[list[int], list[str | None] | None]:
+            tokens = encode()
+            return tokens, [tokenizer.id_to_token(t) for t in tokens] if (
+                body.return_token_strs
+            ) else None
+
+        tokens, strs = await run_in_threadpool(encode_with_strs)
         out = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
-        if body.return_token_strs:
-            out["token_strs"] = [tokenizer.id_to_token(t) for t in tokens]
+        if strs is not None:
+            out["token_strs"] = strs
         return out
 
     @app.post(

@@ -41,7 +41,7 @@ class _NotANumber:
 
 
 def too_large(limit: int, size: int | None = None) -> APIError:
-    """413 in OpenAI's shape."""
+    """413 (each API words it in its own error shape)."""
     got = f" ({size} bytes)" if size is not None else ""
     return APIError(
         413,

@@ -32,6 +32,7 @@ from mlxserve.parsers.reasoning import THINK_END, ReasoningParser, prompt_opens_
 from mlxserve.parsers.tool_grammar import call_grammar
 from mlxserve.parsers.tool_prompt import FALLBACK_PARSER, fallback_messages, native_messages
 from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from mlxserve.tokenizer.harmony import HARMONY_TEXT_TOKENS
 from mlxserve.tokenizer.harmony_parser import HarmonyDelta, HarmonyParser
 
 logger = logging.getLogger("mlxserve.server")
@@ -86,7 +87,7 @@ class ChatFeatures:
         if compiled is not None:
             template = compiled.source
         # A harmony tokenizer (gpt-oss) renders tools itself, in its own renderer, and its
-        # reply's channels are parsed by HarmonyReplyParser (a forced call has no grammar yet).
+        # reply's channels are parsed by HarmonyReplyParser.
         self.harmony = getattr(tokenizer, "chat_format", "jinja") == "harmony"
         self.native_tools = self.harmony or (compiled is not None and compiled.uses_tools)
         detected = tool_parser_for_template(template)
@@ -96,8 +97,13 @@ class ChatFeatures:
         if reasoning_parser is None and template and THINK_END in template:
             reasoning_parser = "qwen3"  # follows the prompt: R1-style templates open <think>
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
-        self._special_ids = {
-            t: i for t in ("[TOOL_CALLS]", "[ARGS]") if (i := tokenizer.token_to_id(t)) is not None
+        # Tool-call markers the vocabulary spells as one token (Qwen's <tool_call>, Mistral's
+        # [TOOL_CALLS]): forced-call grammars ask for those tokens, and the reply is decoded
+        # with them kept where they are special tokens, or the parser would never see them.
+        markers = {m for p in TOOL_PARSERS.values() for m in p.markers} | set(HARMONY_TEXT_TOKENS)
+        self._marker_ids = {m: i for m in markers if (i := tokenizer.token_to_id(m)) is not None}
+        self._special_markers = {
+            m for m, i in self._marker_ids.items() if i in tokenizer.all_special_ids
         }
         if self.harmony:
             logger.info("chat: harmony (gpt-oss): reasoning, content and tool calls by channel")
@@ -108,6 +114,11 @@ class ChatFeatures:
             "" if self.native_tools else " (tools described in the system message)",
             reasoning_parser or "none",
         )
+
+    def keeps_special_tokens(self, parser: str) -> bool:
+        """Whether a reply in ``parser``'s format must be decoded with special tokens kept."""
+        cls = TOOL_PARSERS[parser]
+        return cls.needs_special_tokens or any(m in self._special_markers for m in cls.markers)
 
     def template_inputs(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
@@ -151,11 +162,7 @@ class ChatFeatures:
         parser = self.tool_parser if use_tools else None
         if choice not in ("none", "auto"):
             if self.harmony:
-                raise ParameterError(
-                    f"tool_choice {choice!r} cannot be enforced for a harmony (gpt-oss) model "
-                    'yet: use "auto" (its calls are parsed from the reply)',
-                    parameter="tool_choice",
-                )
+                parser = "harmony"  # a forced call's grammar; the reply is read by channel
             if parser is None:
                 raise ParameterError(
                     "tool_choice cannot be enforced: the model's chat template renders tools "
@@ -172,9 +179,11 @@ class ChatFeatures:
             # "required": one call or more (parallel_tool_calls allowing); a named
             # function: exactly one call of it, as OpenAI's forced function.
             several = parallel_tool_calls and choice == "required"
-            grammar = call_grammar(parser, functions, several, self._special_ids.get)
+            grammar = call_grammar(parser, functions, several, self._marker_ids.get)
             params.structured_outputs = StructuredOutputsParams(grammar=grammar)
-        if parser is not None and TOOL_PARSERS[parser].needs_special_tokens:
+        if parser == "harmony":
+            parser = None  # HarmonyReplyParser reads the reply (ChatPlan.harmony)
+        if parser is not None and self.keeps_special_tokens(parser):
             params.skip_special_tokens = False  # its markers are special tokens
         template_messages, template_tools = self.template_inputs(messages, use_tools)
         return ChatPlan(

@@ -20,7 +20,7 @@ from mlxserve.exceptions import ParameterError
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import INT32_MAX
 from mlxserve.server.errors import bad_request
-from mlxserve.server.protocol import _doc, _Strict
+from mlxserve.server.protocol import Int, _doc, _Strict
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
 
 # Inputs per call: OpenAI's limit, which clients (LangChain, the SDKs) batch up to.
@@ -31,11 +31,11 @@ class EmbeddingRequest(_Strict):
     """POST /v1/embeddings."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] = _doc(
+    input: str | list[str] | list[Int] | list[list[Int]] = _doc(
         minLength=1, minItems=1, maxItems=MAX_EMBEDDING_INPUTS, items={"minLength": 1}
     )
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = _doc(minimum=1, maximum=INT32_MAX)
+    dimensions: Int | None = _doc(minimum=1, maximum=INT32_MAX)
     user: str | None = None  # an end-user id for the caller's own bookkeeping; not used
     # vLLM's extra: whether the tokenizer adds its special tokens (BOS...) to text inputs.
     add_special_tokens: bool = True

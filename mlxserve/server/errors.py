@@ -7,6 +7,7 @@ A 5xx (and a 413, whose body may be left unread) also closes the connection
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -128,35 +129,47 @@ _JSON_TYPES = (
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "function-after", "literal['text']"}
 
 
+ErrorShape = Callable[[APIError], JSONResponse]
+
+
+def add_error_shape(app: FastAPI, prefix: str, shape: ErrorShape) -> None:
+    """Errors the framework raises for paths under ``prefix`` (404, 405...) leave in
+    ``shape`` (an API's own error response) rather than OpenAI's."""
+    app.state.error_shapes = [*getattr(app.state, "error_shapes", []), (prefix, shape)]
+
+
+def _shape_of(request: Request) -> ErrorShape:
+    for prefix, shape in getattr(request.app.state, "error_shapes", []):
+        if request.url.path.startswith(prefix):
+            return shape
+    return error_response
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves the server as an OpenAI-shaped body."""
+    """Every error leaves the server as an OpenAI-shaped body (or, under a prefix that
+    another API registered with add_error_shape, in that API's shape)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _shape_of(request)(e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         try:
             phrase = HTTPStatus(e.status_code).phrase
         except ValueError:
             phrase = "error"
         message = e.detail if isinstance(e.detail, str) else phrase
-        return JSONResponse(
-            error_body(message, _TYPES.get(e.status_code, "invalid_request_error")),
-            status_code=e.status_code,
-            headers=closing_headers(e.status_code, getattr(e, "headers", None)),
-        )
+        response = _shape_of(request)(APIError(e.status_code, message))
+        response.headers.update(getattr(e, "headers", None) or {})  # e.g. 405's Allow
+        return response
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
         logger.exception("internal error while handling a request")
-        return JSONResponse(
-            error_body(f"internal server error: {type(e).__name__}: {e}", "internal_error"),
-            status_code=500,
-            headers=closing_headers(500),
-        )
+        message = f"internal server error: {type(e).__name__}: {e}"
+        return _shape_of(request)(APIError(500, message, type="internal_error"))

@@ -4,10 +4,10 @@
     POST /api/embed /api/embeddings   the embedding requests of /v1/embeddings
     POST /api/show   GET /api/tags /api/ps /api/version
 
+    POST /api/pull   DELETE /api/delete   (one model per server: ollama_models.py)
+
 Errors are Ollama's shape, ``{"error": "<message>"}``, with the same status codes as the
-OpenAI routes. Options map to SamplingParams; runtime options (num_ctx, num_gpu, ...) set
-the server, not a request, and are accepted with no effect; a sampling option mlxserve
-does not implement is a 400 naming it, unless it holds Ollama's neutral value.
+OpenAI routes. The request bodies and their options are in ollama_protocol.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import logging
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import ConfigDict
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -27,120 +27,26 @@ from mlxserve import __version__
 from mlxserve.exceptions import ParameterError
 from mlxserve.parsers import ToolCall
 from mlxserve.pooling_params import PoolingParams
-from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from mlxserve.sampling_params import SamplingParams
+from mlxserve.server import openapi as doc
 from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed, started
-from mlxserve.server.errors import APIError, bad_request
-from mlxserve.server.protocol import _Strict
+from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
+from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
+from mlxserve.server.ollama_models import OllamaModels
+from mlxserve.server.ollama_protocol import (
+    OllamaChatRequest,
+    OllamaDeleteRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaPullRequest,
+    OllamaShowRequest,
+    _Common,
+)
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
 from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
 
 logger = logging.getLogger("mlxserve.server")
-
-# Ollama option -> SamplingParams field.
-OPTION_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "stop": "stop",
-    "repeat_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-}
-# Runtime options: they size or place the model, which the server's flags decide.
-RUNTIME_OPTIONS = {
-    "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "low_vram",
-    "use_mmap", "use_mlock", "numa", "vocab_only", "f16_kv", "logits_all",
-}  # fmt: skip
-# Sampling options not implemented, with the value that leaves sampling unchanged.
-NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0, "penalize_newline": False}
-
-
-class OllamaMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
-    thinking: str | None = None  # earlier reasoning: not part of the next prompt
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_name: str | None = None
-    images: list[str] | None = None
-
-
-class _Common(_Strict):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str
-    stream: bool = True
-    options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None  # the model always stays loaded here
-    format: str | dict[str, Any] | None = None
-    think: bool | None = None
-
-    def constraint(self) -> StructuredOutputsParams | None:
-        """``format``: "json" (any JSON object) or a JSON schema, enforced by a grammar."""
-        if self.format in (None, ""):
-            return None
-        if self.format == "json":
-            return StructuredOutputsParams(json_object=True)
-        if isinstance(self.format, dict):
-            return StructuredOutputsParams(json=self.format)
-        raise bad_request(f"format must be 'json' or a JSON schema, got {self.format!r}", "format")
-
-    def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
-        """The options as SamplingParams; a bad or unimplemented one is a 400 naming it.
-        ``defaults``: the model's (as a Modelfile's parameters), under the options."""
-        values: dict[str, Any] = {"max_tokens": None} | dict(defaults or {})
-        for key, value in (self.options or {}).items():
-            if key in OPTION_FIELDS:
-                values[OPTION_FIELDS[key]] = value
-            elif key == "num_predict":
-                if not isinstance(value, int) or isinstance(value, bool):
-                    raise bad_request("num_predict must be an integer", "options.num_predict")
-                values["max_tokens"] = value if value > 0 else None  # -1, -2: no limit
-            elif key in RUNTIME_OPTIONS:
-                continue
-            elif key in NEUTRAL_OPTIONS and value == NEUTRAL_OPTIONS[key]:
-                continue
-            else:
-                raise bad_request(f"option {key!r} is not supported by mlxserve", f"options.{key}")
-        try:
-            params = SamplingParams(**values)
-            params.structured_outputs = self.constraint()
-            return params
-        except (ParameterError, TypeError) as e:
-            name = getattr(e, "parameter", None)
-            option = next((k for k, v in OPTION_FIELDS.items() if v == name), name)
-            raise bad_request(str(e), f"options.{option}" if option else "options") from None
-
-
-class OllamaChatRequest(_Common):
-    messages: list[OllamaMessage]
-    tools: list[dict[str, Any]] | None = None
-
-
-class OllamaGenerateRequest(_Common):
-    prompt: str = ""
-    system: str | None = None
-    raw: bool = False
-    suffix: str | None = None
-    context: list[int] | None = None
-    images: list[str] | None = None
-
-
-class OllamaEmbedRequest(_Strict):
-    model: str
-    input: str | list[str]
-    truncate: bool = True
-    options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
-    dimensions: int | None = None
-
-
-class OllamaEmbeddingsRequest(_Strict):
-    model: str
-    prompt: str
-    options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
 
 
 def now_iso() -> str:
@@ -149,7 +55,9 @@ def now_iso() -> str:
 
 def error_response(e: APIError) -> JSONResponse:
     """An error in Ollama's shape."""
-    return JSONResponse({"error": e.message}, status_code=e.status)
+    return JSONResponse(
+        {"error": e.message}, status_code=e.status, headers=closing_headers(e.status)
+    )
 
 
 def _done_fields(res: ChatResult) -> dict[str, Any]:
@@ -171,6 +79,7 @@ class OllamaServing:
         self.serving = serving
         self.engine = engine
         self.model_size = model_size
+        self.models = OllamaModels(serving.llm, serving.model_names)
 
     def model_name(self, name: str) -> str:
         """A served name (Ollama's ":latest" tag allowed); 404 otherwise."""
@@ -243,12 +152,16 @@ class OllamaServing:
         messages = ollama_messages([m.model_dump(exclude_none=True) for m in req.messages])
         if not messages:
             raise bad_request("messages must not be empty", "messages")
+        functions = [t.get("function") or {} for t in req.tools or ()]
         tools = [
-            function_tool(f.get("name"), f.get("description"), f.get("parameters"), "tools")
-            for f in (t.get("function") or {} for t in req.tools or ())
-        ]
+            function_tool(
+                f.get("name"), f.get("description"), f.get("parameters"), "tools",
+                f"tools.{i}.function.parameters",
+            )
+            for i, f in enumerate(functions)
+        ]  # fmt: skip
         return await self._run(
-            raw, req.stream, params, model, "message", messages=messages, tools=tools or None
+            raw, req, params, model, "message", messages=messages, tools=tools or None
         )
 
     async def generate(self, raw: Request, req: OllamaGenerateRequest) -> Response:
@@ -256,23 +169,34 @@ class OllamaServing:
         for name in ("suffix", "context", "images"):
             if getattr(req, name):
                 raise bad_request(f"{name} is not supported", name)
-        if not req.prompt:  # Ollama's way of asking for the model to be loaded: it is
+        if not req.prompt:  # Ollama's way of asking for the model to be (un)loaded
+            unload = self.models.keep_alive(req.keep_alive, model)
             body = {"model": model, "created_at": now_iso(), "response": ""}
-            return JSONResponse(body | {"done": True, "done_reason": "load"})
+            return JSONResponse(
+                body | {"done": True, "done_reason": "unload" if unload else "load"}
+            )
         params = req.sampling_params(self.serving.sampling_defaults)
         if req.raw:
-            return await self._run(raw, req.stream, params, model, "response", prompt=req.prompt)
+            return await self._run(raw, req, params, model, "response", prompt=req.prompt)
         messages = [{"role": "system", "content": req.system}] if req.system else []
         messages.append({"role": "user", "content": req.prompt})
-        return await self._run(raw, req.stream, params, model, "response", messages=messages)
+        return await self._run(raw, req, params, model, "response", messages=messages)
 
     async def _run(
-        self, raw: Request, stream: bool, params: SamplingParams, model: str, key: str, **what
+        self,
+        raw: Request,
+        req: _Common,
+        params: SamplingParams,
+        model: str,
+        key: str,
+        **what,
     ) -> Response:
+        stream, keep_alive = req.stream, req.keep_alive
         run = ChatRun(self.serving, "ollama", "messages" if key == "message" else "prompt")
         run.field_names = {"structured_outputs": "format"}
         if not await started(run, raw, run.start(raw, params, **what)):
             return Response(status_code=499)
+        self.models.keep_alive(keep_alive, model)  # the request runs: acts once it is over
 
         def piece(content: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
             if key == "response":
@@ -308,16 +232,25 @@ class OllamaServing:
         return NDJSONResponse(frames, run.close)
 
     # ------------------------------------------------------------ embeddings
-    async def embed(self, raw: Request, texts: list[str], dimensions: int | None) -> list:
-        """Vectors of ``texts`` through the engine (the /v1/embeddings path)."""
+    async def embed(
+        self, raw: Request, texts: list[str], dimensions: int | None
+    ) -> tuple[list, int]:
+        """(vectors of ``texts``, their number of tokens), through the engine as
+        /v1/embeddings does: as many inputs at most, checked before any is tokenized."""
+        if len(texts) > MAX_EMBEDDING_INPUTS:
+            raise bad_request(
+                f"input holds {len(texts)} items; at most {MAX_EMBEDDING_INPUTS} per request",
+                "input",
+            )
         try:
             pooling = PoolingParams(dimensions=dimensions)
         except ParameterError as e:
             raise bad_request(str(e), e.parameter) from None
         self.serving.check_accepting()
         tok = self.serving.tokenizer
+        ids = await run_in_threadpool(lambda: [tok.encode(t) for t in texts])
         rid = f"ollama-embed-{uuid.uuid4().hex}"
-        requests = [(f"{rid}-{i}", t, tok.encode(t), None) for i, t in enumerate(texts)]
+        requests = [(f"{rid}-{i}", t, ids[i], None) for i, t in enumerate(texts)]
         group = RequestGroup(
             self.serving.llm, requests, self.serving.in_flight, pooling_params=pooling
         )
@@ -331,13 +264,16 @@ class OllamaServing:
             return vectors
 
         try:
-            return await run_unless_disconnected(raw, work())
+            return await run_unless_disconnected(raw, work()), sum(map(len, ids))
         except ParameterError as e:
             raise bad_request(str(e), "input" if e.parameter == "prompt" else e.parameter) from None
         except ValueError as e:
             raise bad_request(str(e), "input") from None
         finally:
             await group.close()
+
+
+NDJSON = "application/x-ndjson"
 
 
 def _line(obj: dict[str, Any]) -> str:
@@ -348,20 +284,26 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
     """Register /api/* on ``app``; every error leaves in Ollama's shape."""
     from mlxserve.server.body import parse_body, parse_json, read_body
 
-    def route(method: str, path: str):
+    add_error_shape(app, "/api/", error_response)
+
+    def route(method: str, path: str, body: type | None = None, stream: bool = False):
+        documented = doc.other_api_route(body, doc.OllamaError, NDJSON if stream else None)
+
         def register(handler):
             async def endpoint(request: Request) -> Response:
                 try:
                     out = await handler(request)
                 except APIError as e:
                     return error_response(e)
+                except ClientDisconnected:  # nobody is left to answer; not a server error
+                    return Response(status_code=499)
                 except Exception as e:  # noqa: BLE001 -- every error in Ollama's shape
                     logger.exception("internal error while handling a request")
                     message = f"internal server error: {type(e).__name__}: {e}"
                     return error_response(APIError(500, message))
                 return out if isinstance(out, Response) else JSONResponse(out)
 
-            app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
+            app.add_api_route(path, endpoint, methods=[method], **documented)
             return handler
 
         return register
@@ -378,41 +320,53 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
     async def version(request: Request):
         return ollama.version()
 
-    @route("POST", "/api/show")
+    @route("POST", "/api/show", OllamaShowRequest)
     async def show(request: Request):
         body = parse_json(await read_body(request, limit))
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object")
         return ollama.show(body)
 
-    @route("POST", "/api/chat")
+    @route("POST", "/api/pull", OllamaPullRequest, stream=True)
+    async def pull(request: Request):
+        body = parse_json(await read_body(request, limit))
+        status = ollama.models.pull(body)
+        if isinstance(body, dict) and body.get("stream") is False:
+            return status
+        return Response(_line(status), media_type=NDJSON)
+
+    @route("DELETE", "/api/delete", OllamaDeleteRequest)
+    async def delete(request: Request):
+        ollama.models.delete(parse_json(await read_body(request, limit)))
+
+    @route("POST", "/api/chat", OllamaChatRequest, stream=True)
     async def chat(request: Request):
         return await ollama.chat(request, await parse_body(request, OllamaChatRequest, limit))
 
-    @route("POST", "/api/generate")
+    @route("POST", "/api/generate", OllamaGenerateRequest, stream=True)
     async def generate(request: Request):
         body = await parse_body(request, OllamaGenerateRequest, limit)
         return await ollama.generate(request, body)
 
-    @route("POST", "/api/embed")
+    @route("POST", "/api/embed", OllamaEmbedRequest)
     async def embed(request: Request):
         body = await parse_body(request, OllamaEmbedRequest, limit)
         model = ollama.model_name(body.model)
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
         start = time.monotonic()
-        vectors = await ollama.embed(request, texts, body.dimensions)
-        tok = ollama.serving.tokenizer
+        vectors, num_tokens = await ollama.embed(request, texts, body.dimensions)
+        ollama.models.keep_alive(body.keep_alive, model)
         return {
             "model": model,
             "embeddings": vectors,
             "total_duration": int((time.monotonic() - start) * 1e9),
             "load_duration": 0,
-            "prompt_eval_count": sum(len(tok.encode(t)) for t in texts),
+            "prompt_eval_count": num_tokens,
         }
 
-    @route("POST", "/api/embeddings")
+    @route("POST", "/api/embeddings", OllamaEmbeddingsRequest)
     async def embeddings(request: Request):
         body = await parse_body(request, OllamaEmbeddingsRequest, limit)
         ollama.model_name(body.model)
-        (vector,) = await ollama.embed(request, [body.prompt], None)
+        (vector,), _ = await ollama.embed(request, [body.prompt], None)
         return {"embedding": vector}

@@ -18,7 +18,8 @@ from pydantic.json_schema import models_json_schema
 _REF = "#/components/schemas/{model}"
 DESCRIPTION = (
     "OpenAI-compatible API of mlxserve. Request fields set to null count as not given; "
-    'types are strict ("10" is not an integer, true is not 1).'
+    'types are strict ("10" is not an integer, true is not 1; 10.0 is the integer 10, as '
+    "JSON Schema reads it)."
 )
 
 
@@ -203,23 +204,62 @@ BODY_ERRORS = ERRORS | {
 GENERATE_ERRORS = BODY_ERRORS | {503: _error("The server is shutting down")}
 
 
+# One server-sent event (OpenAPI 3.1 has no itemSchema, so the schema is read per event, as
+# schemathesis does): its data is a JSON chunk, or "[DONE]" at the end.
+_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """The responses of a generation route: JSON, or an event stream with stream=true."""
-    # One server-sent event (OpenAPI 3.1 has no itemSchema, so the schema is read per
-    # event, as schemathesis does): its data is a JSON chunk, or "[DONE]" at the end.
-    event = {
-        "type": "object",
-        "required": ["data"],
-        "properties": {
-            "data": {"type": "string"},
-            "event": {"type": "string"},
-            "id": {"type": "string"},
-            "retry": {"type": "integer"},
-        },
-    }
-    stream = {"text/event-stream": {"schema": event}}
+    stream = {"text/event-stream": {"schema": _EVENT}}
     ok = {"description": "The completion (JSON), or an event stream", "model": model}
     return {200: ok | {"content": stream}} | GENERATE_ERRORS
+
+
+class AnthropicErrorDetail(_Doc):
+    type: str
+    message: str
+
+
+class AnthropicError(_Doc):
+    """Every error of /v1/messages*: Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class OllamaError(_Doc):
+    """Every error of /api/*: Ollama's shape."""
+
+    error: str
+
+
+def other_api_route(
+    body: type[BaseModel] | None, error: type[BaseModel], stream_type: str | None = None
+) -> dict[str, Any]:
+    """``add_api_route`` arguments documenting a route of another API (Anthropic, Responses,
+    Ollama): its request body, a 200 (JSON, or a ``stream_type`` stream when the body asks
+    for one) and its errors, in that API's shape."""
+    content: dict[str, Any] = {"application/json": {"schema": {}}}
+    if stream_type == "text/event-stream":
+        content[stream_type] = {"schema": _EVENT}
+    elif stream_type is not None:
+        content[stream_type] = {"schema": {"type": "string"}}
+    responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Successful response", "content": content},
+        "default": {"description": "An error, in this API's shape", "model": error},
+    }
+    extra = request_body(body) if body is not None else None
+    return {"include_in_schema": True, "responses": responses, "openapi_extra": extra}
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -245,14 +285,29 @@ def install_openapi(
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(defs.get("$defs", {}))
             for model in body_models:
-                field = components[model.__name__]["properties"].get("model")
+                component = components[model.__name__]
+                properties, required = component["properties"], component.get("required", [])
+                for name, field in properties.items():
+                    if name not in required:  # a required field's null is a missing field
+                        properties[name] = _nullable(field)
+                field = properties.get("model")
                 if field is not None:
-                    field["enum"] = [*model_names, None]
+                    field["enum"] = [*model_names] + ([] if "model" in required else [None])
             _drop_422(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _nullable(field: dict[str, Any]) -> dict[str, Any]:
+    """A top-level body field that also takes null, which the server reads as "not given"
+    (mlxserve.server.body.parse_model), whatever the field's own type."""
+    options = field.get("anyOf", [field])
+    if any(o.get("type") == "null" for o in options):
+        return field
+    outer = {k: field.pop(k) for k in ("title", "description", "default") if k in field}
+    return outer | {"anyOf": [field, {"type": "null"}]}
 
 
 def _drop_422(schema: dict[str, Any]) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import (
@@ -61,6 +61,20 @@ def _range(lo: float, hi: float, default: Any, **more: Any) -> Any:
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
 
 
+def _integral(value: Any) -> Any:
+    """A JSON number without a fractional part (``10.0``) is the integer it equals, as JSON
+    Schema and vLLM read it (strict types still refuse ``"10"``, ``true`` and ``10.5``)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field (the documented schema says "integer", which 10.0 is).
+Int = Annotated[int, BeforeValidator(_integral)]
+# A token id: a 400 naming its place for a negative one, as the documented schema says.
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_integral)]
+
+
 class StreamOptions(_Strict):
     """stream_options: only include_usage."""
 
@@ -71,10 +85,10 @@ class _SamplingFields(StructuredFields):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
     model: str | None = None
-    n: int = _range(1, MAX_N, 1)
+    n: Int = _range(1, MAX_N, 1)
     temperature: float = _doc(default=1.0, minimum=0)
     top_p: float = _doc(default=1.0, exclusiveMinimum=0, maximum=1)
-    seed: int | None = _range(INT64_MIN, INT64_MAX, None)
+    seed: Int | None = _range(INT64_MIN, INT64_MAX, None)
     stop: str | list[str] | None = _doc(maxItems=MAX_STOP, minLength=1, items={"minLength": 1})
     presence_penalty: float = _range(-2, 2, 0.0)
     frequency_penalty: float = _range(-2, 2, 0.0)
@@ -93,12 +107,12 @@ class _SamplingFields(StructuredFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM's extra sampling parameters.
-    top_k: int = _range(-1, INT32_MAX, 0)
+    top_k: Int = _range(-1, INT32_MAX, 0)
     min_p: float = _range(0, 1, 0.0)
     repetition_penalty: float = _doc(default=1.0, exclusiveMinimum=0)
-    stop_token_ids: list[int] | None = _doc(maxItems=MAX_STOP_TOKEN_IDS, items=_TOKEN_ID)
+    stop_token_ids: list[Int] | None = _doc(maxItems=MAX_STOP_TOKEN_IDS, items=_TOKEN_ID)
     ignore_eos: bool = False
-    min_tokens: int = _range(0, INT32_MAX, 0)
+    min_tokens: Int = _range(0, INT32_MAX, 0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -173,13 +187,14 @@ def model_defaults(
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: str | list[Int] | list[str] | list[list[Int]] = Field(
         json_schema_extra={"minLength": 1, "minItems": 1, "maxItems": MAX_SEQUENCES}
     )
-    max_tokens: int | None = _range(1, INT32_MAX, 16)
-    logprobs: int | None = _range(0, MAX_LOGPROBS, None)
+    max_tokens: Int | None = _range(1, INT32_MAX, 16)
+    logprobs: Int | None = _range(0, MAX_LOGPROBS, None)
     echo: bool = False
-    best_of: int | None = None
+    # Only best_of equal to n is served (no server-side best-of selection): a 400 otherwise.
+    best_of: Int | None = _range(1, MAX_N, None)
     add_special_tokens: bool = True
 
     def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
@@ -277,10 +292,10 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = _range(1, INT32_MAX, None)
-    max_completion_tokens: int | None = _range(1, INT32_MAX, None)
+    max_tokens: Int | None = _range(1, INT32_MAX, None)
+    max_completion_tokens: Int | None = _range(1, INT32_MAX, None)
     logprobs: bool = False
-    top_logprobs: int | None = _range(0, MAX_LOGPROBS, None)
+    top_logprobs: Int | None = _range(0, MAX_LOGPROBS, None)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     # Whether the model may call several tools in one reply (default true).
@@ -343,7 +358,7 @@ class DetokenizeRequest(_Strict):
     """POST /detokenize."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def request_error(e: ParameterError, rename: dict[str, str]) -> APIError:

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from mlxserve.exceptions import ParameterError
 from mlxserve.parsers import ToolCall
 from mlxserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams
+from mlxserve.server import openapi as doc
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.protocol import _Strict, model_defaults
@@ -417,7 +418,16 @@ def add_responses_routes(app, responses: ResponsesServing, limit: int) -> None:
     async def retrieve(response_id: str) -> dict:
         return responses.retrieve(response_id)
 
-    app.add_api_route("/v1/responses", create, methods=["POST"], include_in_schema=False)
+    sse = "text/event-stream"
     app.add_api_route(
-        "/v1/responses/{response_id}", retrieve, methods=["GET"], include_in_schema=False
+        "/v1/responses",
+        create,
+        methods=["POST"],
+        **doc.other_api_route(ResponsesRequest, doc.ErrorResponse, sse),
+    )
+    app.add_api_route(
+        "/v1/responses/{response_id}",
+        retrieve,
+        methods=["GET"],
+        **doc.other_api_route(None, doc.ErrorResponse),
     )

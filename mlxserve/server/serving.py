@@ -155,6 +155,12 @@ class OpenAIServing:
         prompts = await run_in_threadpool(
             self._encode_prompts, req.prompts(), req.add_special_tokens
         )
+        # The texts echo puts first, decoded off the event loop for prompts given as ids.
+        echoed = (
+            await run_in_threadpool(lambda: [self._prompt_text(p) for p in prompts])
+            if (req.echo)
+            else [""] * len(prompts)
+        )
         rid = f"cmpl-{uuid.uuid4().hex}"
         requests = [(f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
         group = RequestGroup(self.llm, requests, self.in_flight)
@@ -164,7 +170,7 @@ class OpenAIServing:
                 await self._run(raw, group, req, "prompt")
             except ClientDisconnected:
                 return Response(status_code=499)
-            chunks = self._completion_chunks(group, req, params, head, prompts)
+            chunks = self._completion_chunks(group, req, params, head, echoed)
             return SSEResponse(_event_stream(chunks, group, "completion"), group.close)
         try:
             results = await self._collect(raw, group, len(prompts), req, "prompt")
@@ -172,7 +178,7 @@ class OpenAIServing:
             return Response(status_code=499)
         choices = []
         for i, res in enumerate(results):
-            prompt_text = self._prompt_text(prompts[i])
+            prompt_text = echoed[i]
             for j in sorted(res.samples):
                 s = res.samples[j]
                 text = "".join(s.text)
@@ -205,12 +211,12 @@ class OpenAIServing:
         req: CompletionRequest,
         params: SamplingParams,
         head: dict[str, Any],
-        prompts: list[tuple[str | None, list[int]]],
+        echoed: list[str],
     ) -> AsyncIterator[dict]:
         n = params.n
         fmts: dict[int, CompletionLogprobs] = {}
         finished: set[int] = set()
-        totals = _StreamTotals(len(prompts))
+        totals = _StreamTotals(len(echoed))
         extra = {"usage": None} if req.include_usage else {}
         async for i, out in group.outputs():
             totals.add(i, out)
@@ -223,7 +229,7 @@ class OpenAIServing:
                     fmts[index] = CompletionLogprobs(self.token_text)
                 text, ids, lps = c.text, c.token_ids, c.logprobs or []
                 if req.echo and first:
-                    text = self._prompt_text(prompts[i]) + text
+                    text = echoed[i] + text
                     plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
                     ids, lps = out.prompt_token_ids + ids, list(plp) + lps
                 show_logprobs = bool(ids) and req.logprobs is not None

@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import StructuredOutputsParams
 from mlxserve.server.errors import bad_request
+from mlxserve.server.json_schemas import schema_problem
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -65,6 +66,14 @@ class FunctionDefinition(_Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        problem = None if schema is None else schema_problem(schema)
+        if problem is not None:
+            raise ValueError(problem)
+        return schema
 
 
 class Tool(_Strict):

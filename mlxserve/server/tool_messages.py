@@ -12,14 +12,18 @@ import json
 from typing import Any
 
 from mlxserve.server.errors import bad_request
+from mlxserve.server.json_schemas import check_tool_schema
 
 
-def function_tool(name: Any, description: Any, parameters: Any, param: str) -> dict[str, Any]:
-    """An OpenAI function tool; 400 naming ``param`` when the name or schema is malformed."""
+def function_tool(
+    name: Any, description: Any, parameters: Any, param: str, schema_param: str
+) -> dict[str, Any]:
+    """An OpenAI function tool; 400 naming ``param`` when the name is malformed, and
+    ``schema_param`` (the API's own path, e.g. ``tools.2.input_schema``) for the schema."""
     if not isinstance(name, str) or not name:
         raise bad_request("a tool needs a name (a non-empty string)", param)
-    if parameters is not None and not isinstance(parameters, dict):
-        raise bad_request(f"the schema of tool {name!r} must be a JSON object", param)
+    if parameters is not None:
+        check_tool_schema(parameters, schema_param)
     function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object"}}
     if isinstance(description, str):
         function["description"] = description
@@ -61,11 +65,9 @@ def anthropic_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
             raise bad_request(
                 f"tools[{i}]: server tools of type {kind!r} are not supported", "tools"
             )
-        out.append(
-            function_tool(
-                tool.get("name"), tool.get("description"), tool.get("input_schema"), "tools"
-            )
-        )
+        schema = tool.get("input_schema")
+        name, description = tool.get("name"), tool.get("description")
+        out.append(function_tool(name, description, schema, "tools", f"tools.{i}.input_schema"))
     return out
 
 
@@ -139,11 +141,9 @@ def responses_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         if tool.get("type") != "function":
             kind = tool.get("type")
             raise bad_request(f"tools[{i}]: tools of type {kind!r} are not supported", "tools")
-        out.append(
-            function_tool(
-                tool.get("name"), tool.get("description"), tool.get("parameters"), "tools"
-            )
-        )
+        schema = tool.get("parameters")
+        name, description = tool.get("name"), tool.get("description")
+        out.append(function_tool(name, description, schema, "tools", f"tools.{i}.parameters"))
     return out
 
 

@@ -100,7 +100,12 @@ class GrammarState:
         if token_id in self.end_token_ids or self.matcher.is_stopped():
             return  # the request ends here (a step in flight may still sample once more)
         if not self.matcher.consume_token(token_id):
-            raise ValueError(f"the grammar rejected token {token_id}: {self.matcher.get_error()}")
+            # llguidance's error carries a dump of its state after the first line.
+            error = self.matcher.get_error().strip().split("\n", 1)[0]
+            raise ValueError(
+                f"the output constraint rejected token {token_id}, which the sampler picked "
+                f"under the constraint's own mask ({error})"
+            )
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into ``row`` (int32 words, every bit set on entry).
