@@ -62,9 +62,17 @@ def render_in_place(render: Callable[[list[dict[str, Any]]], str], messages: Mes
 def _keeps_in_place(
     render: Callable[[list[dict[str, Any]]], str], chat: list[dict[str, Any]], later: list[int]
 ) -> bool:
-    """Whether the template renders each later system message once, in message order."""
+    """Whether the template renders each later system message once, in message order.
+
+    The probe goes one exchange further than the request, so the answer holds as the
+    conversation grows (Gemma takes [system, user, system], not one turn more): a choice
+    that changed between two requests of one conversation would change its prefix.
+    """
+    more = [{"role": "user"}] if chat[-1].get("role") == "assistant" else []
+    if not more:
+        more = [{"role": "assistant"}, {"role": "user"}]
     probe = []
-    for i, m in enumerate(chat):
+    for i, m in enumerate(chat + [m | {"content": ""} for m in more]):
         content = m.get("content")
         if isinstance(content, list):
             m = m | {"content": [{"type": "text", "text": _PROBE.format(i)}]}
@@ -79,7 +87,7 @@ def _keeps_in_place(
         mark = _PROBE.format(i)
         if text.count(mark) != 1:
             return False  # dropped, or rendered twice (hoisted and in place)
-    found = [(i, text.find(_PROBE.format(i))) for i in range(len(chat))]
+    found = [(i, text.find(_PROBE.format(i))) for i in range(len(probe))]
     positions = [at for _, at in found if at >= 0]
     return positions == sorted(positions)
 
