@@ -81,3 +81,87 @@ def test_gemma3_refuses_roles_that_do_not_alternate() -> None:
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(ValueError, match="Conversation roles must alternate"):
         ChatTemplate(template("gemma3")).render(messages, variables=SPECIAL)
+
+
+# ---- system messages after the first turn: in place, never hoisted ----------------------------
+LATER_SYSTEM = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "system", "content": "Answer in French."},
+    {"role": "assistant", "content": "Salut"},
+    {"role": "user", "content": "Bye"},
+    {"role": "system", "content": "Stop."},
+]
+# Renders messages[0] as the system prompt and skips every other system message.
+DROPS_LATER_SYSTEM = (
+    "{% if messages[0].role == 'system' %}SYSTEM: {{ messages[0].content }}\n{% endif %}"
+    "{% for m in messages %}{% if m.role != 'system' %}{{ m.role }}: {{ m.content }}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+# Collects every system message into one block at the front.
+HOISTS_SYSTEM = (
+    "SYSTEM:{% for m in messages %}{% if m.role == 'system' %} {{ m.content }}{% endif %}"
+    "{% endfor %}\n{% for m in messages %}{% if m.role != 'system' %}{{ m.role }}: "
+    "{{ m.content }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+NOTES = (
+    "SYSTEM: Be brief.\nuser: Hi\n\n[System note] Answer in French.\nassistant: Salut\n"
+    "user: Bye\n\n[System note] Stop.\nassistant:"
+)
+
+
+def test_chatml_renders_later_system_messages_in_place(smollm2_gguf) -> None:
+    """SmolLM2's own template (ChatML) takes a system turn anywhere: rendered as given."""
+    from mlxserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_gguf)
+    got = tok.apply_chat_template(LATER_SYSTEM)
+    want = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in LATER_SYSTEM)
+    assert got == want + "<|im_start|>assistant\n"
+
+
+def test_a_template_that_raises_gets_user_side_notes_in_place() -> None:
+    """Gemma 3 refuses a system message after the first (roles must alternate): each becomes
+    a note at the end of the user turn it follows, so earlier turns render as before."""
+    got = ChatTemplate(template("gemma3")).render(LATER_SYSTEM, variables=SPECIAL)
+    assert got == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi\n\n[System note] Answer in French."
+        "<end_of_turn>\n<start_of_turn>model\nSalut<end_of_turn>\n<start_of_turn>user\nBye\n\n"
+        "[System note] Stop.<end_of_turn>\n<start_of_turn>model\n"
+    )
+    # Prefix caching: the conversation so far renders as the start of the next request.
+    earlier = ChatTemplate(template("gemma3")).render(
+        LATER_SYSTEM[:3], add_generation_prompt=False, variables=SPECIAL
+    )
+    assert got.startswith(earlier.removesuffix("<end_of_turn>\n"))
+
+
+def test_a_note_after_an_assistant_turn_joins_the_next_user_turn_if_roles_must_alternate() -> None:
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Why?"},
+    ]
+    got = ChatTemplate(template("gemma3")).render(messages, variables=SPECIAL)
+    assert got.endswith(
+        "<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>user\n[System note] Be brief."
+        "\n\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    chatml = ChatTemplate(CHATML_NO_SYSTEM_CHECK).render(messages)  # no rule: a turn of its own
+    assert "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhy?" in chatml
+
+
+CHATML_NO_SYSTEM_CHECK = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("source", [DROPS_LATER_SYSTEM, HOISTS_SYSTEM], ids=["drops", "hoists"])
+def test_a_template_that_drops_or_hoists_gets_user_side_notes_in_place(source: str) -> None:
+    got = ChatTemplate(source).render(LATER_SYSTEM)
+    if source is HOISTS_SYSTEM:  # trim_blocks eats the newline after the system block
+        assert got == NOTES.replace("Be brief.\n", "Be brief.", 1)
+    else:
+        assert got == NOTES

@@ -51,7 +51,10 @@ def fallback_messages(
         if role == "assistant" and message.get("tool_calls"):
             text = _text(message.get("content"))
             calls = [_hermes_call(c) for c in message["tool_calls"]]
-            out.append({"role": "assistant", "content": "\n".join(filter(None, [text, *calls]))})
+            turn = {"role": "assistant", "content": "\n".join(filter(None, [text, *calls]))}
+            if message.get("reasoning_content"):  # templates that show earlier reasoning
+                turn["reasoning_content"] = message["reasoning_content"]
+            out.append(turn)
         elif role == "tool":
             result = f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>"
             if out and out[-1].get("role") == "user" and out[-1].get("_tool_results"):

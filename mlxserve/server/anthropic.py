@@ -11,30 +11,33 @@ Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlxserve.exceptions import ParameterError
-from mlxserve.sampling_params import INT32_MAX, MAX_STOP, SamplingParams
+from mlxserve.sampling_params import INT32_MAX, MAX_STOP, SamplingParams, StructuredOutputsParams
 from mlxserve.server import openapi as doc
+from mlxserve.server.anthropic_content import (
+    ContextEdits,
+    anthropic_messages,
+    clear_thinking,
+    clear_tool_uses,
+)
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
-from mlxserve.server.protocol import _Strict, model_defaults
+from mlxserve.server.protocol import model_defaults
 from mlxserve.server.streams import ClientDisconnected, SSEResponse
-from mlxserve.server.tool_messages import (
-    anthropic_messages,
-    anthropic_tool_choice,
-    anthropic_tools,
-    call_input,
-)
+from mlxserve.server.tool_messages import anthropic_tool_choice, anthropic_tools, call_input
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -48,51 +51,172 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 
+# Every top-level field of the Messages API (the `anthropic` SDK's MessageCreateParams, beta
+# included, and the sampling fields the API still takes) -> what mlxserve does with it
+# (docs/api-fields.md): "honoured" changes the output, "accepted" is metadata or a hint for
+# Anthropic's own infrastructure, "refused" is a 400 because ignoring it would be wrong.
+FIELDS: dict[str, str] = {
+    "model": "honoured",
+    "messages": "honoured",
+    "max_tokens": "honoured",
+    "system": "honoured",
+    "stop_sequences": "honoured",
+    "stream": "honoured",
+    "temperature": "honoured",
+    "top_p": "honoured",
+    "top_k": "honoured",
+    "tools": "honoured",
+    "tool_choice": "honoured",
+    "thinking": "honoured",
+    "output_config": "honoured",
+    "context_management": "honoured",
+    "metadata": "accepted",
+    "service_tier": "accepted",
+    "container": "accepted",
+    "cache_control": "accepted",
+    "diagnostics": "accepted",
+    "inference_geo": "accepted",
+    "speed": "accepted",
+    "betas": "accepted",
+    "user_profile_id": "accepted",
+    "workspace_id": "accepted",
+    "mcp_servers": "accepted",
+    "billing_policy": "accepted",
+    "fallback_credit_token": "accepted",
+    "fallbacks": "accepted",
+    "compaction": "accepted",
+    "thread": "refused",
+}
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
+EDIT_TYPES = ("clear_thinking_20251015", "clear_tool_uses_20250919", "compact_20260112")
+ROLES = ("user", "assistant", "system")
 
-class TextBlock(_Strict):
-    type: Literal["text"]
-    text: str
-    cache_control: dict[str, Any] | None = None  # prompt caching is automatic here
-    citations: list[dict[str, Any]] | None = None
 
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
+    clear_at: Literal["next_user_message", "never"] | None = None  # system messages
+    output_config: dict[str, Any] | None = None  # system messages: per-turn hints
 
 
-class _Body(_Strict):
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
+    system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    # Reasoning follows the model (its reasoning parser); "thinking" blocks carry it.
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    # Accepted: metadata and hints for Anthropic's own infrastructure (FIELDS).
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    container: str | dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None  # prefix caching here is automatic
+    diagnostics: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    betas: list[str] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    mcp_servers: list[dict[str, Any]] | None = None
+    billing_policy: dict[str, Any] | None = None
+    fallback_credit_token: str | dict[str, Any] | None = None
+    fallbacks: list[Any] | dict[str, Any] | None = None
+    compaction: dict[str, Any] | None = None
+    thread: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """400 for what cannot be honoured (FIELDS "refused", bad thinking / effort / edits)."""
+        if self.thread is not None:
+            raise bad_request(
+                "thread: server-held conversation state is not supported by this server; "
+                "send the whole conversation in messages",
+                "thread",
+            )
+        kind = (self.thinking or {}).get("type")
+        if self.thinking is not None and kind not in THINKING_TYPES:
+            raise bad_request(_tag_error("thinking", kind, THINKING_TYPES), "thinking.type")
+        if kind == "enabled":
+            budget = self.thinking.get("budget_tokens")
+            if not isinstance(budget, int) or isinstance(budget, bool):
+                raise bad_request(
+                    "thinking.enabled.budget_tokens: Field required", "thinking.budget_tokens"
+                )
+        effort = (self.output_config or {}).get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise bad_request(
+                f"output_config.effort: Input should be {_one_of(EFFORTS)}", "output_config.effort"
+            )
+        fmt = (self.output_config or {}).get("format")
+        if fmt is not None and (fmt.get("type") != "json_schema" or "schema" not in fmt):
+            raise bad_request(
+                "output_config.format: Input should be {'type': 'json_schema', 'schema': ...}",
+                "output_config.format",
+            )
+        for i, edit in enumerate(self.edits()):
+            if not isinstance(edit, dict) or edit.get("type") not in EDIT_TYPES:
+                got = edit.get("type") if isinstance(edit, dict) else None
+                where = f"context_management.edits.{i}"
+                raise bad_request(_tag_error(where, got, EDIT_TYPES), where)
+
+    def edits(self) -> list[Any]:
+        return list((self.context_management or {}).get("edits") or ())
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """System first (blocks joined), then the turns, in OpenAI chat terms."""
         out: list[dict[str, Any]] = []
         if self.system:
             system = self.system
-            text = system if isinstance(system, str) else "".join(b.text for b in system)
+            text = (
+                system
+                if isinstance(system, str)
+                else "".join(
+                    str(b.get("text", "")) for b in system if b.get("type", "text") == "text"
+                )
+            )
             out.append({"role": "system", "content": text})
-        return out + anthropic_messages(self.messages)
+        turns = [m.model_dump(exclude_none=True) for m in self.messages]
+        return out + anthropic_messages(turns)
 
     def tool_args(self) -> dict[str, Any]:
         """ChatRun's tools, tool_choice and parallel_tool_calls for this body."""
-        choice, parallel = anthropic_tool_choice(self.tool_choice)
-        return {
-            "tools": anthropic_tools(self.tools),
-            "tool_choice": choice,
-            "parallel_tool_calls": parallel,
-        }
+        tools, dropped = anthropic_tools(self.tools)
+        dropped += [str(s.get("name", "mcp server")) for s in self.mcp_servers or ()]
+        if dropped:
+            logger.warning(
+                "anthropic: left out %d server tool(s) (%s): this server runs custom tools only",
+                len(dropped),
+                ", ".join(dropped),
+            )
+        choice, parallel = anthropic_tool_choice(self.tool_choice, tools, dropped)
+        return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's reasoning switches: ``thinking`` and ``output_config.effort``."""
+        kwargs: dict[str, Any] = {}
+        kind = (self.thinking or {}).get("type")
+        if kind is not None:
+            kwargs["enable_thinking"] = kind != "disabled"
+        if kind == "enabled":
+            kwargs["thinking_budget"] = self.thinking["budget_tokens"]
+        effort = (self.output_config or {}).get("effort")
+        if effort is not None:
+            kwargs["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(effort, effort)
+        return kwargs
+
+    @property
+    def shows_thinking(self) -> bool:
+        return (self.thinking or {}).get("display") != "omitted"
 
 
 class MessagesRequest(_Body):
     """POST /v1/messages."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_tokens: int = Field(ge=1, le=INT32_MAX)
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP)
@@ -100,25 +224,56 @@ class MessagesRequest(_Body):
     top_p: float = 1.0
     top_k: int = 0
     stream: bool = False
-    metadata: dict[str, Any] | None = None  # user_id, for the caller's bookkeeping: not used
 
     def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
         """SamplingParams; ``defaults``: the model's, for the fields left out."""
         sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         sampling |= model_defaults(defaults, self.model_fields_set, sampling)
+        fmt = (self.output_config or {}).get("format")
         try:
             return SamplingParams(
                 **sampling,
                 max_tokens=self.max_tokens,
                 stop=self.stop_sequences,
+                structured_outputs=StructuredOutputsParams(json=fmt["schema"]) if fmt else None,
             )
         except ParameterError as e:
-            name = {"stop": "stop_sequences"}.get(e.parameter or "", e.parameter)
-            raise bad_request(str(e), name) from None
+            name = {"stop": "stop_sequences", "structured_outputs": "output_config.format"}
+            raise bad_request(str(e), name.get(e.parameter or "", e.parameter)) from None
 
 
 class CountTokensRequest(_Body):
     """POST /v1/messages/count_tokens."""
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    return ", ".join(repr(v) for v in values[:-1]) + f" or {values[-1]!r}"
+
+
+def _tag_error(where: str, got: Any, tags: tuple[str, ...]) -> str:
+    """Anthropic's words for a tagged union given an unknown ``type``."""
+    expected = ", ".join(repr(t) for t in tags)
+    return (
+        f"{where}: Input tag {got!r} found using 'type' does not match any of the "
+        f"expected tags: {expected}"
+    )
+
+
+def validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """A pydantic error in Anthropic's words ("max_tokens: Field required"), and its field."""
+    parts, first = [], None
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ()) if not str(x).startswith(("list[", "dict["))]
+        loc = [x for x in loc if x not in ("str", "int", "float", "bool")]
+        name = ".".join(loc) or "body"
+        first = first or name
+        parts.append(f"{name}: {err.get('msg')}")
+    return "; ".join(dict.fromkeys(parts)), first
+
+
+def signature(thinking: str) -> str:
+    """An opaque signature for a thinking block (clients send it back unchanged)."""
+    return "mlxserve-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
 def stop_reason(res: ChatResult, called_tools: bool = False) -> tuple[str, str | None]:
@@ -157,23 +312,77 @@ class AnthropicServing:
     def __init__(self, serving) -> None:
         self.serving = serving
 
-    async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+    def _inputs(
+        self, req: _Body, run: ChatRun, tool_args: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, int]:
+        """(messages after the context edits, the response's ``context_management``, the
+        prompt's token count before the edits) -- call in a worker thread."""
+        messages = req.chat_messages()
+        edits = req.edits()
+        if not edits:
+            return messages, None, 0
+        original = len(run.prepare(copy.deepcopy(messages), SamplingParams(), **tool_args)[1])
+        applied = []
+        for edit in edits:
+            done = ContextEdits()
+            if edit["type"] == "clear_thinking_20251015":
+                clear_thinking(messages, edit.get("keep"), done)
+                cleared = self._num_tokens(done.cleared_thinking)
+                applied.append(
+                    {
+                        "type": edit["type"],
+                        "cleared_thinking_turns": done.cleared_thinking_turns,
+                        "cleared_input_tokens": cleared,
+                    }
+                )
+            elif edit["type"] == "clear_tool_uses_20250919":
+                clear_tool_uses(messages, edit, original, done)
+                cleared = self._num_tokens(done.cleared_tool_text)
+                least = (edit.get("clear_at_least") or {}).get("value", 0)
+                if done.cleared_tool_uses and cleared < least:  # not worth it: undo
+                    messages = req.chat_messages()
+                    continue
+                applied.append(
+                    {
+                        "type": edit["type"],
+                        "cleared_tool_uses": done.cleared_tool_uses,
+                        "cleared_input_tokens": cleared,
+                    }
+                )
+            # compact_20260112 (a server-side summary) is not done: the history stays whole
+        return messages, {"applied_edits": applied}, original
+
+    def _num_tokens(self, texts: list[str]) -> int:
+        return sum(len(self.serving.tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:
         self.serving.check_model(req.model)
+        req.check()
         run = ChatRun(self.serving, "count")
+        tool_args = req.tool_args()
+        messages, edits, original = await run_in_threadpool(self._inputs, req, run, tool_args)
         _, ids, _ = await run_in_threadpool(
-            run.prepare, req.chat_messages(), SamplingParams(), **req.tool_args()
+            run.prepare, messages, SamplingParams(), **tool_args, **_kwargs(req)
         )
-        return {"input_tokens": len(ids)}
+        body: dict[str, Any] = {"input_tokens": len(ids)}
+        if edits is not None:
+            body["context_management"] = {"original_input_tokens": original}
+        return body
 
     async def messages(self, raw: Request, req: MessagesRequest) -> Response:
         model = self.serving.check_model(req.model)
+        req.check()
         params = req.sampling_params(self.serving.sampling_defaults)
         run = ChatRun(self.serving, "msg", "messages")
-        start = run.start(raw, params, messages=req.chat_messages(), **req.tool_args())
+        run.field_names["structured_outputs"] = "output_config.format"
+        tool_args = req.tool_args()
+        messages, edits, _ = await run_in_threadpool(self._inputs, req, run, tool_args)
+        start = run.start(raw, params, messages=messages, **tool_args, **_kwargs(req))
         if not await started(run, raw, start):
             return Response(status_code=499)
         head = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant"}
         head["model"] = model
+        extra = {"context_management": edits} if edits is not None else {}
         if not req.stream:
             try:
                 res = await run.collect(raw)
@@ -182,8 +391,13 @@ class AnthropicServing:
             parsed = run.parsed()
             content = []
             if parsed.reasoning_content:
+                thinking = parsed.reasoning_content
                 content.append(
-                    {"type": "thinking", "thinking": parsed.reasoning_content, "signature": ""}
+                    {
+                        "type": "thinking",
+                        "thinking": thinking if req.shows_thinking else "",
+                        "signature": signature(thinking),
+                    }
                 )
             if parsed.content or not parsed.tool_calls:
                 content.append({"type": "text", "text": parsed.content})
@@ -198,28 +412,33 @@ class AnthropicServing:
                 )
             reason, sequence = stop_reason(res, bool(parsed.tool_calls))
             body = head | {"content": content, "stop_reason": reason, "stop_sequence": sequence}
-            return JSONResponse(body | {"usage": _usage(res)})
+            return JSONResponse(body | {"usage": usage(res)} | extra)
         frames = framed(
-            _events(run, head), run, lambda e: event("error", error_body(e.status, e.message))
+            _events(run, head, extra, req.shows_thinking),
+            run,
+            lambda e: event("error", error_body(e.status, e.message)),
         )
         return SSEResponse(frames, run.close)
 
 
-async def _events(run: ChatRun, head: dict[str, Any]) -> AsyncIterator[str]:
-    """Anthropic's event stream of one reply: a block per kind of output, in order."""
-    start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
-    usage = _usage(run.result) | {"output_tokens": 0}
-    yield event("message_start", {"type": "message_start", "message": start | {"usage": usage}})
-    yield event("ping", {"type": "ping"})
-    index, open_kind, num_calls = -1, None, 0
+def _kwargs(req: _Body) -> dict[str, Any]:
+    kwargs = req.template_kwargs()
+    return {"template_kwargs": kwargs} if kwargs else {}
+
+
+async def _events(
+    run: ChatRun, head: dict[str, Any], extra: dict[str, Any], shows_thinking: bool
+) -> AsyncIterator[str]:
+    """Anthropic's event stream of one reply: a block per kind of output, in order.
+
+    message_start waits for the engine's first output, which says how much of the prompt
+    came from the prefix cache (its usage splits input_tokens from cache_read_input_tokens).
+    """
+    index, open_kind, num_calls, thinking = -1, None, 0, ""
 
     def block_start(kind: str, block: dict[str, Any]) -> list[str]:
         nonlocal index, open_kind
-        frames = (
-            [event("content_block_stop", {"type": "content_block_stop", "index": index})]
-            if open_kind
-            else []
-        )
+        frames = block_stop() if open_kind else []
         index, open_kind = index + 1, kind
         frames.append(
             event(
@@ -229,19 +448,45 @@ async def _events(run: ChatRun, head: dict[str, Any]) -> AsyncIterator[str]:
         )
         return frames
 
+    def block_stop() -> list[str]:
+        frames = []
+        if open_kind == "thinking":
+            frames.append(
+                block_delta({"type": "signature_delta", "signature": signature(thinking)})
+            )
+        frames.append(event("content_block_stop", {"type": "content_block_stop", "index": index}))
+        return frames
+
     def block_delta(delta: dict[str, Any]) -> str:
         return event(
             "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
         )
 
-    async for d in run.parsed_deltas():
+    def message_start() -> list[str]:
+        start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
+        start_usage = usage(run.result) | {"output_tokens": 0}
+        message = start | {"usage": start_usage}
+        return [
+            event("message_start", {"type": "message_start", "message": message}),
+            event("ping", {"type": "ping"}),
+        ]
+
+    began = False
+    async for d in run.parsed_deltas(announce_start=True):
+        if not began:
+            began = True
+            for f in message_start():
+                yield f
         if d.reasoning_content:
             if open_kind != "thinking":
+                thinking = ""
                 for f in block_start(
                     "thinking", {"type": "thinking", "thinking": "", "signature": ""}
                 ):
                     yield f
-            yield block_delta({"type": "thinking_delta", "thinking": d.reasoning_content})
+            thinking += d.reasoning_content
+            if shows_thinking:
+                yield block_delta({"type": "thinking_delta", "thinking": d.reasoning_content})
         if d.content:
             if open_kind != "text":
                 for f in block_start("text", {"type": "text", "text": ""}):
@@ -255,20 +500,27 @@ async def _events(run: ChatRun, head: dict[str, Any]) -> AsyncIterator[str]:
                     yield f
             if tc.arguments:
                 yield block_delta({"type": "input_json_delta", "partial_json": tc.arguments})
+    if not began:
+        for f in message_start():
+            yield f
     if open_kind is None:  # an empty reply: one empty text block
         for f in block_start("text", {"type": "text", "text": ""}):
             yield f
-    yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+    for f in block_stop():
+        yield f
     reason, sequence = stop_reason(run.result, num_calls > 0)
     delta = {"stop_reason": reason, "stop_sequence": sequence}
-    out_usage = {"output_tokens": run.result.completion_tokens}
-    yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": out_usage})
+    body = {"type": "message_delta", "delta": delta, "usage": usage(run.result)} | extra
+    yield event("message_delta", body)
     yield event("message_stop", {"type": "message_stop"})
 
 
-def _usage(res: ChatResult) -> dict[str, int]:
+def usage(res: ChatResult) -> dict[str, int]:
+    """Anthropic's usage: the prompt is input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens, so input_tokens leaves out what the prefix cache held.
+    cache_creation_input_tokens is 0: caching here is automatic and costs the client nothing."""
     return {
-        "input_tokens": res.prompt_tokens,
+        "input_tokens": res.prompt_tokens - res.cached_tokens,
         "output_tokens": res.completion_tokens,
         "cache_read_input_tokens": res.cached_tokens,
         "cache_creation_input_tokens": 0,
@@ -282,22 +534,49 @@ def _as_api_error(e: Exception) -> APIError:
     return APIError(500, f"internal server error: {type(e).__name__}: {e}")
 
 
+def parse_anthropic(data: Any, model: type[_Body]) -> _Body:
+    """A JSON body as ``model``, with Anthropic's error words (null: not given)."""
+    if not isinstance(data, dict):
+        raise bad_request("body: Input should be a valid dictionary", "body")
+    data = {k: v for k, v in data.items() if v is not None}
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role is not None and role not in ROLES:
+            raise bad_request(
+                f"messages.{i}: Unexpected role {json.dumps(role)}. The Messages API accepts "
+                'a top-level `system` parameter, and "user", "assistant" or "system" as an '
+                "input message role; other roles are not supported",
+                f"messages.{i}.role",
+            )
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        message, name = validation_message(e)
+        raise bad_request(message, name) from None
+
+
 def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
-    """Register /v1/messages and /v1/messages/count_tokens; errors leave in Anthropic's shape."""
-    from mlxserve.server.body import parse_body
+    """Register /v1/messages and /v1/messages/count_tokens; errors leave in Anthropic's shape.
+
+    ``?beta=true`` and the ``anthropic-beta`` / ``anthropic-version`` headers are accepted:
+    every beta feature this server has is on for every request.
+    """
+    from mlxserve.server.body import parse_json, read_body
 
     add_error_shape(app, "/v1/messages", error_response)
 
     async def messages(request: Request) -> Response:
         try:
-            body = await parse_body(request, MessagesRequest, limit)
-            return await anthropic.messages(request, body)
+            data = parse_json(await read_body(request, limit))
+            return await anthropic.messages(request, parse_anthropic(data, MessagesRequest))
         except Exception as e:  # noqa: BLE001 -- every error in Anthropic's shape
             return error_response(_as_api_error(e))
 
     async def count_tokens(request: Request) -> Response:
         try:
-            body = await parse_body(request, CountTokensRequest, limit)
+            data = parse_json(await read_body(request, limit))
+            body = parse_anthropic(data, CountTokensRequest)
             return JSONResponse(await anthropic.count_tokens(body))
         except Exception as e:  # noqa: BLE001 -- every error in Anthropic's shape
             return error_response(_as_api_error(e))

@@ -73,8 +73,13 @@ class ChatRun:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | None = None,
         parallel_tool_calls: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int], ChatPlan]:
-        """Plan tools and reasoning, then render (call in a worker thread): text, ids, plan."""
+        """Plan tools and reasoning, then render (call in a worker thread): text, ids, plan.
+
+        ``template_kwargs``: the chat template's switches (``enable_thinking``,
+        ``reasoning_effort``...), which templates that do not know them ignore.
+        """
         try:
             plan = self.serving.features.plan(
                 messages, tools or [], tool_choice, parallel_tool_calls, params
@@ -84,7 +89,10 @@ class ChatRun:
         tok = self.serving.tokenizer
         try:
             text = tok.apply_chat_template(
-                plan.messages, tools=plan.tools, add_generation_prompt=True
+                plan.messages,
+                tools=plan.tools,
+                add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
         except ValueError as e:
             raise bad_request(str(e), self.prompt_param) from None
@@ -99,6 +107,7 @@ class ChatRun:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | None = None,
         parallel_tool_calls: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Render and submit; returns once the engine accepted it (APIError 400 if not).
 
@@ -108,7 +117,13 @@ class ChatRun:
         starts_after = None
         if messages is not None:
             text, ids, plan = await run_in_threadpool(
-                self.prepare, messages, params, tools, tool_choice, parallel_tool_calls
+                self.prepare,
+                messages,
+                params,
+                tools,
+                tool_choice,
+                parallel_tool_calls,
+                template_kwargs,
             )
             self.parser = plan.output_parser(text)
             self.parallel_tool_calls = parallel_tool_calls
@@ -153,9 +168,16 @@ class ChatRun:
             if c.text:
                 yield c.text
 
-    async def parsed_deltas(self) -> AsyncIterator[ParsedDelta]:
-        """The reply as it is generated, parsed: content, reasoning, whole tool calls."""
+    async def parsed_deltas(self, announce_start: bool = False) -> AsyncIterator[ParsedDelta]:
+        """The reply as it is generated, parsed: content, reasoning, whole tool calls.
+
+        ``announce_start``: also an empty delta once the engine's first output is in (the
+        prompt's cached-token count is known from then on).
+        """
         async for text in self.deltas():
+            if announce_start:
+                announce_start = False
+                yield ParsedDelta()
             delta = self.parser.feed(text) if self.parser else ParsedDelta(content=text)
             if delta:
                 yield self._limit(delta)

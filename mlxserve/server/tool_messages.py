@@ -56,81 +56,66 @@ def call_input(arguments: str) -> Any:
 
 
 # ---- Anthropic --------------------------------------------------------------------------------
-def anthropic_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """``tools`` (name, description, input_schema) as OpenAI function tools."""
-    out = []
+def anthropic_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """(OpenAI function tools, names of the server tools left out) from Anthropic's ``tools``.
+
+    Custom tools (no ``type``, or ``"custom"``) become function tools; server tools
+    (``web_search_*``, ``bash_*``, ``mcp_toolset``...) run on Anthropic's side, so they are
+    left out here; hints on a tool (cache_control, strict, defer_loading...) change nothing.
+    """
+    out: list[dict[str, Any]] = []
+    dropped: list[str] = []
     for i, tool in enumerate(tools or ()):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools.{i}: Input should be an object", f"tools.{i}")
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            raise bad_request(
-                f"tools[{i}]: server tools of type {kind!r} are not supported", "tools"
-            )
+            dropped.append(str(tool.get("name") or tool.get("mcp_server_name") or kind))
+            continue
         schema = tool.get("input_schema")
         name, description = tool.get("name"), tool.get("description")
         out.append(function_tool(name, description, schema, "tools", f"tools.{i}.input_schema"))
-    return out
+    return out, dropped
 
 
-def anthropic_tool_choice(choice: dict[str, Any] | None) -> tuple[str | None, bool]:
+def anthropic_tool_choice(
+    choice: dict[str, Any] | None, tools: list[dict[str, Any]], dropped: list[str]
+) -> tuple[str | None, bool]:
     """(tool_choice name, parallel calls allowed) from Anthropic's ``tool_choice``."""
     if choice is None:
         return None, True
+    if not isinstance(choice, dict):
+        raise bad_request("tool_choice: Input should be an object", "tool_choice")
     kind = choice.get("type")
     parallel = not choice.get("disable_parallel_tool_use", False)
-    if kind in ("auto", "none"):
-        return kind, parallel
+    if kind not in ("auto", "any", "tool", "none"):
+        raise bad_request(
+            f"tool_choice: Input tag {kind!r} found using 'type' does not match any of the "
+            "expected tags: 'auto', 'any', 'tool', 'none'",
+            "tool_choice",
+        )
+    if kind == "none":
+        return "none", parallel
+    name = choice.get("name")
+    if kind == "tool" and name in dropped:
+        raise bad_request(
+            f"tool_choice.name: {name!r} is a server tool, which this server does not run; "
+            "only custom tools can be forced",
+            "tool_choice.name",
+        )
+    if kind in ("any", "tool") and not tools:
+        raise bad_request(
+            f"tool_choice.type {kind!r} may only be specified while providing tools", "tool_choice"
+        )
+    if kind == "auto":
+        return ("auto" if tools else None), parallel
     if kind == "any":
         return "required", parallel
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return choice["name"], False
-    raise bad_request(
-        f"tool_choice of type {kind!r} is not one of auto, any, tool, none", "tool_choice"
-    )
-
-
-def anthropic_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Anthropic turns (text, tool_use, tool_result, thinking blocks) as OpenAI chat messages."""
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        role, content = message.role, message.content
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        texts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        for block in content:
-            kind = block.get("type")
-            if kind == "text":
-                texts.append(str(block.get("text", "")))
-            elif kind == "tool_use" and role == "assistant":
-                calls.append(
-                    _call(str(block.get("id")), str(block.get("name")), block.get("input", {}))
-                )
-            elif kind == "tool_result" and role == "user":
-                result = _text(block.get("content"))
-                if block.get("is_error"):
-                    result = f"Error: {result}"
-                out.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": str(block.get("tool_use_id")),
-                        "content": result,
-                    }
-                )
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                continue  # earlier reasoning is not part of the next prompt
-            else:
-                raise bad_request(
-                    f"messages[{i}]: content blocks of type {kind!r} are not supported here",
-                    "messages",
-                )
-        if calls:
-            out.append(
-                {"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls}
-            )
-        elif texts or role == "assistant":
-            out.append({"role": role, "content": "".join(texts)})
-    return out
+    if not isinstance(name, str):
+        raise bad_request("tool_choice.name: Field required", "tool_choice.name")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice.name: tool {name!r} not found in tools", "tool_choice.name")
+    return name, False
 
 
 # ---- OpenAI Responses -------------------------------------------------------------------------

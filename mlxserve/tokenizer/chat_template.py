@@ -13,6 +13,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mlxserve.exceptions import ParameterError
+from mlxserve.tokenizer.system_notes import render_in_place
 
 # Put after the final message's text to find where it ends in the rendered prompt; its
 # trailing space tells whether the template kept the text's trailing whitespace.
@@ -142,20 +143,28 @@ class ChatTemplate:
                 "set add_generation_prompt to false",
                 "continue_final_message",
             )
-        chat = self._prepare(messages)
-        if continue_final_message:
-            chat[-1] = self._mark_final(chat[-1])
         if tools is not None:
             tools = [self._check_tool(t) for t in tools]
-        try:
-            text = self._template.render(
-                **dict(variables or {}),
-                messages=chat,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat_template: {e}") from e
+
+        def render(given: list[dict[str, Any]]) -> str:
+            chat = self._prepare(given)
+            if continue_final_message:
+                chat[-1] = self._mark_final(chat[-1])
+            try:
+                return self._template.render(
+                    **dict(variables or {}),
+                    messages=chat,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                )
+            except jinja2.TemplateError as e:
+                raise ValueError(f"chat_template: {e}") from e
+
+        if isinstance(messages, (str, bytes)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+        if not all(isinstance(m, Mapping) for m in messages):
+            return render(list(messages))  # _prepare names the bad message
+        text = render_in_place(render, messages)
         if continue_final_message:
             text = self._cut_at_mark(text)
         return text

@@ -21,6 +21,7 @@ from mlxserve.tokenizer.harmony import (
     render_harmony,
 )
 from mlxserve.tokenizer.hf_dir import read_hf_dir
+from mlxserve.tokenizer.system_notes import as_user_notes, later_system_indices
 
 REPLACEMENT_CHAR = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -289,8 +290,9 @@ class Tokenizer:
                     "continue_final_message is not supported by the harmony chat format",
                     "continue_final_message",
                 )
+            # Harmony has one developer message at the top: later system messages are notes.
             return render_harmony(
-                messages,
+                as_user_notes(messages) if later_system_indices(messages) else messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 reasoning_effort=extra.get("reasoning_effort") or "medium",
