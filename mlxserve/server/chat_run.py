@@ -73,8 +73,11 @@ class ChatRun:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | None = None,
         parallel_tool_calls: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int], ChatPlan]:
-        """Plan tools and reasoning, then render (call in a worker thread): text, ids, plan."""
+        """Plan tools and reasoning, then render (call in a worker thread): text, ids, plan.
+
+        ``template_kwargs``: more variables for the chat template (the reasoning switch)."""
         try:
             plan = self.serving.features.plan(
                 messages, tools or [], tool_choice, parallel_tool_calls, params
@@ -84,7 +87,10 @@ class ChatRun:
         tok = self.serving.tokenizer
         try:
             text = tok.apply_chat_template(
-                plan.messages, tools=plan.tools, add_generation_prompt=True
+                plan.messages,
+                tools=plan.tools,
+                add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
         except ValueError as e:
             raise bad_request(str(e), self.prompt_param) from None
@@ -99,6 +105,7 @@ class ChatRun:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | None = None,
         parallel_tool_calls: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Render and submit; returns once the engine accepted it (APIError 400 if not).
 
@@ -108,7 +115,13 @@ class ChatRun:
         starts_after = None
         if messages is not None:
             text, ids, plan = await run_in_threadpool(
-                self.prepare, messages, params, tools, tool_choice, parallel_tool_calls
+                self.prepare,
+                messages,
+                params,
+                tools,
+                tool_choice,
+                parallel_tool_calls,
+                template_kwargs,
             )
             self.parser = plan.output_parser(text)
             self.parallel_tool_calls = parallel_tool_calls
