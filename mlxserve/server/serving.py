@@ -245,7 +245,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------- chat
     def _render_chat(self, req: ChatCompletionRequest, plan: ChatPlan) -> tuple[str, list[int]]:
-        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs = req.template_kwargs()
         clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if clash:
             raise bad_request(
