@@ -405,7 +405,11 @@ def _turn(out: ResponseOutput) -> dict[str, Any]:
 def _usage(res: ChatResult, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": res.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": res.cached_tokens},
+        # Every prompt token computed stays in the prefix cache for later requests.
+        "input_tokens_details": {
+            "cached_tokens": res.cached_tokens,
+            "cache_write_tokens": res.prompt_tokens - res.cached_tokens,
+        },
         "output_tokens": res.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": res.prompt_tokens + res.completion_tokens,
