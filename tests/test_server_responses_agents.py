@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 from tests.engine_helpers import make_tiny_model_dir
 from tests.model_helpers import mlx_lm_greedy
+from tests.paths import ROOT
 from tests.server_harness import assert_openai_error, start_server
 
 N = 6
@@ -345,3 +346,158 @@ def test_stored_responses_are_deleted_listed_and_referenced(client, server) -> N
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+
+
+# ------------------------------------------------------------------- field policy, per field
+# Every top-level field the installed openai SDK lists, with an example value and what the
+# server does with it: honoured (the file whose tests check the effect), accepted (200, no
+# effect on the output) or refused (400 naming the field). A field a newer SDK adds fails
+# test_every_sdk_field_is_classified until it is classified here and in docs/api-fields.md.
+PREV = "<a stored response id>"
+RESPONSES_FIELDS: dict[str, tuple[str, object]] = {
+    "input": ("honoured test_server_responses.py", "Hi"),
+    "model": ("honoured test_server_api.py", "tiny"),
+    "instructions": ("honoured test_server_responses_agents.py", "Be brief."),
+    "previous_response_id": ("honoured test_server_responses.py", PREV),
+    "max_output_tokens": ("honoured test_server_responses.py", 2),
+    "temperature": ("honoured test_server_responses.py", 0),
+    "top_p": ("honoured test_sampler.py", 0.5),
+    "text": (
+        "honoured test_server_agent_apis.py",
+        {"format": {"type": "text"}, "verbosity": "low"},
+    ),
+    "reasoning": ("honoured test_server_responses_agents.py", {"effort": "low", "summary": "auto"}),
+    "include": ("honoured test_server_responses_agents.py", ["reasoning.encrypted_content"]),
+    "tools": ("honoured test_server_agent_apis.py", [{"type": "web_search"}]),
+    "tool_choice": ("honoured test_server_agent_apis.py", "auto"),
+    "parallel_tool_calls": ("honoured test_chat_tools.py", False),
+    "store": ("honoured test_server_responses.py", False),
+    "stream": ("honoured test_server_responses.py", False),
+    "truncation": ("accepted", "auto"),  # too long an input is a 400 either way
+    "top_logprobs": ("accepted", 3),  # logprobs come only with include, which is refused
+    "max_tool_calls": ("accepted", 4),  # counts server-side tool calls: none run here
+    "stream_options": ("accepted", {"include_obfuscation": False}),
+    "metadata": ("accepted", {"k": "v"}),
+    "user": ("accepted", "u-1"),
+    "safety_identifier": ("accepted", "h-1"),
+    "service_tier": ("accepted", "priority"),
+    "prompt_cache_key": ("accepted", "session-1"),
+    "prompt_cache_options": ("accepted", {"mode": "implicit", "ttl": "30m"}),
+    "prompt_cache_retention": ("accepted", "24h"),
+    "context_management": ("accepted", [{"type": "compaction", "compact_threshold": 9000}]),
+    "access_programs": ("accepted", {"cyber": "standard"}),
+    "image": ("accepted", {"context_compression": "auto"}),
+    "background_options": ("accepted", {"completion_window": "soonest"}),
+    "background": ("refused", True),
+    "conversation": ("refused", "conv_123"),
+    "prompt": ("refused", {"id": "pmpt_123"}),
+    "moderation": ("refused", {"model": "omni-moderation-latest"}),
+}
+# Not in the SDK, sent by real clients: Codex's client_metadata.
+RESPONSES_EXTRA = {"client_metadata": ("accepted", {"x-codex-installation-id": "1"})}
+
+CHAT_FIELDS: dict[str, tuple[str, object]] = {
+    "messages": ("honoured test_server_api.py", [{"role": "user", "content": "Hi"}]),
+    "model": ("honoured test_server_api.py", "tiny"),
+    "temperature": ("honoured test_server_openai.py", 0),
+    "top_p": ("honoured test_sampler.py", 0.5),
+    "n": ("honoured test_server_api.py", 2),
+    "seed": ("honoured test_server_api.py", 7),
+    "stop": ("honoured test_server_api.py", ["\n\n"]),
+    "max_tokens": ("honoured test_server_api.py", 2),
+    "max_completion_tokens": ("honoured test_server_api.py", 2),
+    "presence_penalty": ("honoured test_sampler.py", 0.5),
+    "frequency_penalty": ("honoured test_sampler.py", 0.5),
+    "logit_bias": ("honoured test_server_api.py", {"5": 1}),
+    "logprobs": ("honoured test_server_api.py", True),
+    "top_logprobs": ("honoured test_server_api.py", None),  # with logprobs, below
+    "response_format": ("honoured test_server_structured.py", {"type": "json_object"}),
+    "tools": (
+        "honoured test_chat_tools.py",
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    ),
+    "tool_choice": ("honoured test_chat_tools.py", "none"),
+    "parallel_tool_calls": ("honoured test_chat_tools.py", False),
+    "stream": ("honoured test_server_openai.py", False),
+    "stream_options": ("honoured test_server_openai.py", None),  # with stream, below
+    "reasoning_effort": ("honoured test_server_responses_agents.py", "low"),
+    "verbosity": ("accepted", "high"),
+    "prediction": ("accepted", {"type": "content", "content": "Hello"}),
+    "modalities": ("accepted", ["text"]),
+    "web_search_options": ("accepted", {"search_context_size": "low"}),
+    "metadata": ("accepted", {"k": "v"}),
+    "store": ("accepted", True),
+    "service_tier": ("accepted", "flex"),
+    "user": ("accepted", "u-1"),
+    "safety_identifier": ("accepted", "h-1"),
+    "prompt_cache_key": ("accepted", "session-1"),
+    "prompt_cache_options": ("accepted", {"mode": "implicit", "ttl": "30m"}),
+    "prompt_cache_retention": ("accepted", "in_memory"),
+    "audio": ("refused", {"voice": "alloy", "format": "wav"}),
+    "moderation": ("refused", {"model": "omni-moderation-latest"}),
+    "functions": ("refused", [{"name": "f", "parameters": {"type": "object"}}]),
+    "function_call": ("refused", "auto"),
+}
+
+
+def sdk_fields(*params: type) -> set[str]:
+    return set().union(*(p.__required_keys__ | p.__optional_keys__ for p in params))
+
+
+def test_every_sdk_field_is_classified() -> None:
+    from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import response_create_params as resp
+
+    responses = sdk_fields(
+        resp.ResponseCreateParamsNonStreaming, resp.ResponseCreateParamsStreaming
+    )
+    completions = sdk_fields(
+        chat.CompletionCreateParamsNonStreaming, chat.CompletionCreateParamsStreaming
+    )
+    assert sorted(responses - set(RESPONSES_FIELDS)) == [], "classify these Responses fields"
+    assert sorted(completions - set(CHAT_FIELDS)) == [], "classify these chat fields"
+    docs = (ROOT / "docs" / "api-fields.md").read_text()
+    for field in sorted(responses | completions | set(RESPONSES_EXTRA)):
+        assert f"`{field}`" in docs, f"docs/api-fields.md does not describe {field!r}"
+    for what, _ in (*RESPONSES_FIELDS.values(), *CHAT_FIELDS.values()):
+        if what.startswith("honoured"):
+            assert (ROOT / "tests" / what.split()[1]).exists(), what
+
+
+@pytest.mark.parametrize("field", sorted(RESPONSES_FIELDS | RESPONSES_EXTRA))
+def test_responses_field(server, field: str) -> None:
+    what, value = (RESPONSES_FIELDS | RESPONSES_EXTRA)[field]
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        if value == PREV:
+            prev = http.post("/v1/responses", json=body)
+            value = prev.json()["id"]
+        r = http.post("/v1/responses", json=body | {field: value})
+        if what == "refused":
+            err = assert_openai_error(r, 400, field)
+            assert "not supported" in err["message"]
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["object"] == "response"
+
+
+@pytest.mark.parametrize("field", sorted(CHAT_FIELDS))
+def test_chat_field(server, field: str) -> None:
+    what, value = CHAT_FIELDS[field]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    extra = {field: value}
+    if field == "top_logprobs":
+        extra = {"logprobs": True, "top_logprobs": 2}
+    elif field == "stream_options":
+        extra = {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json=body | extra)
+        if what == "refused":
+            err = assert_openai_error(r, 400, field)
+            assert "not supported" in err["message"]
+        else:
+            assert r.status_code == 200, r.text
+    if field == "modalities":  # audio among them is refused, as audio itself
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/chat/completions", json=body | {"modalities": ["text", "audio"]})
+        assert_openai_error(r, 400, "modalities")

@@ -266,6 +266,8 @@ def custom_input(arguments: str) -> str:
 
 def responses_tool_choice(choice: str | dict[str, Any] | None, tools: ResponsesTools) -> str | None:
     """The chat tool_choice name for ``tool_choice`` (``allowed_tools`` narrows ``tools``)."""
+    if choice == "auto" and not tools.tools:
+        return None  # Codex sends "auto" always, also when every tool was a server tool
     if choice is None or choice in ("none", "auto", "required"):
         return choice  # type: ignore[return-value]
     if not isinstance(choice, dict):

@@ -282,7 +282,9 @@ class OpenAIServing:
         text, ids = await run_in_threadpool(self._render_chat, req, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         starts_after = plan.grammar_starts_after(text, params)
-        group = RequestGroup(self.llm, [(rid, text, ids, params)], self.in_flight, starts_after)
+        group = RequestGroup(
+            self.llm, [(rid, text, ids, params)], self.in_flight, grammar_starts_after=starts_after
+        )
         created = int(time.time())
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created}
