@@ -8,10 +8,12 @@ validates every call's arguments and every structured answer against the schema 
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import jsonschema
 import ollama
+import openai
 import pytest
 from openai import OpenAI
 
@@ -113,3 +115,64 @@ def test_ollama_format_and_tools(server) -> None:
     assert e.value.status_code == 400 and "invalid or unsupported JSON schema" in e.value.error
     values = read_metrics(server.url)
     assert metric(values, "vllm:kv_cache_usage_perc", model_name=MODEL) == 0
+
+
+READ_SCHEMA = {
+    "type": "object",
+    "properties": {"path": {"type": "string", "maxLength": 12}},
+    "required": ["path"],
+    "additionalProperties": False,
+}
+PATCH_REGEX = "[a-z]{1,6}"
+AGENT_TOOLS = [
+    {
+        "type": "namespace",
+        "name": "mcp__fs__",
+        "description": "A file system server.",
+        "tools": [
+            {"type": "function", "name": "read", "description": "Read a file.", "strict": True,
+             "parameters": READ_SCHEMA},
+        ],
+    },
+    {"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
+     "format": {"type": "grammar", "syntax": "regex", "definition": PATCH_REGEX}},
+    {"type": "local_shell"},
+    {"type": "web_search"},
+]  # fmt: skip
+
+
+def test_responses_namespaced_custom_and_local_shell_calls_are_their_items(server) -> None:
+    """Forced calls of each tool kind come back as the item the Responses API defines."""
+    client = OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    args = {"model": MODEL, "input": "Fix the bug in main.py.", "tools": AGENT_TOOLS,
+            "temperature": 0, "max_output_tokens": 60, "reasoning": {"effort": "none"}}  # fmt: skip
+    first = client.responses.create(tool_choice={"type": "function", "name": "read"}, **args)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert (call.name, call.namespace) == ("read", "mcp__fs__")
+    jsonschema.validate(json.loads(call.arguments), READ_SCHEMA)
+    patch = {"type": "custom", "name": "apply_patch"}
+    custom = client.responses.create(tool_choice=patch, **args)
+    (item,) = [o for o in custom.output if o.type == "custom_tool_call"]
+    assert item.name == "apply_patch" and re.fullmatch(PATCH_REGEX, item.input)
+    events = list(client.responses.create(tool_choice=patch, stream=True, **args))
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert "".join(deltas) == done.input == item.input
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    shell = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "local_shell"}]}
+    resp = client.responses.create(tool_choice=shell, **args)
+    (run,) = [o for o in resp.output if o.type == "local_shell_call"]
+    assert run.action.type == "exec" and all(isinstance(c, str) for c in run.action.command)
+    # The calls, sent back with their outputs, are the next turn's history.
+    history = [
+        {"role": "user", "content": "Fix the bug in main.py."},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "x = 1"},
+        item.model_dump(exclude_none=True),
+        {"type": "custom_tool_call_output", "call_id": item.call_id, "output": "Done."},
+    ]
+    nxt = client.responses.create(**args | {"input": history, "max_output_tokens": 8})
+    assert nxt.usage.input_tokens > first.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(tool_choice={"type": "web_search_preview"}, **args)
+    assert e.value.body["param"] == "tool_choice"

@@ -106,6 +106,26 @@ def test_failure_mid_stream_is_an_error_event_then_done(app_server) -> None:
     ok(url)
 
 
+def test_responses_failure_mid_stream_is_error_then_response_failed(app_server) -> None:
+    from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
+
+    url, faults, _ = app_server
+    faults.fail_in(3)
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 6, "temperature": 0}
+    events = []
+    with httpx.stream("POST", url + "/v1/responses", json=body | {"stream": True}) as r:
+        assert r.status_code == 200  # the first token came before the fault
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    error = ResponseErrorEvent.model_validate(events[-2])
+    failed = ResponseFailedEvent.model_validate(events[-1])
+    assert "injected fault" in error.message and error.code == "internal_error"
+    assert failed.response.status == "failed" and failed.response.error.code == "server_error"
+    ok(url)
+
+
 def test_a_failing_handler_is_500_then_the_server_keeps_serving(app_server, monkeypatch) -> None:
     url, _, engine = app_server
 

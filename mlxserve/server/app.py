@@ -58,7 +58,12 @@ from mlxserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from mlxserve.server.responses import ResponsesRequest, ResponsesServing, add_responses_routes
+from mlxserve.server.responses import (
+    InputTokensRequest,
+    ResponsesRequest,
+    ResponsesServing,
+    add_responses_routes,
+)
 from mlxserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("mlxserve")
@@ -101,6 +106,7 @@ OTHER_API_BODIES = [
     MessagesRequest,
     CountTokensRequest,
     ResponsesRequest,
+    InputTokensRequest,
     OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaEmbedRequest,

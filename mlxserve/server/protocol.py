@@ -1,9 +1,12 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their SamplingParams.
 
-Every model forbids unknown fields: a parameter mlxserve does not implement is a 400
-that names it, never silently ignored. Fields set to JSON null count as absent. Types are
-strict, as OpenAI's: "10" is not an integer, true is not 1, "true" is not a boolean; only a
-float field also takes a JSON integer ("temperature": 1).
+Field policy (docs/api-fields.md): every field of OpenAI's API is declared here and is either
+honoured (it changes the output as OpenAI's does), accepted (metadata and hints that change
+nothing about the output: store, metadata, prompt_cache_key, verbosity, prediction, ...) or
+refused with a 400 naming it, only where ignoring it would be silently wrong (audio output,
+moderation, the legacy functions). A field no OpenAI API has is a 400 that names it. Fields
+set to JSON null count as absent. Types are strict, as OpenAI's: "10" is not an integer, true
+is not 1, "true" is not a boolean; only a float field also takes a JSON integer.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from mlxserve.sampling_params import (
     SamplingParams,
 )
 from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.reasoning_effort import effort_template_kwargs
 from mlxserve.server.structured import StructuredFields, Tool, ToolChoice
 
 logger = logging.getLogger("mlxserve.server")
@@ -39,9 +43,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-# Fields that change nothing about the output, accepted because common clients send them
-# (README "Fields accepted and ignored"); a field that would change the output is refused.
-IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
+# Fields that change nothing about the output, accepted because clients send them
+# (docs/api-fields.md); a field whose absence of effect would be silently wrong is refused.
+IGNORED_FIELDS = (
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "safety_identifier",
+)
 
 
 def _doc(**schema: Any) -> Any:
@@ -76,9 +88,10 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_integral)]
 
 
 class StreamOptions(_Strict):
-    """stream_options: only include_usage."""
+    """stream_options: include_usage; include_obfuscation is accepted (no padding is sent)."""
 
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
 class _SamplingFields(StructuredFields):
@@ -104,7 +117,9 @@ class _SamplingFields(StructuredFields):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None  # one engine-wide prefix cache serves every key
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     # vLLM's extra sampling parameters.
     top_k: Int = _range(-1, INT32_MAX, 0)
@@ -300,14 +315,54 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: ToolChoice | None = None
     # Whether the model may call several tools in one reply (default true).
     parallel_tool_calls: bool | None = None
+    # The model's reasoning switch (reasoning_effort.py); chat_template_kwargs override it.
+    reasoning_effort: str | None = None
+    # Accepted: a hint (verbosity), a latency hint whose output is the same (prediction), text
+    # as the only modality, and OpenAI's hosted web search, which has nothing to run it here.
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # Refused when set (check_refused): audio output, moderation, the legacy functions.
+    audio: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def check_refused(self) -> None:
+        """400 for fields whose request mlxserve cannot honour and must not pretend to."""
+        if self.audio is not None or "audio" in (self.modalities or ()):
+            param = "audio" if self.audio is not None else "modalities"
+            raise bad_request(
+                "audio output is not supported by this server: its model writes text only",
+                param,
+            )
+        if self.moderation is not None:
+            raise bad_request(
+                "moderation is not supported by this server: leave moderation out", "moderation"
+            )
+        if self.functions or self.function_call is not None:  # "functions": [] is none
+            raise bad_request(
+                "functions and function_call are deprecated and not supported by this server: "
+                "use tools and tool_choice",
+                "functions" if self.functions else "function_call",
+            )
+        if self.web_search_options is not None:
+            logger.warning("chat: web_search_options ignored: this server runs no web search")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables for the chat template: the reasoning switch, then chat_template_kwargs."""
+        switch = effort_template_kwargs(self.reasoning_effort, "reasoning_effort")
+        return switch | dict(self.chat_template_kwargs or {})
+
     def sampling_params(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
         """The request's SamplingParams; ``defaults``: the model's (see _params)."""
         self.check_stream_options()
+        self.check_refused()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

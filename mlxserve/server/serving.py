@@ -251,7 +251,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------- chat
     def _render_chat(self, req: ChatCompletionRequest, plan: ChatPlan) -> tuple[str, list[int]]:
-        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs = req.template_kwargs()
         clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if clash:
             raise bad_request(
@@ -288,7 +288,9 @@ class OpenAIServing:
         text, ids = await run_in_threadpool(self._render_chat, req, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         starts_after = plan.grammar_starts_after(text, params)
-        group = RequestGroup(self.llm, [(rid, text, ids, params)], self.in_flight, starts_after)
+        group = RequestGroup(
+            self.llm, [(rid, text, ids, params)], self.in_flight, grammar_starts_after=starts_after
+        )
         created = int(time.time())
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created}

@@ -3,7 +3,8 @@
 The tool planning and the output parsers (server/chat_tools.py, parsers/) speak one
 language: OpenAI chat messages (assistant ``tool_calls``, ``tool`` results), OpenAI function
 tools and a tool_choice name ("none", "auto", "required" or a function's name). Each API's
-shapes are translated here, in both directions, and nowhere else.
+shapes are translated here, in both directions, and nowhere else (the Responses API's, which
+has many item and tool types of its own, in server/responses_input.py).
 """
 
 from __future__ import annotations
@@ -116,78 +117,6 @@ def anthropic_tool_choice(
     if name not in {t["function"]["name"] for t in tools}:
         raise bad_request(f"tool_choice.name: tool {name!r} not found in tools", "tool_choice.name")
     return name, False
-
-
-# ---- OpenAI Responses -------------------------------------------------------------------------
-def responses_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Responses function tools (flat: type, name, description, parameters) as chat tools."""
-    out = []
-    for i, tool in enumerate(tools or ()):
-        if tool.get("type") != "function":
-            kind = tool.get("type")
-            raise bad_request(f"tools[{i}]: tools of type {kind!r} are not supported", "tools")
-        schema = tool.get("parameters")
-        name, description = tool.get("name"), tool.get("description")
-        out.append(function_tool(name, description, schema, "tools", f"tools.{i}.parameters"))
-    return out
-
-
-def responses_tool_choice(choice: str | dict[str, Any] | None) -> str | None:
-    """The tool_choice name from the Responses API's ``tool_choice``."""
-    if choice is None or isinstance(choice, str):
-        return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return choice["name"]
-    raise bad_request(f"tool_choice {choice!r} is not supported", "tool_choice")
-
-
-def responses_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses input items (messages, function_call, function_call_output) as chat messages."""
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "function_call":
-            call = _call(
-                str(item.get("call_id")), str(item.get("name")), item.get("arguments", "{}")
-            )
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            out.append(
-                {"role": "tool", "tool_call_id": str(item.get("call_id")), "content": _text(output)}
-            )
-        elif kind == "reasoning":
-            continue
-        elif kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"input[{i}]: role {role!r} is not supported", "input")
-            content = item.get("content")
-            if isinstance(content, list):
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") not in (
-                        "input_text",
-                        "output_text",
-                        "text",
-                    ):
-                        ptype = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise bad_request(
-                            f"input[{i}]: content of type {ptype!r} is not supported", "input"
-                        )
-            elif not isinstance(content, str):
-                raise bad_request(f"input[{i}].content must be a string or text parts", "input")
-            out.append(
-                {"role": "system" if role == "developer" else role, "content": _text(content)}
-            )
-        else:
-            raise bad_request(f"input[{i}]: items of type {kind!r} are not supported", "input")
-    if not out:
-        raise bad_request("input must not be empty", "input")
-    return out
 
 
 # ---- Ollama -----------------------------------------------------------------------------------
