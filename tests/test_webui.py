@@ -32,6 +32,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from tests.paths import ROOT
 from tests.server_harness import metric, read_metrics, start_server, wait_until
 
 KEY = "sk-webui-test"
@@ -455,23 +456,49 @@ def test_markdown_is_escaped_and_renders_incrementally(driver) -> None:
         "<blockquote>",
     ):
         assert tag in out["html"], tag
-    # Streamed in random pieces, the incremental render ends equal to the full one.
+    # Streamed in random pieces, the incremental render ends equal to the full one, also
+    # when the text ends inside a code block or on its closing fence.
     rng = random.Random(34)
-    for _ in range(3):
-        cuts = sorted(rng.sample(range(1, len(MARKDOWN)), 25)) + [len(MARKDOWN)]
-        assert render(driver, MARKDOWN, cuts)["incremental"] == out["html"]
+    for text in (MARKDOWN, MARKDOWN + "```js\nlet a = '<b>';\n\nlet b", MARKDOWN + "```\nx\n```"):
+        full = render(driver, text)["html"]
+        for _ in range(3):
+            cuts = sorted(rng.sample(range(1, len(text)), 25)) + [len(text)]
+            assert render(driver, text, cuts)["incremental"] == full
 
 
 def test_docs_and_redoc_render_offline(server, driver) -> None:
+    def texts(selector: str) -> list[str]:
+        script = "return [...document.querySelectorAll(arguments[0])].map((e) => e.textContent)"
+        return [t.replace("\u200b", "").strip() for t in driver.execute_script(script, selector)]
+
     driver.get(server.url + "/docs")
-    paths = lambda: [  # noqa: E731
-        e.text.replace("\u200b", "")
-        for e in driver.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock-summary-path")
-    ]
-    wait(driver, lambda: "/v1/chat/completions" in paths())
-    assert "/v1/models" in paths()
+    paths = ".swagger-ui .opblock-summary-path"
+    wait(driver, lambda: "/v1/chat/completions" in texts(paths))
+    assert "/v1/models" in texts(paths)
     screenshot(driver, "docs")
     driver.get(server.url + "/redoc")
-    wait(driver, lambda: driver.find_elements(By.CSS_SELECTOR, ".api-content h2"))
-    wait(driver, lambda: "Chat Completions" in driver.find_element(By.TAG_NAME, "body").text)
+    wait(driver, lambda: "Chat Completions" in texts(".api-content h2"))
     screenshot(driver, "redoc")
+
+
+def test_the_page_ships_in_the_package(tmp_path) -> None:
+    """setup.py's package data puts every file of the page into the built package."""
+    import subprocess
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("mlxserve", "metal"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "lib"
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(out)],
+        cwd=src,
+        check=True,
+        capture_output=True,
+    )
+    page = ROOT / "mlxserve" / "server" / "ui"
+    shipped = sorted(p.name for p in (out / "mlxserve" / "server" / "ui").iterdir())
+    assert shipped == sorted(p.name for p in page.iterdir())
+    assert {"index.html", "app.js", "markdown.js", "style.css"} <= set(shipped)

@@ -84,13 +84,15 @@ export async function* streamChat(body, signal) {
     for (;;) {
       const { value, done } = await reader.read();
       if (done) break;
-      buffer += value;
+      // JSON never holds a raw CR, so dropping them leaves "\n\n" between any two events.
+      buffer += value.replace(/\r/g, "");
+      let start = 0;
       let end;
-      while ((end = buffer.search(/\r?\n\r?\n/)) !== -1) {
-        const event = buffer.slice(0, end);
-        buffer = buffer.slice(end).replace(/^\r?\n\r?\n/, "");
+      while ((end = buffer.indexOf("\n\n", start)) !== -1) {
+        const event = buffer.slice(start, end);
+        start = end + 2;
         const data = event
-          .split(/\r?\n/)
+          .split("\n")
           .filter((l) => l.startsWith("data:"))
           .map((l) => l.slice(5).replace(/^ /, ""))
           .join("\n");
@@ -103,6 +105,7 @@ export async function* streamChat(body, signal) {
         }
         yield chunk;
       }
+      buffer = buffer.slice(start);
     }
   } finally {
     reader.cancel().catch(() => {});

@@ -163,7 +163,11 @@ function renderTable(block) {
   return `<div class="table-wrap"><table><thead><tr>${head}</tr></thead><tbody>${rows}</tbody></table></div>`;
 }
 
-/** Renders a growing text into an element: finished blocks once, the tail on each update. */
+/**
+ * Renders a growing text into an element: finished blocks once, the rest on each update.
+ * While a code fence is open at the end, its new text is appended to the code element
+ * instead of re-rendering the whole block (a long code answer would cost O(n) per update).
+ */
 export class IncrementalMarkdown {
   constructor(element) {
     this.stable = document.createElement("div");
@@ -173,8 +177,9 @@ export class IncrementalMarkdown {
     element.replaceChildren(this.stable, this.tail);
     this.done = 0; // text[0:done] is rendered in this.stable
     this.scanned = 0; // start of the first line not yet scanned for a cut
-    this.fence = null; // the open fence's marker while scanning inside a code block
+    this.fence = null; // the open fence while scanning inside a code block: {marker, lang, start, body}
     this.afterBlank = false;
+    this.live = null; // the open fence's code text node in this.tail, and where it starts
   }
 
   update(text) {
@@ -182,8 +187,26 @@ export class IncrementalMarkdown {
     if (cut > this.done) {
       this.stable.insertAdjacentHTML("beforeend", renderMarkdown(text.slice(this.done, cut)));
       this.done = cut;
+      this.live = null;
     }
-    this.tail.innerHTML = renderMarkdown(text.slice(this.done));
+    const fence = this.fence;
+    // Not live when the unfinished last line is the closing fence: it ends the block.
+    if (!fence || fence.start < this.done || isClosingFence(text.slice(this.scanned), fence.marker)) {
+      this.live = null;
+      this.tail.innerHTML = renderMarkdown(text.slice(this.done));
+      return;
+    }
+    if (this.live?.start !== fence.start) {
+      const before = renderMarkdown(text.slice(this.done, fence.start));
+      this.tail.innerHTML = before + renderCode("", fence.lang);
+      const node = document.createTextNode("");
+      this.tail.querySelector(".code-block:last-child code").append(node);
+      this.live = { start: fence.start, node };
+    }
+    const body = text.slice(fence.body);
+    const node = this.live.node;
+    if (body.startsWith(node.data)) node.appendData(body.slice(node.length));
+    else node.data = body;
   }
 
   // The start of the last complete line that begins a block after a blank line, outside
@@ -194,14 +217,14 @@ export class IncrementalMarkdown {
     while ((end = text.indexOf("\n", this.scanned)) !== -1) {
       const line = text.slice(this.scanned, end);
       if (this.fence) {
-        if (isClosingFence(line, this.fence)) this.fence = null;
+        if (isClosingFence(line, this.fence.marker)) this.fence = null;
       } else if (!line.trim()) {
         this.afterBlank = true;
       } else {
         if (this.afterBlank && !/^\s/.test(line)) cut = this.scanned;
         this.afterBlank = false;
         const fence = FENCE.exec(line);
-        if (fence) this.fence = fence[1];
+        if (fence) this.fence = { marker: fence[1], lang: fence[2], start: this.scanned, body: end + 1 };
       }
       this.scanned = end + 1;
     }
