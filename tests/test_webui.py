@@ -190,6 +190,8 @@ def set_field(driver: WebDriver, element_id: str, value: str) -> None:
 
 
 def send(driver: WebDriver, text: str) -> None:
+    if driver.find_element(By.ID, "settings").is_displayed():
+        driver.find_element(By.ID, "settings-button").click()
     box = driver.find_element(By.ID, "prompt")
     box.send_keys(text, Keys.ENTER)
 
@@ -317,6 +319,136 @@ def test_the_picker_switches_the_model(driver) -> None:
     conversation = current(driver)
     assert conversation["model"] == MODELS[1]
     assert conversation["messages"][-1]["model"] == MODELS[1]  # the name the server answered
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"capital": {"type": "string", "maxLength": 12}},
+    "required": ["capital"],
+    "additionalProperties": False,
+}
+
+
+def test_a_structured_answer_is_shown_as_indented_json(driver, oracle) -> None:
+    """The answer schema box becomes response_format; the answer shows as a JSON block."""
+    set_field(driver, "temperature", "0")
+    set_field(driver, "max-tokens", "40")
+    driver.find_element(By.CSS_SELECTOR, "#settings details summary").click()
+    set_field(driver, "response-schema", json.dumps(SCHEMA))
+    question = "What is the capital of Spain? Answer in JSON."
+    send(driver, question)
+    answer = wait_answer(driver)
+    expected = oracle.chat.completions.create(
+        model=MODELS[1],
+        messages=[
+            {"role": "user", "content": "Hello!"},
+            {"role": "assistant", "content": current(driver)["messages"][1]["content"][0]["text"]},
+            {"role": "user", "content": question},
+        ],
+        temperature=0,
+        max_tokens=40,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": SCHEMA},
+        },
+    )
+    text = expected.choices[0].message.content
+    assert current(driver)["messages"][-1]["content"][0]["text"] == text
+    code = answer.find_element(By.CSS_SELECTOR, ".body .code-block code")
+    assert answer.find_element(By.CSS_SELECTOR, ".code-head span").text == "json"
+    if expected.choices[0].finish_reason == "stop":  # complete JSON: indented
+        shown = code.get_attribute("textContent")
+        assert shown == json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    set_field(driver, "response-schema", "")
+
+
+# What a reasoning model with tools streams (OpenAI's chunk format, vLLM's reasoning_content).
+TOOL_STREAM = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants "}}]},
+    {"choices": [{"index": 0, "delta": {"reasoning_content": "the weather."}}]},
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": ""},
+                        }
+                    ]
+                },
+            }
+        ]
+    },
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+            }
+        ]
+    },
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+            }
+        ]
+    },
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 50,
+            "completion_tokens": 20,
+            "total_tokens": 70,
+            "prompt_tokens_details": {"cached_tokens": 32},
+        },
+    },
+]
+
+
+def test_reasoning_is_collapsed_and_tool_calls_are_readable(driver) -> None:
+    """A stream of reasoning and a tool call (no model here produces one) from a stand-in
+    for fetch: the page shows the reasoning collapsed and the call's arguments as JSON."""
+    events = "".join(f"data: {json.dumps(c | {'model': MODELS[0]})}\n\n" for c in TOOL_STREAM)
+    driver.execute_script(
+        """
+        const [events] = arguments;
+        const real = window.fetch;
+        window.fetch = (url, init) => {
+          if (url !== "/v1/chat/completions") return real(url, init);
+          window.fetch = real;  // once
+          const body = new Blob([events + "data: [DONE]\\n\\n"]).stream();
+          const headers = {"content-type": "text/event-stream"};
+          return Promise.resolve(new Response(body, {headers}));
+        };
+        """,
+        events,
+    )
+    driver.find_element(By.ID, "new-chat").click()
+    send(driver, "What is the weather in Paris?")
+    answer = wait_answer(driver)
+    assert answer.get_attribute("data-state") == "tool_calls"
+    reasoning = answer.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert reasoning.get_attribute("open") is None  # collapsed
+    assert reasoning.find_element(By.TAG_NAME, "summary").text == "Reasoning"
+    assert reasoning.find_element(By.TAG_NAME, "div").get_attribute("textContent") == (
+        "The user wants the weather."
+    )
+    call = answer.find_element(By.CLASS_NAME, "tool-call")
+    assert call.find_element(By.TAG_NAME, "strong").text == "Tool call: get_weather"
+    assert call.find_element(By.TAG_NAME, "pre").text == '{\n  "city": "Paris"\n}'
+    assert answer.find_element(By.CLASS_NAME, "stats").text.startswith("20 tokens")
+    assert "32 of 50 prompt tokens cached" in answer.find_element(By.CLASS_NAME, "stats").text
+    screenshot(driver, "tool-call")
+    driver.find_element(By.ID, "delete").click()
+    WebDriverWait(driver, 10).until(lambda d: _alert(d)).accept()
 
 
 def test_conversations_survive_a_reload_and_are_renamed_exported_deleted(browser, driver) -> None:
