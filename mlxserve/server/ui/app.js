@@ -30,6 +30,7 @@ const ui = {
   maxTokens: $("max-tokens"),
   tools: $("tools"),
   schema: $("response-schema"),
+  extra: $("extra-fields"),
   messages: $("messages"),
   composer: $("composer"),
   prompt: $("prompt"),
@@ -155,6 +156,7 @@ function renderSettings() {
   ui.maxTokens.value = p.max_tokens ?? "";
   ui.tools.value = conversation.tools;
   ui.schema.value = conversation.responseSchema;
+  ui.extra.value = conversation.extra ?? "";
   ui.settingsError.textContent = "";
 }
 
@@ -168,6 +170,7 @@ function readSettings() {
   };
   conversation.tools = ui.tools.value;
   conversation.responseSchema = ui.schema.value;
+  conversation.extra = ui.extra.value;
   try {
     advancedFields(conversation);
     ui.settingsError.textContent = "";
@@ -177,7 +180,8 @@ function readSettings() {
   persist();
 }
 
-/** The request fields of the Tools and Answer schema boxes (throws naming the bad box). */
+/** The request fields of the Tools, Answer schema and Other fields boxes (throws naming
+ * the bad box). */
 function advancedFields(conv) {
   const out = {};
   const parse = (text, name) => {
@@ -195,6 +199,13 @@ function advancedFields(conv) {
   if (conv.responseSchema.trim()) {
     const schema = parse(conv.responseSchema, "Answer schema");
     out.response_format = { type: "json_schema", json_schema: { name: "answer", schema } };
+  }
+  if (conv.extra?.trim()) {
+    const extra = parse(conv.extra, "Other request fields");
+    if (!extra || typeof extra !== "object" || Array.isArray(extra)) {
+      throw new Error("Other request fields must be a JSON object");
+    }
+    Object.assign(out, extra);
   }
   return out;
 }
@@ -648,7 +659,8 @@ function wire() {
     ui.settingsButton.setAttribute("aria-expanded", String(open));
     if (open) ui.system.focus();
   });
-  for (const input of [ui.system, ui.temperature, ui.topP, ui.maxTokens, ui.tools, ui.schema]) {
+  const fields = [ui.system, ui.temperature, ui.topP, ui.maxTokens, ui.tools, ui.schema, ui.extra];
+  for (const input of fields) {
     input.addEventListener("change", readSettings);
   }
   $("toggle-sidebar").addEventListener("click", (e) => {

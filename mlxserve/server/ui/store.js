@@ -1,7 +1,8 @@
 // Conversations, kept in the browser's localStorage (one JSON object, saved whole).
 //
 // A conversation: {id, title, titleSetByUser, model, system, params: {temperature, top_p,
-// max_tokens}, tools, responseSchema, messages, created, updated}. A message:
+// max_tokens}, tools, responseSchema, extra (other request fields, JSON), messages, created,
+// updated}. A message:
 // {role: "user" | "assistant", content: [parts]} where a part is {type: "text", text} --
 // OpenAI's content parts, so an image part ({type: "image_url", image_url: {url}}) can
 // join later without a new format. An assistant message also keeps reasoning,
@@ -49,6 +50,7 @@ export function newConversation(model) {
     params: { temperature: null, top_p: null, max_tokens: null },
     tools: "",
     responseSchema: "",
+    extra: "",
     messages: [],
     created: now,
     updated: now,
