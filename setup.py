@@ -13,5 +13,7 @@ setup(
     package_data={
         "mlxserve._metal": ["*.metal"],
         "mlxserve": ["csrc/*.c", "csrc/*.h", "csrc/*.cpp"],
+        # the chat page at / (mlxserve/server/webui.py): plain HTML, CSS and JS modules
+        "mlxserve.server": ["ui/*.html", "ui/*.css", "ui/*.js", "ui/*.svg"],
     },
 )

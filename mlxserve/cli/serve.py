@@ -259,6 +259,7 @@ def serve_command(args: argparse.Namespace) -> int:
         args.port,
         "required" if keys else "not required",
     )
+    logger.info("chat page: http://%s:%d/ (API docs: /docs)", args.host, args.port)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level
     )

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API-key check, CORS, metrics and the periodic stats log.
 
 GET  /health /version /metrics /v1/models /v1/models/{id}
+GET  / (the chat page), /docs, /redoc (mlxserve.server.webui)
 POST /v1/completions /v1/chat/completions /v1/embeddings /tokenize /detokenize
 """
 
@@ -65,6 +66,7 @@ from mlxserve.server.responses import (
     add_responses_routes,
 )
 from mlxserve.server.serving import OpenAIServing
+from mlxserve.server.webui import add_webui_routes
 
 logger = logging.getLogger("mlxserve")
 
@@ -141,7 +143,10 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
         if task is not None:
             task.cancel()
 
-    app = FastAPI(title="mlxserve", version=__version__, lifespan=lifespan)
+    # /docs and /redoc come from add_webui_routes, with local assets instead of a CDN's.
+    app = FastAPI(
+        title="mlxserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.in_flight = serving.in_flight  # for a graceful shutdown (server/shutdown.py)
     install_error_handlers(app)
     doc.install_openapi(
@@ -302,6 +307,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     add_ollama_routes(app, OllamaServing(serving, engine, model_size), limit)
     add_anthropic_routes(app, AnthropicServing(serving), limit)
     add_responses_routes(app, ResponsesServing(serving), limit)
+    add_webui_routes(app)
     return app
 
 
