@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from bench.agents import report, traffic
+from bench.agents import clients, report, traffic
 from bench.agents.proxy import NetCatcher, ProxyServer, Recorder
 
 GATE_TIMEOUT_S = 10.0
@@ -34,6 +35,7 @@ class Upstream:
 
     def __init__(self) -> None:
         self.gate = threading.Event()
+        self.stream_ended = threading.Event()  # a stream's generator finished or was closed
         self.seen: list[dict] = []
 
         async def messages(request: Request):
@@ -53,14 +55,19 @@ class Upstream:
                 return JSONResponse({"type": "message", "content": [], "usage": usage})
 
             async def events():
-                usage = {"input_tokens": 10, "cache_read_input_tokens": 90, "output_tokens": 1}
-                yield sse("message_start", {"type": "message_start", "message": {"usage": usage}})
-                while not self.gate.is_set():
-                    await asyncio.sleep(0.01)
-                delta = {"type": "text_delta", "text": "hi"}
-                yield sse("content_block_delta", {"type": "content_block_delta", "delta": delta})
-                yield sse("message_delta", {"type": "message_delta", "usage": {"output_tokens": 7}})
-                yield sse("message_stop", {"type": "message_stop"})
+                try:
+                    usage = {"input_tokens": 10, "cache_read_input_tokens": 90, "output_tokens": 1}
+                    start = {"type": "message_start", "message": {"usage": usage}}
+                    yield sse("message_start", start)
+                    while not self.gate.is_set():
+                        await asyncio.sleep(0.01)
+                    delta = {"type": "content_block_delta", "delta": {"type": "text_delta"}}
+                    yield sse("content_block_delta", delta)
+                    end = {"type": "message_delta", "usage": {"output_tokens": 7}}
+                    yield sse("message_delta", end)
+                    yield sse("message_stop", {"type": "message_stop"})
+                finally:
+                    self.stream_ended.set()
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -171,6 +178,28 @@ def test_sse_is_forwarded_unbuffered_and_usage_and_ttft_recorded(proxied):
     assert logged == recorder.records
 
 
+def wait_until(condition, timeout_s: float = GATE_TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_client_leaving_mid_stream_is_recorded_and_stops_the_upstream(proxied):
+    upstream, recorder, proxy = proxied
+    body = anthropic_body([{"role": "user", "content": "hello"}])
+    with httpx.stream("POST", proxy.url + "/v1/messages", json=body, timeout=10) as response:
+        first = next(response.iter_raw())
+    assert b"message_start" in first  # then the client goes away, the upstream still held
+    assert wait_until(lambda: len(recorder.records) == 1)
+    (record,) = recorder.records
+    assert record["status"] == 200 and "client disconnected" in record["upstream_error"]
+    assert record["prompt_tokens"] == 100  # what came before the cut is still read
+    assert report.summarize(recorder.records)["interrupted"] == 1
+    # The proxy closed its upstream request: the server stops generating for nobody.
+    assert upstream.stream_ended.wait(GATE_TIMEOUT_S) and not upstream.gate.is_set()
+
+
 def test_chat_and_responses_usage_shapes(proxied):
     upstream, recorder, proxy = proxied
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -266,3 +295,38 @@ def test_net_catcher_refuses_and_records(tmp_path):
     (attempt,) = catcher.attempts
     assert attempt["client"] == "codex-mlxserve"
     assert attempt["request"].startswith("GET http://example.invalid/x")
+
+
+@pytest.mark.parametrize("name", clients.ALL)
+def test_each_client_is_pointed_at_the_proxy_and_nowhere_else(tmp_path, name):
+    env = clients.base_env(tmp_path / "home", "http://127.0.0.1:9", [tmp_path / "bin"])
+    session = clients.Session("http://127.0.0.1:5555", "fix it", env, max_output_tokens=300)
+    run = clients.MAKE_RUN[name](tmp_path / "bin" / name, session)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "https_proxy"):
+        assert run.env[var] == "http://127.0.0.1:9"
+    assert run.env["NO_PROXY"] == "127.0.0.1,localhost"
+    assert run.env["HOME"] == str(tmp_path / "home")
+    text = " ".join(run.argv) + json.dumps(run.env)
+    config = {str(path): body for path, body in run.files.items()}
+    if name == "claude-code":
+        assert run.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:5555"
+        assert run.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+        assert run.env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "300"
+    elif name == "codex":
+        tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+        toml = tomllib.loads(config[str(tmp_path / "home" / ".codex" / "config.toml")])
+        provider = toml["model_providers"][toml["model_provider"]]
+        assert provider["base_url"] == "http://127.0.0.1:5555/v1"
+        assert provider["wire_api"] == "responses" and toml["analytics"]["enabled"] is False
+        assert run.env["CODEX_HOME"] == str(tmp_path / "home" / ".codex")
+    elif name == "aider":
+        assert "--openai-api-base http://127.0.0.1:5555/v1" in text
+        assert "--no-check-update" in text and "--analytics-disable" in text
+        assert run.env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
+    else:
+        path = str(tmp_path / "home" / ".config" / "opencode" / "opencode.json")
+        provider = json.loads(config[path])["provider"]["mlxserve"]
+        assert provider["options"]["baseURL"] == "http://127.0.0.1:5555/v1"
+    # No other host is named anywhere in what the client is given.
+    hosts = {h for h in re.findall(r"https?://([^/:\"\s]+)", text + json.dumps(config))}
+    assert hosts <= {"127.0.0.1", "opencode.ai"}  # opencode's $schema is a name, not fetched

@@ -86,7 +86,10 @@ def run_client(
     catcher.label = label
     with ProxyServer(server.url, recorder, read_timeout_s=args.time_limit) as proxy:
         env = clients.base_env(home, catcher.url, [exe.parent, Path(sys.executable).parent])
-        run = clients.MAKE_RUN[name](exe, proxy.url, PROMPT, args.max_turns, env)
+        session = clients.Session(
+            proxy.url, PROMPT, env, args.max_turns, args.max_output_tokens, args.max_model_len
+        )
+        run = clients.MAKE_RUN[name](exe, session)
         for path, text in run.files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
@@ -173,6 +176,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--servers", default="mlxserve,llama-server")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds per client run")
     p.add_argument("--max-turns", type=int, default=8, help="Claude Code's --max-turns")
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=1024,
+        help="the servers' default max_tokens, and the clients' own output limit where they "
+        "have one (a tiny model under greedy decoding repeats itself until told to stop)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t")
     p.add_argument("--llama-bin", type=Path, default=llamacpp.bin_dir())
     p.add_argument(
@@ -185,6 +195,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens in a log file
     # SIGTERM unwinds like Ctrl-C, so every server, proxy and client is stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -228,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         with NetCatcher() as catcher:
             for server_name in [s for s in args.servers.split(",") if s]:
                 if server_name == "mlxserve":
-                    spec = servers.mlxserve_spec(model, args.max_model_len, args.mlxserve_arg)
+                    spec = servers.mlxserve_spec(
+                        model, args.max_model_len, args.max_output_tokens, out, args.mlxserve_arg
+                    )
                     doc["servers"][server_name] = {"cmd": spec.cmd}
                 elif server_name == "llama-server":
                     if not wait_for_llama(args.llama_bin, args.llama_wait):
@@ -245,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                         ]
                         continue
                     spec = servers.llama_server_spec(
-                        args.llama_bin, model, args.max_model_len, args.threads
+                        args.llama_bin,
+                        model,
+                        args.max_model_len,
+                        args.max_output_tokens,
+                        args.threads,
                     )
                     doc["servers"][server_name] = {
                         "cmd": spec.cmd,

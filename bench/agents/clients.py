@@ -38,6 +38,18 @@ ALL = ("claude-code", "codex", "aider", "opencode")
 INSTALL_TIMEOUT_S = 1800
 
 
+@dataclass(frozen=True)
+class Session:
+    """What one client run is told: the proxy's URL, the task, and its limits."""
+
+    url: str
+    prompt: str
+    env: dict[str, str]
+    max_turns: int = 8
+    max_output_tokens: int = 1024
+    context: int = 32768
+
+
 @dataclass
 class Run:
     """How to run one client once: argv, env and the files it needs first."""
@@ -111,12 +123,12 @@ def base_env(home: Path, catcher_url: str, bin_dirs: list[Path]) -> dict[str, st
     return env
 
 
-def claude_code(exe: Path, url: str, prompt: str, max_turns: int, env: dict[str, str]) -> Run:
+def claude_code(exe: Path, session: Session) -> Run:
     """`claude -p` with Anthropic's env switches. As root it refuses
     --dangerously-skip-permissions unless IS_SANDBOX=1 says it runs in a sandbox."""
-    env = dict(env)
+    env = dict(session.env)
     env.update(
-        ANTHROPIC_BASE_URL=url,
+        ANTHROPIC_BASE_URL=session.url,
         ANTHROPIC_AUTH_TOKEN="bench",
         ANTHROPIC_MODEL=SERVED_NAME,
         ANTHROPIC_SMALL_FAST_MODEL=SERVED_NAME,
@@ -131,29 +143,30 @@ def claude_code(exe: Path, url: str, prompt: str, max_turns: int, env: dict[str,
         DISABLE_BUG_COMMAND="1",
         API_TIMEOUT_MS="1800000",  # a slow CPU prefill of its ~18k-token prompt
         CLAUDE_CODE_MAX_RETRIES="2",
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(session.max_output_tokens),
         IS_SANDBOX="1",
     )
-    argv = [str(exe), "-p", prompt, "--output-format", "stream-json", "--verbose"]
-    argv += ["--max-turns", str(max_turns), "--model", SERVED_NAME]
+    argv = [str(exe), "-p", session.prompt, "--output-format", "stream-json", "--verbose"]
+    argv += ["--max-turns", str(session.max_turns), "--model", SERVED_NAME]
     argv += ["--dangerously-skip-permissions"]
     return Run(argv, env)
 
 
-def codex(exe: Path, url: str, prompt: str, max_turns: int, env: dict[str, str]) -> Run:
+def codex(exe: Path, session: Session) -> Run:
     """`codex exec` with a custom provider in $CODEX_HOME/config.toml (Responses API)."""
-    home = Path(env["HOME"]) / ".codex"
-    env = dict(env, CODEX_HOME=str(home), MLXSERVE_API_KEY="bench")
+    home = Path(session.env["HOME"]) / ".codex"
+    env = dict(session.env, CODEX_HOME=str(home), MLXSERVE_API_KEY="bench")
     config = f"""\
 model = "{SERVED_NAME}"
 model_provider = "mlxserve"
 approval_policy = "never"
 sandbox_mode = "danger-full-access"
 check_for_update_on_startup = false
-model_context_window = 32768
+model_context_window = {session.context}
 
 [model_providers.mlxserve]
 name = "mlxserve"
-base_url = "{url}/v1"
+base_url = "{session.url}/v1"
 wire_api = "responses"
 env_key = "MLXSERVE_API_KEY"
 request_max_retries = 1
@@ -170,21 +183,21 @@ enabled = false
 exporter = "none"
 log_user_prompt = false
 """
-    argv = [str(exe), "exec", "--json", "--skip-git-repo-check", prompt]
+    argv = [str(exe), "exec", "--json", "--skip-git-repo-check", session.prompt]
     return Run(argv, env, {home / "config.toml": config})
 
 
-def aider(exe: Path, url: str, prompt: str, max_turns: int, env: dict[str, str]) -> Run:
+def aider(exe: Path, session: Session) -> Run:
     """aider through litellm's OpenAI provider. Its model-info lookups stay local:
     litellm's cost map from the package, aider's own (fetched from GitHub once a day) seeded
     empty in the fresh HOME, and the model's context told by a metadata file."""
-    env = dict(env, LITELLM_LOCAL_MODEL_COST_MAP="True", AIDER_ANALYTICS="false")
+    env = dict(session.env, LITELLM_LOCAL_MODEL_COST_MAP="True", AIDER_ANALYTICS="false")
     env["AIDER_CHECK_UPDATE"] = "false"
     home = Path(env["HOME"])
     metadata = {
         f"openai/{SERVED_NAME}": {
-            "max_input_tokens": 32768,
-            "max_output_tokens": 4096,
+            "max_input_tokens": session.context,
+            "max_output_tokens": session.max_output_tokens,
             "input_cost_per_token": 0,
             "output_cost_per_token": 0,
             "litellm_provider": "openai",
@@ -195,19 +208,19 @@ def aider(exe: Path, url: str, prompt: str, max_turns: int, env: dict[str, str])
         home / ".aider" / "caches" / "model_prices_and_context_window.json": "{}",
         home / ".aider.model.metadata.json": json.dumps(metadata, indent=2),
     }
-    argv = [str(exe), "--model", f"openai/{SERVED_NAME}", "--openai-api-base", f"{url}/v1"]
+    argv = [str(exe), "--model", f"openai/{SERVED_NAME}", "--openai-api-base", f"{session.url}/v1"]
     argv += ["--openai-api-key", "bench", "--yes-always", "--no-auto-commits"]
     argv += ["--no-check-update", "--analytics-disable", "--no-show-release-notes"]
     argv += ["--no-gitignore", "--no-show-model-warnings", "--no-pretty", "--no-fancy-input"]
     argv += ["--auto-test", "--test-cmd", "python3 test_calc.py"]
     argv += ["--model-metadata-file", str(home / ".aider.model.metadata.json")]
-    argv += ["--max-chat-history-tokens", "4096", "--message", prompt, "calc.py"]
+    argv += ["--max-chat-history-tokens", "4096", "--message", session.prompt, "calc.py"]
     return Run(argv, env, files)
 
 
-def opencode(exe: Path, url: str, prompt: str, max_turns: int, env: dict[str, str]) -> Run:
+def opencode(exe: Path, session: Session) -> Run:
     """`opencode run` with an OpenAI-compatible provider in its config file."""
-    config_path = Path(env["HOME"]) / ".config" / "opencode" / "opencode.json"
+    config_path = Path(session.env["HOME"]) / ".config" / "opencode" / "opencode.json"
     config = {
         "$schema": "https://opencode.ai/config.json",
         "autoupdate": False,
@@ -216,15 +229,20 @@ def opencode(exe: Path, url: str, prompt: str, max_turns: int, env: dict[str, st
             "mlxserve": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "mlxserve",
-                "options": {"baseURL": f"{url}/v1", "apiKey": "bench"},
-                "models": {SERVED_NAME: {"name": SERVED_NAME}},
+                "options": {"baseURL": f"{session.url}/v1", "apiKey": "bench"},
+                "models": {
+                    SERVED_NAME: {
+                        "name": SERVED_NAME,
+                        "limit": {"context": session.context, "output": session.max_output_tokens},
+                    }
+                },
             }
         },
         "model": f"mlxserve/{SERVED_NAME}",
     }
-    env = dict(env, OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_MODELS_FETCH="1")
+    env = dict(session.env, OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_MODELS_FETCH="1")
     env["OPENCODE_DISABLE_SHARE"] = "1"
-    argv = [str(exe), "run", "--model", f"mlxserve/{SERVED_NAME}", prompt]
+    argv = [str(exe), "run", "--print-logs", "--model", f"mlxserve/{SERVED_NAME}", session.prompt]
     return Run(argv, env, {config_path: json.dumps(config, indent=2)})
 
 

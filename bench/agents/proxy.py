@@ -14,6 +14,7 @@ so a client's attempt to reach any other host fails locally at once and is seen.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import socketserver
@@ -206,62 +207,90 @@ def make_app(upstream: str, recorder: Recorder, read_timeout_s: float = 1800.0):
         chunks: list[bytes] = []
         first_byte = content = None
         status, response_headers, error = 502, {"content-type": "application/json"}, None
-        try:
-            response = await client().send(request, stream=True)
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            payload = json.dumps({"error": {"message": f"proxy: upstream: {error}"}}).encode()
-            chunks.append(payload)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": [(b"content-type", b"application/json")],
-                }
+        response_started = recorded = False
+
+        def record() -> None:
+            recorder.add(
+                method=scope["method"],
+                path=path,
+                request_headers=headers,
+                request_body=body,
+                status=status,
+                response_headers=response_headers,
+                response_body=b"".join(chunks),
+                started=started,
+                first_byte_s=first_byte,
+                content_s=content,
+                total_s=time.perf_counter() - t0,
+                upstream_error=error,
             )
-            await send({"type": "http.response.body", "body": payload})
-            response_started = False
-        else:
-            response_started = True
-            status = response.status_code
-            response_headers = {k.lower(): v for k, v in response.headers.items()}
-            out_headers = [
-                (k.encode("latin-1"), v.encode("latin-1"))
-                for k, v in response.headers.items()
-                if k.lower() not in HOP_HEADERS - {"content-length"}
-            ]
-            await send({"type": "http.response.start", "status": status, "headers": out_headers})
-            clock = _ContentClock()
+
+        # A client that goes away (killed at its time limit) must not leave the server
+        # generating for nobody: its disconnect cancels the forwarding.
+        forwarding = asyncio.current_task()
+        left = asyncio.Event()
+
+        async def watch_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left.set()
+            if forwarding is not None:
+                forwarding.cancel()
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
             try:
-                async for chunk in response.aiter_raw():
-                    now = time.perf_counter() - t0
-                    if first_byte is None:
-                        first_byte = now
-                    if clock.feed(chunk):
-                        content = now
-                    chunks.append(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                response = await client().send(request, stream=True)
             except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__} while streaming: {exc}"
-            finally:
-                await response.aclose()
-        # Recorded before the response ends, so a client that saw it end finds the record.
-        recorder.add(
-            method=scope["method"],
-            path=path,
-            request_headers=headers,
-            request_body=body,
-            status=status,
-            response_headers=response_headers,
-            response_body=b"".join(chunks),
-            started=started,
-            first_byte_s=first_byte,
-            content_s=content,
-            total_s=time.perf_counter() - t0,
-            upstream_error=error,
-        )
-        if response_started:
-            await send({"type": "http.response.body", "body": b""})
+                error = f"{type(exc).__name__}: {exc}"
+                payload = json.dumps({"error": {"message": f"proxy: upstream: {error}"}})
+                chunks.append(payload.encode())
+                start = {"type": "http.response.start", "status": status}
+                await send(start | {"headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": chunks[0]})
+            else:
+                response_started = True
+                status = response.status_code
+                response_headers = {k.lower(): v for k, v in response.headers.items()}
+                out_headers = [
+                    (k.encode("latin-1"), v.encode("latin-1"))
+                    for k, v in response.headers.items()
+                    # Sent chunked (no content-length): the client sees the end only after
+                    # the record is written, so whoever reads the records after a response
+                    # finds it there.
+                    if k.lower() not in HOP_HEADERS
+                ]
+                await send(
+                    {"type": "http.response.start", "status": status, "headers": out_headers}
+                )
+                clock = _ContentClock()
+                try:
+                    async for chunk in response.aiter_raw():
+                        now = time.perf_counter() - t0
+                        if first_byte is None:
+                            first_byte = now
+                        if clock.feed(chunk):
+                            content = now
+                        chunks.append(chunk)
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except httpx.HTTPError as exc:
+                    error = f"{type(exc).__name__} while streaming: {exc}"
+                finally:
+                    await response.aclose()
+            # Recorded before the response ends, so a client that saw it end finds the record.
+            record()
+            recorded = True
+            if response_started:
+                await send({"type": "http.response.body", "body": b""})
+        except BaseException as exc:  # the client left, or the proxy is stopping mid-stream
+            if not recorded:
+                why = "client disconnected" if left.is_set() else f"{type(exc).__name__}: {exc}"
+                error = f"interrupted ({why}) after {len(chunks)} chunks"
+                record()
+            if not left.is_set():
+                raise
+        finally:
+            watcher.cancel()
 
     return app
 

@@ -35,6 +35,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "cached_tokens_sum": sum(cached) if cached else None,
         "ttft_median_s": statistics.median(ttfts) if ttfts else None,
         "ttft_max_s": max(ttfts) if ttfts else None,
+        "interrupted": sum("interrupted" in (r.get("upstream_error") or "") for r in records),
         "turns_extending_prefix": sum(d["extends"] for d in diffs),
         "turns_diverging": sum(not d["extends"] for d in diffs),
     }
@@ -57,6 +58,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{e['count']}x {e['status']} {e['route']}: {e['error'][:90]}"
             for e in s.get("non_2xx", [])
         )
+        if s.get("interrupted"):
+            errs = f"{errs}; " * bool(errs) + f"{s['interrupted']} cut off (client left)"
         if res.get("skipped"):
             errs = f"not run: {res['skipped']}"
         exit_ = "timeout" if res.get("timed_out") else _num(res.get("exit_code"), "{}")

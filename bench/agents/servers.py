@@ -10,6 +10,7 @@ past the trained length is not the point here: the protocol is), to both servers
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -55,21 +56,32 @@ def with_context(gguf: Path, length: int, log=print) -> tuple[Path, dict]:
     return out, note
 
 
-def mlxserve_spec(model: Path, max_model_len: int, extra: list[str]) -> ServerSpec:
-    """`mlxserve serve` as a user would start it for an agent, plus the bench's flags:
+def mlxserve_spec(
+    model: Path, max_model_len: int, max_output_tokens: int, work: Path, extra: list[str]
+) -> ServerSpec:
+    """`mlxserve serve` as a user would start it for an agent, plus the bench's settings:
     a 2048-token step (serve's CPU default of 32 is for many users; here one agent waits
-    on a long prompt)."""
+    on a long prompt), and a default max_tokens given as a generation config (read as
+    vLLM reads one: max_new_tokens is the default of a request's max_tokens)."""
+    config_dir = work / "mlxserve-generation-config"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    config = {"max_new_tokens": max_output_tokens}
+    (config_dir / "generation_config.json").write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "mlxserve", "serve", str(model), "--host", "127.0.0.1"]
     cmd += ["--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME]
-    cmd += ["--max-num-batched-tokens", "2048", "--max-num-seqs", "4", *extra]
+    cmd += ["--max-num-batched-tokens", "2048", "--max-num-seqs", "4"]
+    cmd += ["--generation-config", str(config_dir), *extra]
     return ServerSpec("mlxserve", cmd)
 
 
-def llama_server_spec(bin_dir: Path, model: Path, ctx: int, threads: int) -> ServerSpec:
-    """llama-server with one slot holding the whole context, its Jinja chat template on."""
+def llama_server_spec(
+    bin_dir: Path, model: Path, ctx: int, max_output_tokens: int, threads: int
+) -> ServerSpec:
+    """llama-server with one slot holding the whole context, its Jinja chat template on,
+    and ``-n`` as the default max_tokens."""
     cmd = [str(bin_dir / "llama-server"), "-m", str(model), "-c", str(ctx), "-np", "1"]
-    cmd += ["--jinja", "-t", str(threads), "--host", "127.0.0.1", "--no-webui"]
-    cmd += ["--alias", SERVED_NAME]
+    cmd += ["-n", str(max_output_tokens), "--jinja", "-t", str(threads)]
+    cmd += ["--host", "127.0.0.1", "--no-webui", "--alias", SERVED_NAME]
     return ServerSpec("llama-server", cmd)
 
 
