@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.agents import clients, report, servers
 from bench.agents.proxy import NetCatcher, ProxyServer, Recorder
 from bench.common import cache_dir
@@ -144,6 +146,20 @@ def kill_group(proc: subprocess.Popen) -> None:
             continue
         except ProcessLookupError:
             return
+
+
+def warm_up(url: str, timeout_s: float = 900.0) -> float:
+    """One short chat request before the sessions, so a server's first-use costs (kernel
+    and graph builds) are not charged to the first client; its time."""
+    body = {
+        "model": servers.SERVED_NAME,
+        "messages": [{"role": "user", "content": PROMPT + "\n\n" + CALC}],
+        "max_tokens": 8,
+    }
+    t0 = time.monotonic()
+    with httpx.Client(trust_env=False, timeout=timeout_s) as client:
+        client.post(f"{url}/v1/chat/completions", json=body).raise_for_status()
+    return time.monotonic() - t0
 
 
 def wait_for_llama(bin_dir: Path, wait_s: float) -> bool:
@@ -271,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     raise SystemExit(f"--servers: unknown {server_name!r}")
                 with Server(spec, out) as server:
+                    doc["servers"][server_name]["warmup_s"] = warm_up(server.url)
                     for name in wanted:
                         if name not in exes:
                             results.append(
