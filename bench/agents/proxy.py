@@ -44,6 +44,7 @@ HOP_HEADERS = {
 }
 SECRET_HEADERS = {"authorization", "x-api-key", "api-key"}
 ERROR_BODY_CHARS = 4000
+CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on before an answer
 
 
 class Recorder:
@@ -286,6 +287,8 @@ def make_app(upstream: str, recorder: Recorder, read_timeout_s: float = 1800.0):
             if not recorded:
                 why = "client disconnected" if left.is_set() else f"{type(exc).__name__}: {exc}"
                 error = f"interrupted ({why}) after {len(chunks)} chunks"
+                if not response_started:
+                    status = CLIENT_CLOSED  # no answer had begun: not the server's error
                 record()
             if not left.is_set():
                 raise

@@ -7,6 +7,10 @@ from collections import Counter
 from typing import Any
 
 
+def _interrupted(record: dict[str, Any]) -> bool:
+    return "interrupted" in (record.get("upstream_error") or "")
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts, errors, tokens and TTFT of one client x server run's requests."""
     model_calls = [
@@ -16,7 +20,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     errors = Counter(
         (r["status"], f"{r['method']} {r['path'].split('?')[0]}", r.get("error", ""))
         for r in records
-        if not 200 <= r["status"] < 300
+        if not 200 <= r["status"] < 300 and not _interrupted(r)
     )
     prompts = [r["prompt_tokens"] for r in records if r["prompt_tokens"] is not None]
     cached = [r["cached_tokens"] for r in records if r["cached_tokens"] is not None]
@@ -35,7 +39,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "cached_tokens_sum": sum(cached) if cached else None,
         "ttft_median_s": statistics.median(ttfts) if ttfts else None,
         "ttft_max_s": max(ttfts) if ttfts else None,
-        "interrupted": sum("interrupted" in (r.get("upstream_error") or "") for r in records),
+        "interrupted": sum(_interrupted(r) for r in records),
         "turns_extending_prefix": sum(d["extends"] for d in diffs),
         "turns_diverging": sum(not d["extends"] for d in diffs),
     }
