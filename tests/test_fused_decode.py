@@ -70,15 +70,44 @@ def test_layers_that_differ_stay_separate() -> None:
     mx.random.seed(0)
     a, b = nn.Linear(32, 64), nn.Linear(32, 16)
     qa = nn.QuantizedLinear.from_linear(a, group_size=32, bits=4)
-    qb8 = nn.QuantizedLinear.from_linear(b, group_size=32, bits=8)
     qb_g64 = nn.QuantizedLinear.from_linear(nn.Linear(64, 16), group_size=64, bits=4)
-    assert fuse_linears([qa, qb8]) is None  # bits differ
     assert fuse_linears([qa, qb_g64]) is None  # group size / input width differ
     assert fuse_linears([a, nn.Linear(32, 16, bias=False)]) is None  # bias on one only
     assert fuse_linears([a, qa]) is None  # float and quantized
     fused = fuse_linears([a, b])
     x = mx.random.normal((3, 32))
     assert mx.allclose(fused(x), mx.concatenate([a(x), b(x)], axis=-1), atol=1e-6).item()
+
+
+def test_layers_of_different_widths_fuse_at_the_widest_exactly() -> None:
+    """A GGUF Q4_K_M layer's q/k/v: Q5_0 (5 bits, float16 scales), Q4_K (4 bits, float32)
+    and Q8_0 (8 bits, float16) rows fuse into one 8-bit layer with float32 scales whose
+    dequantized rows are the separate layers' own, value for value."""
+    layers = []
+    for i, (rows, bits, dtype) in enumerate(
+        [(64, 5, mx.float16), (16, 4, mx.float32), (16, 8, mx.float16)]
+    ):
+        layer = nn.QuantizedLinear.from_linear(nn.Linear(64, rows), group_size=32, bits=bits)
+        layer.scales, layer.biases = layer.scales.astype(dtype), layer.biases.astype(dtype)
+        layer.bias = mx.random.normal((rows,), key=mx.random.key(i))
+        layers.append(layer)
+    fused = fuse_linears(layers)
+    assert fused is not None and fused.bits == 8 and fused.scales.dtype == mx.float32
+    # Values as the kernels compute them: scale * q + bias in float32.
+    want = mx.concatenate(
+        [
+            mx.dequantize(
+                m.weight, *(a.astype(mx.float32) for a in (m.scales, m.biases)), 32, m.bits
+            )
+            for m in layers
+        ]
+    )
+    got = mx.dequantize(fused.weight, fused.scales, fused.biases, 32, 8)
+    assert mx.array_equal(got, want).item()
+    x = mx.random.normal((3, 64), key=mx.random.key(9))
+    separate = mx.concatenate([(x @ w.T) for w in mx.split(want, [64, 80])], axis=-1)
+    separate = separate + mx.concatenate([m.bias for m in layers])
+    assert mx.allclose(fused(x), separate, atol=1e-4, rtol=1e-4).item()
 
 
 @pytest.mark.parametrize("traditional", [False, True])

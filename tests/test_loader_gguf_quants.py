@@ -105,7 +105,10 @@ def test_layers_are_quantized_with_the_expected_bits(loaded: nn.Module) -> None:
             assert type(module) is nn.Embedding, name
             continue
         assert isinstance(module, nn.QuantizedLinear), name
-        assert (module.bits, module.group_size) == (MLX_BITS[qtype], 32), name
+        bits = MLX_BITS[qtype]
+        if isinstance(module, cpu.CpuQuantizedLinear):  # 5 bits stored at 8 (the same values)
+            bits = cpu.STORED_BITS.get(bits, bits)
+        assert (module.bits, module.group_size) == (bits, 32), name
         # CPU: float32 scales for MLX's quantized matmul; the CPU kernels keep 16-bit
         # ones as stored (the 32-value GGUF types' are float16), see cast_weights.
         kept = isinstance(module, cpu.CpuQuantizedLinear) and qtype in FLOAT16_SCALES
@@ -166,3 +169,67 @@ def test_keep_float_equals_the_float_model(kquant_gguf) -> None:
     assert type(loaded.model.model.layers[0].self_attn.q_proj) is nn.Linear
     want = mlx_lm_chunk_logits(oracle, [TOKENS])[0]
     np.testing.assert_allclose(logits_of(loaded.model), want, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- each type, block by block
+# Byte offsets of each block's float16 fields (scales, mins) in ggml's block layouts.
+F16_FIELDS = {
+    QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2], QT.Q8_0: [0],
+    QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208],
+}  # fmt: skip
+
+
+def random_blocks(qtype: QT, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random bytes for every field of ``qtype``'s blocks (any bytes are a valid block),
+    with finite float16 scales of a weight's size: (rows, cols / block * block bytes)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        scale = rng.uniform(0.5, 2.0, len(raw)) * rng.choice([-1, 1], len(raw)) / 256
+        raw[:, at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(F16_FIELDS), ids=lambda t: t.name)
+def test_each_type_is_gguf_dequantization_and_runs_in_the_kernels(qtype: QT) -> None:
+    """Per GGUF type, against gguf.quants.dequantize of the same random blocks (an
+    independent reader): repacked types give its values exactly, Q6_K (re-quantized to 8
+    bits, groups of 32) within half an 8-bit step of each group; the layer as the CPU
+    kernels run it (stored at 4 or 8 bits) equals the float matmul within float tolerance."""
+    from gguf import quants
+
+    from mlxserve.loader.gguf_quants import REPACKABLE, convert_tensor
+    from tests.test_cpu_int8 import round_rows
+
+    rows, cols = 48, 512
+    raw = random_blocks(qtype, rows, cols, seed=int(qtype))
+    want = quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+    parts = convert_tensor(raw, qtype, (rows, cols), keep_float=False)
+    bits = parts["weight"].shape[-1] * 32 // cols
+    layer = nn.QuantizedLinear(cols, rows, bias=False, group_size=32, bits=bits)
+    layer.update(parts)
+    got = effective_weight(layer)
+    if qtype in REPACKABLE:
+        np.testing.assert_array_equal(got, want)
+    else:
+        groups = want.reshape(-1, 32)
+        half_step = (groups.max(1) - groups.min(1)) / 255 / 2
+        assert (np.abs(got - want).reshape(-1, 32) <= half_step[:, None] * 1.0001).all()
+    holder = nn.Sequential(layer)
+    if not cpu.available():
+        pytest.skip("CPU kernels unavailable")
+    assert cpu.use_kernels(holder) == 1
+    kernel_layer = holder.layers[0]
+    assert kernel_layer.bits in (4, 8)  # the kernels' fast widths, same values
+    np.testing.assert_array_equal(effective_weight(kernel_layer), got)
+    x = np.random.default_rng(1).standard_normal((3, cols)).astype(np.float32)
+    if kernel_layer.act_bits == 8:  # the kernels round activations to int8 per block
+        q, d = round_rows(x)
+        x = (q * d[..., None]).reshape(x.shape).astype(np.float32)
+    reference = x.astype(np.float64) @ got.T.astype(np.float64)
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(got).T.astype(np.float64)
+    err = np.abs(np.array(kernel_layer(mx.array(x)), np.float64) - reference)
+    assert (err <= 1e-5 * magnitude + 1e-6).all()

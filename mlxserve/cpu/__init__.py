@@ -6,7 +6,11 @@ per token through BLAS. These kernels (csrc/qmm*.c, see qmm.h) read MLX's
 affine-quantized weights directly (2, 3, 4, 5, 6 and 8 bits, groups of 32/64/128,
 float32, float16 or bfloat16 scales and biases) and dequantize in registers, with
 AVX-512 / AVX2 / NEON paths chosen at run time and the work spread over the cores.
-Quantized layers then stay quantized in memory.
+Quantized layers then stay quantized in memory. Their fast widths are 4 and 8 bits (whole
+vectors read in place, for one row and for many); other widths unpack value by value,
+5-30x slower, so :func:`use_kernels` stores 2- and 3-bit layers at 4 bits and 5- and 6-bit
+ones at 8 (the same values, scales and biases: exact; GGUF Q5_0/Q5_1/Q5_K tensors, the
+common rows of K-quant mixes, and MLX 5-/6-bit checkpoints take more memory, not time).
 
 The MLX extension is compiled on first use (build.py: a C/C++ compiler, Python headers
 and nanobind are needed; ``python -m mlxserve.cpu`` builds it ahead) and cached; when it
@@ -31,8 +35,10 @@ from types import ModuleType
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_unflatten
 
+from mlxserve.affine_bits import widen
 from mlxserve.cpu import build
 from mlxserve.exceptions import ParameterError
 from mlxserve.module_changes import Watched
@@ -43,6 +49,8 @@ _state: dict[str, object] = {"module": None, "reason": "not attempted", "path": 
 _OFF = ("off", "0", "no", "false", "none")
 _ON = ("on", "1", "yes", "true")
 BITS = (2, 3, 4, 5, 6, 8)  # every affine width MLX quantizes to
+# Widths stored wider for the kernels' fast 4- and 8-bit paths (exact, see above).
+STORED_BITS = {2: 4, 3: 4, 5: 8, 6: 8}
 
 
 def _module() -> ModuleType | None:
@@ -240,12 +248,22 @@ def _float32_scales(module: nn.Module) -> None:
             setattr(module, name, value.astype(mx.float32))
 
 
+def _widen(layer: nn.Module, bits: int) -> None:
+    """Store a kernel layer's values at ``bits`` (wider): the same weights, exactly."""
+    packed = np.array(layer["weight"])  # (rows, cols * old bits / 32) uint32
+    rows = packed.shape[:-1]
+    flat = packed.reshape(-1, packed.shape[-1])
+    layer["weight"] = mx.array(widen(flat, layer.bits, bits).reshape(*rows, -1))
+    layer.bits = bits
+
+
 def use_kernels(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
     """Route ``model``'s supported quantized layers through the kernels; how many.
 
     ``dtype``: the activations' (what embedding lookups return). Their matmuls round
     activations to int8 when :func:`int8_activations` says so.
 
+    2-, 3-, 5- and 6-bit layers are stored at the kernels' fast widths (STORED_BITS).
     Quantized layers the kernels cannot run (other modes, MoE experts' switch layers)
     get float32 scales and biases: MLX's CPU quantized ops are ~10x slower with 16-bit
     ones.
@@ -267,6 +285,8 @@ def use_kernels(model: nn.Module, dtype: mx.Dtype = mx.float32) -> int:
         if cls is CpuQuantizedEmbedding:
             new.out_dtype = dtype
         new.act_bits = act_bits
+        if new.bits in STORED_BITS:
+            _widen(new, STORED_BITS[new.bits])
         swapped.append((path, new))
     if swapped:
         model.update_modules(tree_unflatten(swapped))

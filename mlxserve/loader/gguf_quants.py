@@ -21,6 +21,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as QT
 
+from mlxserve.affine_bits import pack_bits
+
 GROUP_SIZE = 32
 
 # Types repacked exactly (MLX bits), and the byte size of one of their blocks.
@@ -91,24 +93,6 @@ def decode_blocks(
     scale = (d[:, None] * sc).reshape(-1)
     bias = -(dmin[:, None] * mn).reshape(-1)
     return q.reshape(-1, 32), scale, bias
-
-
-def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
-    """(rows, cols) values < 2**bits -> (rows, cols * bits / 32) uint32, MLX's packing.
-
-    MLX packs each row as a little-endian bit stream: value i at bits [i*bits, (i+1)*bits).
-    """
-    rows, cols = q.shape
-    q = q.astype(np.uint8)
-    if bits == 8:
-        return np.ascontiguousarray(q).view(np.uint32)
-    if bits == 4:
-        return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view(np.uint32)
-    # 8 values = `bits` bytes: combine them in a uint64, keep its low `bits` bytes.
-    v = q.reshape(rows, cols // 8, 8).astype(np.uint64)
-    v = (v << (np.arange(8, dtype=np.uint64) * np.uint64(bits))).sum(-1, dtype=np.uint64)
-    packed = v[..., None].view(np.uint8)[..., :bits]  # (rows, cols / 8, bits)
-    return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32)
 
 
 def _mlx_parts(
