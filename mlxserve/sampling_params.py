@@ -17,7 +17,7 @@ from mlxserve.structured_output.params import StructuredOutputsParams
 __all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 MAX_LOGPROBS = 20
-# Per-request limits (README "Limits"): each caps work a single request adds to every step.
+# Per-request limits (docs/serving.md "Limits"): each caps work a single request adds to every step.
 MAX_N = 128  # samples per prompt, as OpenAI's n
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_STOP = 64  # stop strings (each is searched in every new piece of text)
