@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from mlxserve import ops
+from mlxserve import ops, settings
 from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestOutput, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
@@ -80,6 +80,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        settings.start()  # the process settings, validated; the BLAS bound (once)
         ops.check_kernels(config.kernels)  # before loading: fail fast on this machine
         if loaded is None:
             loaded = load_model(

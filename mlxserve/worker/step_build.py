@@ -35,6 +35,7 @@ from mlxserve.core.scheduler import SchedulerOutput
 from mlxserve.core.scheduler_output import PLACEHOLDER_TOKEN
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.models.base import KVCache
+from mlxserve.models.contract import PipelineStageModel
 from mlxserve.structured_output.grammar import fill_bitmasks
 from mlxserve.worker.drafter import Drafter, Proposal
 from mlxserve.worker.kv_inputs import step_metadata
@@ -236,7 +237,7 @@ def build_part(
     sample_logits = logits[:num_rows] if samplers else None
     part = StepPart(samplers, None, plp_targets, None, sample_logits, drafts, aheads=aheads)
     part.poolers, part.pooled, part.proposal = pooling.requests, pooled, proposal
-    if hasattr(model, "pool_writes"):  # models.pipeline_parallel.PipelineStage
+    if isinstance(model, PipelineStageModel):
         part.pool_writes = model.pool_writes(md.query_lens)
     if samplers and not any(request_states[r.request_id].grammar for r in samplers):
         states, draft_ids, draft_probs = sample_row_inputs(part, request_states)
