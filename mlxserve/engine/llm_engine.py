@@ -145,9 +145,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         # The step launched and not yet collected (async scheduling keeps one between calls).
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
-        # Whether steps may be scheduled ahead (see _step). Replaces the Metal-only
-        # "pipelined" order (collect N, launch N+1, process N), which only overlapped N's
-        # output processing: N+1's inputs had to reach the host first.
+        # Whether steps may be scheduled ahead (see _step): N+1 is built before N's tokens
+        # reach the host, so all of the engine's Python overlaps the compute, not only
+        # N's output processing.
         self.async_scheduling = config.async_scheduling and not (
             self.ranks is not None
             or self.runner.channel is not None
