@@ -1,7 +1,9 @@
 """What the runner asks of a model, written down as Protocols (checked with isinstance).
 
 Every model (a file in models/, the mlx-lm adapter, a tensor- or pipeline-parallel shard)
-is a :class:`Model`. The optional capabilities below are separate Protocols so that the
+is a :class:`Model`, and either a :class:`UniformModel` (every attention layer's pool has
+one shape: the hand-written architectures) or a :class:`LayoutModel` (it gives its KV cache
+layout: the mlx-lm adapter). The other capabilities below are separate Protocols so that the
 runner asks ``isinstance(model, LayoutModel)`` instead of probing attribute names: a model
 has a capability exactly when it has every member of its Protocol.
 """
@@ -16,7 +18,14 @@ import mlx.core as mx
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.ops import AttentionMetadata
 
-__all__ = ["LayerShapesModel", "LayoutModel", "Model", "PipelineStageModel", "ShardedModel"]
+__all__ = [
+    "LayerShapesModel",
+    "LayoutModel",
+    "Model",
+    "PipelineStageModel",
+    "ShardedModel",
+    "UniformModel",
+]
 
 
 @runtime_checkable
@@ -24,15 +33,11 @@ class Model(Protocol):
     """Every model: a forward over a flat token axis on the paged KV cache.
 
     ``model(input_ids, positions, attn_metadata, kv_cache, logits_indices)`` returns the
-    logits of the rows ``logits_indices`` picks (all rows when None); the KV pools are
-    ``num_layers`` x (``num_kv_heads``, ``head_dim``) unless the model is also a
-    :class:`LayerShapesModel` or a :class:`LayoutModel`.
+    logits of the rows ``logits_indices`` picks (all rows when None).
     """
 
     vocab_size: int
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
 
     def __call__(
         self,
@@ -43,6 +48,15 @@ class Model(Protocol):
         logits_indices: mx.array | None = None,  # (num_rows,) int32
         **kwargs: Any,
     ) -> Any: ...
+
+
+@runtime_checkable
+class UniformModel(Model, Protocol):
+    """A model whose KV pools are ``num_layers`` x (``num_kv_heads``, ``head_dim``) (unless it
+    is also a :class:`LayerShapesModel`), all read through one block table."""
+
+    num_kv_heads: int
+    head_dim: int
 
 
 @runtime_checkable

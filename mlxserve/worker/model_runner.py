@@ -34,7 +34,7 @@ from mlxserve import ops
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
-from mlxserve.models.contract import LayoutModel, PipelineStageModel, ShardedModel
+from mlxserve.models.contract import LayoutModel, Model, PipelineStageModel, ShardedModel
 from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata
 from mlxserve.ops.kv_quant import kv_pool_dtype
@@ -98,7 +98,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model,
+        model: Model,
         *,
         dtype: mx.Dtype,
         block_size: int,
