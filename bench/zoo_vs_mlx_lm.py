@@ -34,7 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mlxserve  # noqa: E402, F401 -- before mlx: mlxserve binds the optimized BLAS first
+from mlxserve import settings  # noqa: E402
+
+settings.start()  # bind the optimized BLAS, as a command does, before anything computes
 from bench.common import (  # noqa: E402
     ROOT,
     STOCK_ENV,

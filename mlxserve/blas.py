@@ -6,6 +6,9 @@ call's GOT slot at an optimized sgemm: every float32 matmul of MLX then runs the
 needs no compiler, works whether or not mlx was imported first, and also binds libraries
 whose symbols are prefixed (PyPI's scipy-openblas32 exports ``scipy_cblas_sgemm``).
 
+The choice is ``mlxserve.settings.Settings.blas`` (default: $MLXSERVE_BLAS), passed in by
+the caller (mlxserve.settings.start, when a model is made or a command starts):
+
     MLXSERVE_BLAS=auto (default)  OpenBLAS from PyPI (scipy-openblas32, a dependency on
                                   Linux), else a system OpenBLAS (libopenblas0-pthread)
     MLXSERVE_BLAS=off             keep MLX's bundled BLAS
@@ -18,7 +21,8 @@ Accelerate on the CPU and Metal on the GPU.
 OpenBLAS's sgemm packs the whole weight matrix even for one row of activations, so a
 single decoding request runs ~3-4x below memory bandwidth. ``csrc/sgemm_gemv.c`` is an
 sgemm that hands one-row products to sgemv and everything else to OpenBLAS; it is
-compiled once with the system C compiler into a cache folder, and the slot points at it:
+compiled once with the system C compiler into a cache folder, and the slot points at it
+(``Settings.blas_gemv``):
 
     MLXSERVE_BLAS_GEMV=auto (default)  use it when a C compiler (cc/gcc) exists
     MLXSERVE_BLAS_GEMV=off             plain OpenBLAS sgemm for every shape
@@ -90,11 +94,14 @@ def system_openblas() -> str | None:
     return found[0] if found else None
 
 
-def preload() -> None:
-    """Bind an optimized BLAS under MLX if allowed and possible (once; Linux only)."""
+def preload(choice: str = "auto", gemv: bool = True) -> None:
+    """Bind an optimized BLAS under MLX if allowed and possible (once; Linux only).
+
+    ``choice``: "auto", "off" or a library path; ``gemv``: one-row products through the
+    sgemv shim (mlxserve.settings gives both)."""
     if _state["reason"] != "not attempted":
         return
-    choice = os.environ.get("MLXSERVE_BLAS", "auto").strip()
+    choice = choice.strip()
     if sys.platform != "linux":
         _state["reason"] = "not Linux: MLX's own BLAS (Accelerate) is used"
         return
@@ -109,7 +116,7 @@ def preload() -> None:
     else:
         found = [(choice, "MLXSERVE_BLAS")]
     for path, source in found:
-        if _bind(path, source):
+        if _bind(path, source, gemv):
             break
     if _state["path"] is None:
         logger.warning(
@@ -119,7 +126,7 @@ def preload() -> None:
         )
 
 
-def _bind(path: str, source: str) -> bool:
+def _bind(path: str, source: str, gemv: bool) -> bool:
     """Point libmlx's cblas_sgemm at ``path``'s sgemm (through the gemv shim if built)."""
     try:
         lib = ctypes.CDLL(path)
@@ -131,7 +138,7 @@ def _bind(path: str, source: str) -> bool:
         return False
     as_ptr = ctypes.cast
     target = as_ptr(sgemm, ctypes.c_void_p).value
-    shim = _load_gemv_shim()
+    shim = _load_gemv_shim(gemv)
     if shim is not None:
         shim.mlxserve_bind(as_ptr(sgemm, ctypes.c_void_p), as_ptr(sgemv, ctypes.c_void_p))
         target = as_ptr(shim.mlxserve_sgemm, ctypes.c_void_p).value
@@ -249,9 +256,9 @@ def _got_offsets(elf: bytes, symbol: str) -> list[int]:
     return offsets
 
 
-def _load_gemv_shim() -> ctypes.CDLL | None:
+def _load_gemv_shim(gemv: bool) -> ctypes.CDLL | None:
     """Compile (once, cached) and load csrc/sgemm_gemv.c, or None saying why not."""
-    if os.environ.get("MLXSERVE_BLAS_GEMV", "auto").strip().lower() in _OFF:
+    if not gemv:
         _state["gemv_reason"] = "MLXSERVE_BLAS_GEMV=off"
         return None
     try:

@@ -15,11 +15,11 @@ DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 # KV cache storage (vLLM's --kv-cache-dtype): the activation dtype (auto), or 8-bit values
 # with a float32 scale per token and KV head (int8; mlxserve/ops/kv_quant.py).
 KV_CACHE_DTYPES = ("auto", "int8")
-# Why int4 is refused: measured, see bench/kv_cache_dtype.py and README.md.
+# Why int4 is refused: measured, see bench/kv_cache_dtype.py and docs/kv-cache.md.
 INT4_REASON = (
     "4-bit K/V was measured too inaccurate: on the default model greedy outputs leave the "
     "float cache's after ~2 of 64 tokens (both per-row symmetric and mlx-lm's affine 4-bit; "
-    "int8: after ~39), see README 'Quantized KV cache'; use int8"
+    "int8: after ~39), see docs/kv-cache.md; use int8"
 )
 
 

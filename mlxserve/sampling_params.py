@@ -9,7 +9,9 @@ ParameterError naming the field here, before it can reach a batch it would break
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
+from functools import cache
+from typing import Any
 
 from mlxserve.exceptions import ParameterError
 from mlxserve.structured_output.params import StructuredOutputsParams
@@ -17,7 +19,7 @@ from mlxserve.structured_output.params import StructuredOutputsParams
 __all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 MAX_LOGPROBS = 20
-# Per-request limits (README "Limits"): each caps work a single request adds to every step.
+# Per-request limits (docs/serving.md "Limits"): each caps work a single request adds to every step.
 MAX_N = 128  # samples per prompt, as OpenAI's n
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_STOP = 64  # stop strings (each is searched in every new piece of text)
@@ -27,6 +29,13 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: below it a value may round to 0
+
+
+def reads_host_tokens(default: Any) -> Any:
+    """A field whose non-default value needs the request's previous token on the host before
+    its next step is built (it reads the output tokens: penalties count them), so async
+    scheduling never builds that step ahead. Fields not marked work on the device's tokens."""
+    return field(default=default, metadata={"reads_host_tokens": True})
 
 
 @dataclass
@@ -44,9 +53,9 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: no top-k
     min_p: float = 0.0
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float = reads_host_tokens(0.0)
+    frequency_penalty: float = reads_host_tokens(0.0)
+    repetition_penalty: float = reads_host_tokens(1.0)
     logit_bias: dict[int, float] | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -55,12 +64,16 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = reads_host_tokens(None)  # reported with the first token
     skip_special_tokens: bool = True
     # Constrain the output (JSON schema, regex, choice, grammar); compiled by the engine.
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: extra eos ids from generation_config etc. Not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def needs_host_tokens(self) -> bool:
+        """Whether a field marked with :func:`reads_host_tokens` is not at its default."""
+        return any(getattr(self, f.name) != f.default for f in _host_token_fields())
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -212,3 +225,8 @@ def _show(value: object) -> str:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+@cache
+def _host_token_fields() -> tuple[Field, ...]:
+    return tuple(f for f in fields(SamplingParams) if f.metadata.get("reads_host_tokens"))

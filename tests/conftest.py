@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from mlxserve import settings
 from tests import paths
+
+# As a command does at start-up: bind the BLAS under MLX before any test computes, so every
+# test (and every oracle it computes in this process) runs on the same float32 matmuls.
+settings.start()
 
 
 @pytest.fixture(scope="session")

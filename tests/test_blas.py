@@ -1,6 +1,7 @@
 """Binding an optimized BLAS under MLX (mlxserve/blas.py): which one, why, and right answers.
 
-Each choice is made when mlxserve is imported, so every case runs in a fresh interpreter.
+Each choice is made once per process, when a model is loaded or a command starts
+(mlxserve.settings.start), so every case runs in a fresh interpreter.
 Speed is measured in bench/matmul.py, never here.
 """
 
@@ -22,7 +23,8 @@ linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the BLAS bindin
 # In the child: the choice, then float32 matmuls through MLX against numpy in float64.
 CHILD = """
 import json, numpy as np, mlxserve, mlx.core as mx
-from mlxserve import blas
+from mlxserve import blas, settings
+settings.start()
 rng = np.random.default_rng(0)
 errors = {}
 for m, k, n in [(1, 40, 96), (7, 300, 33), (64, 576, 129)]:
@@ -110,7 +112,10 @@ def test_an_explicit_system_library_is_bound_with_and_without_the_gemv_shim(gemv
 
 @linux_only
 def test_binding_works_when_mlx_was_imported_before_mlxserve() -> None:
-    code = "import mlx.core, mlxserve; from mlxserve import blas; print(blas.blas_info()['source'])"
+    code = (
+        "import mlx.core, mlxserve; from mlxserve import blas, settings; settings.start(); "
+        "print(blas.blas_info()['source'])"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code],
         env=dict(os.environ, MLXSERVE_BLAS="auto"),

@@ -221,7 +221,7 @@ def test_the_setting_picks_the_layers_activations(monkeypatch: pytest.MonkeyPatc
         return model.layers[0].act_bits
 
     simd = cpu._module().q8_isa() != "scalar"
-    monkeypatch.delenv("MLXSERVE_CPU_INT8", raising=False)  # auto (README: CPU performance)
+    monkeypatch.delenv("MLXSERVE_CPU_INT8", raising=False)  # auto (docs/cpu-backend.md)
     assert act_bits() == (8 if simd else 0)
     for off in ("off", "0"):
         monkeypatch.setenv("MLXSERVE_CPU_INT8", off)

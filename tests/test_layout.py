@@ -7,9 +7,12 @@
     server/   the HTTP face                      never cli
     loader/, models/, ops/, tokenizer/, cpu/,    none of core, engine, worker, cli, server
     structured_output/, parsers/
+    models/                                      architecture only: never the CPU backend
+    os.environ                                   read only by the config and CLI layer
 
 Every import counts, also those inside functions (a lazy import is still a dependency);
-only ``if TYPE_CHECKING:`` blocks are skipped.
+``if TYPE_CHECKING:`` blocks are skipped by the layer rules, but not by the circle check (a
+type-only circle still means two modules that cannot be read apart).
 """
 
 from __future__ import annotations
@@ -47,14 +50,21 @@ def _resolve(name: str) -> str | None:
 
 
 @cache
-def imported_names(module: str) -> frozenset[str]:
-    """Every absolute name ``module`` imports, lazily or not (TYPE_CHECKING blocks skipped)."""
-    tree = ast.parse(modules()[module].read_text(encoding="utf-8"))
+def tree_of(module: str) -> ast.Module:
+    return ast.parse(modules()[module].read_text(encoding="utf-8"))
+
+
+@cache
+def imported_names(module: str, type_only_too: bool = False) -> frozenset[str]:
+    """Every absolute name ``module`` imports, lazily or not (TYPE_CHECKING blocks skipped
+    unless ``type_only_too``)."""
+    tree = tree_of(module)
     names: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            is_type_only = isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
+            if is_type_only and not type_only_too:
                 continue
             if isinstance(child, ast.Import):
                 names.update(alias.name for alias in child.names)
@@ -67,9 +77,10 @@ def imported_names(module: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def internal_imports(module: str) -> set[str]:
+def internal_imports(module: str, type_only_too: bool = False) -> set[str]:
     """The mlxserve modules ``module`` imports."""
-    out = {_resolve(n) for n in imported_names(module) if n.split(".")[0] == "mlxserve"}
+    names = imported_names(module, type_only_too)
+    out = {_resolve(n) for n in names if n.split(".")[0] == "mlxserve"}
     return {m for m in out if m and m != module}
 
 
@@ -129,6 +140,11 @@ def test_cycle_finder_finds_a_planted_circle() -> None:
 
 def test_no_import_circle() -> None:
     edges = {m: internal_imports(m) for m in modules()}
+    assert cycles(edges) == []
+
+
+def test_no_import_circle_even_through_type_only_imports() -> None:
+    edges = {m: internal_imports(m, type_only_too=True) for m in modules()}
     assert cycles(edges) == []
 
 
@@ -195,3 +211,89 @@ def test_every_package_directory_is_a_regular_package() -> None:
         if "csrc" in path.parts:
             continue
         assert (path.parent / "__init__.py").exists(), path.parent
+
+
+# The CPU backend: mlxserve's CPU kernels and what runs them (item 1 of issue 30 moves the
+# fused-layer ones out of models/, into one wing installed on a model at load time).
+CPU_BACKEND = (
+    "mlxserve.cpu",
+    "mlxserve.blas",
+    "mlxserve.ops.cpu",
+    "mlxserve.models.cpu_layer",
+    "mlxserve.models.cpu_stack",
+)
+
+
+def cpu_backend_imports(module: str) -> set[str]:
+    return {
+        i
+        for i in internal_imports(module, type_only_too=True)
+        if any(i == b or i.startswith(b + ".") for b in CPU_BACKEND)
+    }
+
+
+def test_cpu_backend_finder_sees_a_models_import_of_it() -> None:
+    assert "mlxserve.cpu" in cpu_backend_imports("mlxserve.models.cpu_layer")
+    assert cpu_backend_imports("mlxserve.models.contract") == set()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 1: the CPU backend wing")
+def test_models_import_no_cpu_backend() -> None:
+    """A file in models/ is architecture only: it never asks which backend it runs on."""
+    bad = {m: sorted(cpu_backend_imports(m)) for m in modules() if wing(m) == "models"}
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+# Who may read the environment: the settings' one place (mlxserve/settings.py), the engine
+# config's defaults (config.py) and the command line. Elsewhere, only variables that are not
+# mlxserve settings: the C toolchain's and the cache folder's (building the kernels), and
+# the rank a distributed launcher (mlx.launch, mpirun) gives its processes.
+ENVIRONMENT_READERS = ("mlxserve.config", "mlxserve.settings")
+FOREIGN_VARIABLES = {
+    "mlxserve.blas": {"CC", "XDG_CACHE_HOME"},
+    "mlxserve.cpu.build": {"XDG_CACHE_HOME"},  # and _tool(env) below: CC / CXX
+    "mlxserve.worker.launch": {"MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE"},
+}
+
+
+def environment_uses(tree: ast.AST) -> list[ast.AST]:
+    """Each ``os.environ`` / ``os.getenv`` / ``environ`` reference in ``tree``."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"))
+        or (isinstance(node, ast.Name) and node.id in ("environ", "getenv"))
+    ]
+
+
+def environment_names(tree: ast.AST) -> set[str]:
+    """The variables ``tree`` reads by name (``environ.get("X")``, ``getenv("X")``, ``["X"]``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            func = ast.unparse(node.func)
+            if node.func.attr == "getenv" or (node.func.attr == "get" and "environ" in func):
+                out |= {a.value for a in node.args[:1] if isinstance(a, ast.Constant)}
+        if isinstance(node, ast.Subscript) and "environ" in ast.unparse(node.value):
+            if isinstance(node.slice, ast.Constant):
+                out.add(node.slice.value)
+    return out
+
+
+def test_the_environment_is_read_only_by_the_config_and_cli_layer() -> None:
+    readers = {m for m in modules() if environment_uses(tree_of(m))}
+    allowed = {m for m in readers if m in ENVIRONMENT_READERS or wing(m) == "cli"}
+    assert sorted(readers - allowed) == sorted(FOREIGN_VARIABLES)
+    for module, variables in FOREIGN_VARIABLES.items():
+        assert environment_names(tree_of(module)) <= variables, module
+
+
+def test_the_environment_finders_see_every_way_of_reading_it() -> None:
+    planted = ast.parse(
+        "import os\nfrom os import environ\n"
+        'a = os.environ.get("MLXSERVE_A", "x")\nb = os.getenv("B")\nc = os.environ["C"]\n'
+        'd = environ.get("D")\n'
+    )
+    assert environment_names(planted) == {"MLXSERVE_A", "B", "C", "D"}
+    assert environment_uses(ast.parse("import os\nx = dict(os.environ)\n"))
+    assert not environment_uses(ast.parse("import os\nx = os.path.join('a', 'b')\n"))

@@ -178,10 +178,10 @@ def test_engine_greedy_tokens_equal_mlx_lm(name: str, tmp_path: Path) -> None:
 def test_readme_lists_the_gguf_architectures_the_code_supports() -> None:
     from mlxserve.loader.gguf_archs import gguf_table
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
     start, end = "<!-- gguf-table:start -->\n", "\n<!-- gguf-table:end -->"
     table = readme[readme.index(start) + len(start) : readme.index(end)]
     assert table == gguf_table(), (
-        "README's GGUF table is stale; regenerate it with: python -c 'from "
+        "docs/models.md's GGUF table is stale; regenerate it with: python -c 'from "
         "mlxserve.loader.gguf_archs import gguf_table; print(gguf_table())'"
     )

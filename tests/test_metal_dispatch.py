@@ -315,3 +315,32 @@ def test_a_kernel_name_always_means_one_source(split: bool) -> None:
     assert len(sources) == (3 if split else 2)  # prefill, decode (+ split, reduce)
     flips = {key: len(v) for key, v in sources.items() if len(v) > 1}
     assert not flips, flips
+
+
+def test_a_forced_backend_holds_in_its_thread_only() -> None:
+    """Two engines in one process (each runner steps on its own thread) with different
+    ``kernels`` settings never see each other's choice."""
+    import threading
+
+    seen: dict[str, tuple[str, str]] = {}
+    inside = threading.Event()
+    done = threading.Event()
+
+    def other_engine() -> None:
+        inside.wait(timeout=30)
+        seen["other"] = ops.kernel_backend()
+        with ops.force_backend("cpu"):
+            seen["other forced"] = ops.kernel_backend()
+        done.set()
+
+    thread = threading.Thread(target=other_engine)
+    thread.start()
+    with ops.force_backend("fallback"):
+        inside.set()
+        assert done.wait(timeout=30)
+        seen["this"] = ops.kernel_backend()
+    thread.join(timeout=30)
+    assert seen["this"][0] == "fallback"
+    assert not seen["other"][1].startswith("forced")  # the machine's own choice there
+    assert seen["other forced"][0] == "cpu"
+    assert not ops.kernel_backend()[1].startswith("forced")

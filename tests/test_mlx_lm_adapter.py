@@ -293,10 +293,10 @@ def test_engine_runs_an_adapted_model(tmp_path: Path) -> None:
 
 
 def test_readme_lists_the_architectures_the_code_supports() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "models.md").read_text()
     start, end = "<!-- models-table:start -->\n", "\n<!-- models-table:end -->"
     table = readme[readme.index(start) + len(start) : readme.index(end)]
     assert table == mlx_lm_zoo.models_table(), (
-        "README's model table is stale; regenerate it with: python -c 'from "
+        "docs/models.md's model table is stale; regenerate it with: python -c 'from "
         "mlxserve.models.mlx_lm_zoo import models_table; print(models_table())'"
     )

@@ -1,4 +1,5 @@
-"""README's "Other APIs" section runs verbatim against `mlxserve serve` (the embedded SmolLM2).
+"""The README's examples and docs/serving.md's "Other APIs" section run verbatim against
+`mlxserve serve` (the embedded SmolLM2).
 
 Each Python block is run as written (only the port differs: 8000, and Ollama's 11434); a
 `print(...)  # text` line says what it prints, and the output must be exactly that.
@@ -27,10 +28,13 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     s.stop()
 
 
-def section_blocks(language: str) -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Other APIs") :]
-    section = section[: section.index("\n## ", 1)]
+def section_blocks(
+    language: str, page: str = "docs/serving.md", heading: str = "## Other APIs"
+) -> list[str]:
+    text = (ROOT / page).read_text()
+    section = text[text.index(heading) :]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
@@ -38,8 +42,12 @@ def expected_output(block: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^print\(.*\)  # (.*)$", block, flags=re.M)]
 
 
-def test_python_examples_run_verbatim(server) -> None:
-    blocks = section_blocks("python")
+@pytest.mark.parametrize(
+    ("page", "heading"),
+    [("docs/serving.md", "## Other APIs"), ("README.md", "## One example per interface")],
+)
+def test_python_examples_run_verbatim(server, page: str, heading: str) -> None:
+    blocks = section_blocks("python", page, heading)
     assert blocks
     env = dict(os.environ, MLXSERVE_API_KEY=KEY)
     for block in blocks:

@@ -118,3 +118,20 @@ def test_limits_accept_their_edges() -> None:
     )
     assert p.top_k == 0 and len(p.logit_bias) == MAX_LOGIT_BIAS
     assert all(isinstance(k, int) and isinstance(v, float) for k, v in p.logit_bias.items())
+
+
+@pytest.mark.parametrize(
+    ("changed", "needs"),
+    [
+        ({}, False),
+        ({"repetition_penalty": 1.1}, True),  # counts the prompt's and output's tokens
+        ({"presence_penalty": 0.5}, True),  # counts the output's tokens
+        ({"frequency_penalty": -0.5}, True),
+        ({"prompt_logprobs": 0}, True),  # reported with the first token
+        # these work on the tokens still on the device: steps may be built ahead
+        ({"temperature": 0.3, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 7}, False),
+        ({"logit_bias": {3: 1.0}, "min_tokens": 4, "logprobs": 2, "stop": ["x"]}, False),
+    ],
+)
+def test_which_fields_keep_a_request_off_async_scheduling(changed: dict, needs: bool) -> None:
+    assert SamplingParams(**changed).needs_host_tokens() is needs

@@ -2,8 +2,8 @@
 SmolLM2 (one real uvicorn subprocess for the module, API key from the environment).
 
 Oracles: llama.cpp's greedy steps for the same GGUF (tests/fixtures), and the same
-requests made one at a time. The examples in README's serving section run verbatim (only the port
-differs).
+requests made one at a time. The examples in docs/serving.md's serve section run verbatim
+(only the port differs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.server_harness import metric, read_metrics, start_server
 
 KEY = "sk-embedded-test-key"
 MODEL = "SmolLM2-135M-Instruct"
-README = ROOT / "README.md"
+SERVING_DOC = ROOT / "docs" / "serving.md"
 # llama.cpp rounds activations to 8 bits inside quantized matmuls: logprobs differ a little.
 LOGPROB_TOL = 0.25
 
@@ -167,8 +167,8 @@ def test_16_concurrent_streaming_clients_match_one_at_a_time(server, client) -> 
 
 
 def doc_blocks(language: str) -> list[str]:
-    """Code blocks of the README's serving section (up to the next top-level heading)."""
-    text = README.read_text()
+    """Code blocks of docs/serving.md's `mlxserve serve` section (up to the next section)."""
+    text = SERVING_DOC.read_text()
     section = text[text.index("## Serving: `mlxserve serve`") :]
     section = section[: section.index("\n## ", 1)]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)

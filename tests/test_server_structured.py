@@ -3,7 +3,7 @@ official openai SDK and LangChain (one server for the module).
 
 Every output is checked with independent oracles (jsonschema, re.fullmatch, membership),
 streamed and not, n = 1 and n = 3, alone and inside a batch of 12 concurrent mixed
-constrained and free requests. The README's section on structured output and tools runs
+constrained and free requests. The examples of docs/tools.md (structured output, tools) run
 verbatim.
 """
 
@@ -27,7 +27,7 @@ from tests.server_harness import assert_openai_error, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-structured-test"
-README = ROOT / "README.md"
+TOOLS_DOC = ROOT / "docs" / "tools.md"
 
 
 class City(BaseModel):
@@ -400,13 +400,10 @@ def test_fields_that_change_nothing_are_accepted(server, client) -> None:
     assert "'modalities'" in err["message"]
 
 
-# ----------------------------------------------------------------------- README
+# ----------------------------------------------------------------------- docs/tools.md
 def readme_blocks(language: str) -> list[str]:
-    """Code blocks of README's "Structured output, tools and reasoning" section."""
-    text = README.read_text()
-    section = text[text.index("## Structured output, tools and reasoning") :]
-    section = section[: section.index("\n## ", 1)]
-    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+    """Code blocks of docs/tools.md (structured output, tools and reasoning)."""
+    return re.findall(rf"```{language}\n(.*?)```", TOOLS_DOC.read_text(), flags=re.S)
 
 
 def test_readme_examples_run_verbatim(server) -> None:

@@ -14,9 +14,10 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from mlxserve.parsers.base import ParsedDelta
+from mlxserve.parsers.harmony import HarmonyParser
 from mlxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from mlxserve.tokenizer.harmony import render_harmony
-from mlxserve.tokenizer.harmony_parser import HarmonyDelta, HarmonyParser
 from tests.harmony_oracle import load_encoding
 
 h = pytest.importorskip("openai_harmony")
@@ -219,10 +220,10 @@ COMPLETIONS = {
 }
 
 
-def oracle_parse(enc, text: str) -> HarmonyDelta:
+def oracle_parse(enc, text: str) -> ParsedDelta:
     """openai-harmony's messages folded into the parser's fields."""
     tokens = enc.encode(text, allowed_special="all")
-    out = HarmonyDelta()
+    out = ParsedDelta()
     for m in enc.parse_messages_from_completion_tokens(tokens, h.Role.ASSISTANT):
         body = "".join(c.text for c in m.content)
         if m.recipient and m.recipient.startswith("functions."):

@@ -31,9 +31,9 @@ def kv_bytes(model, length: int) -> int:
 
 def main(spec_path: str, out_path: str) -> None:
     if os.environ.get("BENCH_BIND_BLAS"):  # "mlx-lm+openblas": mlxserve's BLAS binding only
-        from mlxserve import blas
+        from mlxserve import settings
 
-        blas.preload()
+        settings.start()  # binds the BLAS MLXSERVE_BLAS names
     import mlx.core as mx
     from mlx_lm import batch_generate, load
     from mlx_lm.generate import generate_step

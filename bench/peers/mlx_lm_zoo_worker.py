@@ -36,9 +36,9 @@ def run_cases(spec: dict, run, engine: str) -> dict:
 
 def main(spec_path: str, out_path: str) -> None:
     if os.environ.get("BENCH_BIND_BLAS"):  # "mlx-lm+openblas": mlxserve's BLAS binding only
-        from mlxserve import blas
+        from mlxserve import settings
 
-        blas.preload()
+        settings.start()  # binds the BLAS MLXSERVE_BLAS names
     import mlx.core as mx
     from mlx_lm import batch_generate, load
     from mlx_lm.generate import generate_step

@@ -2,9 +2,11 @@
 
 Platform and OS, MLX (and whether it is in the supported range), the Metal device (name,
 GPU cores, memory, recommended working set), which attention kernels run and each kernel
-variant's self-test, the BLAS under MLX's CPU backend, and the memory plan an engine with
-these flags would start with (the model is loaded as `serve` would load it). Exit status 1
-when a kernel variant failed its self-test, so CI on a Mac can run it.
+variant's self-test, the BLAS under MLX's CPU backend, the process settings
+(mlxserve.settings: each field, its variable, `*` where it is not the default), and the
+memory plan an engine with these flags would start with (the model is loaded as `serve`
+would load it). Exit status 1 when a kernel variant failed its self-test, so CI on a Mac
+can run it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from mlxserve import cpu as cpu_kernels
-from mlxserve import ops
+from mlxserve import ops, settings
 from mlxserve.blas import FIX as BLAS_FIX
 from mlxserve.blas import blas_status, fast_blas
 from mlxserve.cli.engine_args import add_engine_args, engine_config
@@ -58,6 +60,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def report(config: EngineConfig) -> Iterator[str]:
     """The report's lines, system facts first; loading the model comes last."""
+    process = settings.start()  # validated, and the BLAS bound, as `serve` starts
     yield f"platform:   {platform.platform()} ({platform.machine()}, Python {_python()})"
     yield f"os:         {os_version()}"
     yield f"mlx:        {mlx_line(mx.__version__)}"
@@ -65,6 +68,7 @@ def report(config: EngineConfig) -> Iterator[str]:
     backend, reason = ops.kernel_backend()
     yield f"kernels:    {backend} ({reason}); setting kernels={config.kernels!r}"
     yield f"blas:       {blas_line(sys.platform, fast_blas(), blas_status())}"
+    yield f"settings:   {', '.join(settings.describe(process))}"
     if not mx.metal.is_available():  # quantized layers on the CPU run these (or say why not)
         yield f"cpu-qmm:    {cpu_kernels.status()}"
     yield from model_lines(config)

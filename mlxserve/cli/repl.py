@@ -8,10 +8,20 @@ drive it either way. A line that starts with "/" is a command and never reaches 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TextIO
+from typing import Protocol, TextIO
 
-if TYPE_CHECKING:
-    from mlxserve.cli.chat import ChatSession
+
+class ChatSession(Protocol):
+    """What the REPL drives: a conversation (cli/chat.ChatSession) it only talks to."""
+
+    def answer(self, user_text: str, out: TextIO) -> str: ...
+
+    def clear(self) -> None: ...
+
+    def describe_settings(self) -> str: ...
+
+    def set(self, name: str, value: str) -> str: ...
+
 
 MULTILINE = '"""'
 WELCOME = 'Send a message (/help for commands, """ for several lines, Ctrl-D to quit).'

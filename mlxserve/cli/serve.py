@@ -33,7 +33,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         description="Serve MODEL (hub id, directory, .gguf; default: the embedded SmolLM2) "
         "over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, "
         "/v1/embeddings, /v1/models, /tokenize, /detokenize, /health, /version, /metrics; "
-        "also Anthropic's /v1/messages and Ollama's /api/* (see README).",
+        "also Anthropic's /v1/messages and Ollama's /api/* (see docs/serving.md).",
     )
     p.add_argument("model", nargs="?", default=None, metavar="MODEL")
     g = p.add_argument_group("server")

@@ -82,15 +82,11 @@ __all__ = ["ModelRunnerOutput", "Scheduler", "SchedulerOutput", "SchedulerStats"
 
 def needs_host_tokens(request: Request) -> bool:
     """Whether building this request's next step needs its previous token on the host, so a
-    step holding it is never scheduled ahead (async scheduling): penalties count the output
-    tokens, a grammar's bitmask follows them, an embedding request finishes with its last
-    chunk, prompt logprobs are reported with the first token."""
-    p = request.sampling_params
+    step holding it is never scheduled ahead (async scheduling): a sampling field that reads
+    the output tokens (SamplingParams marks them: penalties, prompt logprobs), a grammar's
+    bitmask that follows them, an embedding request that finishes with its last chunk."""
     return (
-        p.repetition_penalty != 1.0
-        or bool(p.presence_penalty)
-        or bool(p.frequency_penalty)
-        or p.prompt_logprobs is not None
+        request.sampling_params.needs_host_tokens()
         or request.structured_output is not None
         or request.pooling is not None
     )

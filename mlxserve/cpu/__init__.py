@@ -1,7 +1,7 @@
 """mlxserve's CPU kernels for quantized matmuls, as an MLX primitive (lazy, in the graph).
 
-MLX's CPU ``quantized_matmul`` runs at ~2 GFLOP/s (far less with 16-bit scales), so on
-the CPU mlxserve used to dequantize small models to float32 and stream 4-8x more bytes
+MLX's CPU ``quantized_matmul`` runs at ~2 GFLOP/s (far less with 16-bit scales);
+without these kernels small models run dequantized to float32, streaming 4-8x more bytes
 per token through BLAS. These kernels (csrc/qmm*.c, see qmm.h) read MLX's
 affine-quantized weights directly (2, 3, 4, 5, 6 and 8 bits, groups of 32/64/128,
 float32, float16 or bfloat16 scales and biases) and dequantize in registers, with
@@ -16,7 +16,7 @@ The MLX extension is compiled on first use (build.py: a C/C++ compiler, Python h
 and nanobind are needed; ``python -m mlxserve.cpu`` builds it ahead) and cached; when it
 cannot be built or loaded, one warning says why and everything takes the previous path
 (quantized layers dequantized for BLAS, or MLX's quantized_matmul); :func:`status` says
-which.
+which. The settings are ``mlxserve.settings.Settings``' cpu_* fields, whose defaults are:
 
     MLXSERVE_CPU_KERNELS=auto (default)  build (once) and use them for quantized layers
     MLXSERVE_CPU_KERNELS=off             never (MLX's quantized_matmul or dequantized)
@@ -30,7 +30,6 @@ which.
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 
 import mlx.core as mx
@@ -38,16 +37,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from mlxserve import settings
 from mlxserve.affine_bits import widen
 from mlxserve.cpu import build
-from mlxserve.exceptions import ParameterError
 from mlxserve.module_changes import Watched
 
 logger = logging.getLogger(__name__)
 
 _state: dict[str, object] = {"module": None, "reason": "not attempted", "path": None}
-_OFF = ("off", "0", "no", "false", "none")
-_ON = ("on", "1", "yes", "true")
 BITS = (2, 3, 4, 5, 6, 8)  # every affine width MLX quantizes to
 # Widths stored wider for the kernels' fast 4- and 8-bit paths (exact, see above).
 STORED_BITS = {2: 4, 3: 4, 5: 8, 6: 8}
@@ -57,16 +54,16 @@ def _module() -> ModuleType | None:
     """The loaded extension, building and checking it on the first call; None if unusable."""
     if _state["reason"] != "not attempted":
         return _state["module"]  # type: ignore[return-value]
-    if os.environ.get("MLXSERVE_CPU_KERNELS", "auto").strip().lower() in _OFF:
+    config = settings.current()
+    if not config.cpu_kernels:
         _state["reason"] = "MLXSERVE_CPU_KERNELS=off"
         return None
     try:
         # A warning: the first start waits for the compiler, and should say why.
         path = build.build(log=logger.warning)
         module = build.load(path)
-        threads = os.environ.get("MLXSERVE_CPU_THREADS", "").strip()
-        if threads:
-            module.set_threads(int(threads))
+        if config.cpu_threads is not None:
+            module.set_threads(config.cpu_threads)
         _check(module)
     except (build.BuildError, OSError, ImportError, TypeError, ValueError, RuntimeError) as e:
         _state["reason"] = f"CPU kernels unavailable: {e}"
@@ -98,19 +95,13 @@ def available() -> bool:
 
 
 def int8_activations() -> bool:
-    """Whether quantized layers round activations to int8 (``MLXSERVE_CPU_INT8``)."""
+    """Whether quantized layers round activations to int8 (``Settings.cpu_int8``)."""
     module = _module()
     if module is None:
         return False
-    setting = os.environ.get("MLXSERVE_CPU_INT8", "auto").strip().lower()
-    if setting in _OFF:
-        return False
-    if setting in _ON:
-        return True
+    setting = settings.current().cpu_int8
     if setting != "auto":
-        raise ParameterError(
-            f"MLXSERVE_CPU_INT8 must be auto, on or off, got {setting!r}", "MLXSERVE_CPU_INT8"
-        )
+        return setting == "on"
     return module.q8_isa() != "scalar"  # the portable integer path is slower than float's
 
 

@@ -1,6 +1,6 @@
 """AsyncLLM: one thread owns the engine; asyncio callers get async iterators of outputs.
 
-    HTTP handler --(inbox: add / abort)--> engine thread: step() in a loop
+    HTTP handler --(inbox: AddRequest / AbortRequest)--> engine thread: step() in a loop
     HTTP handler <--(per-request asyncio.Queue)-- outputs, one handoff per step and loop
 
 A step's outputs reach each event loop in one ``call_soon_threadsafe`` (one wakeup of
@@ -28,6 +28,7 @@ from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.exceptions import RequestFailedError
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.structured_output.grammar import StructuredOutputRequest
 from mlxserve.worker.spmd import RankLostError
 
 logger = logging.getLogger("mlxserve")
@@ -35,6 +36,42 @@ logger = logging.getLogger("mlxserve")
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
+
+
+# The engine thread's inbox: what handlers (any thread) ask of the engine.
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Add one request (LLMEngine.add_request's arguments, its constraint compiled)."""
+
+    request_id: str
+    prompt: str | list[int] | None
+    params: SamplingParams
+    prompt_token_ids: list[int] | None
+    arrival_time: float
+    structured_output: StructuredOutputRequest | None
+    pooling_params: PoolingParams | None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Abort one request (its blocks are freed on the engine thread)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetPrefixes:
+    """Forget the prefix cache once no request runs; ``done`` gets the blocks forgotten."""
+
+    done: concurrent.futures.Future[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Nothing to do: wakes the engine thread so that it sees a shutdown."""
+
+
+InboxItem = AddRequest | AbortRequest | ForgetPrefixes | Wake
 
 
 @dataclass
@@ -77,7 +114,7 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, on_step=None, on_dead=None) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         # Requests the engine accepted and that have not finished (engine thread only).
         self._accepted: set[str] = set()
@@ -129,8 +166,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._inbox.put(
-            (
-                "add",
+            AddRequest(
                 request_id,
                 prompt,
                 params,
@@ -158,18 +194,18 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed on the engine thread."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
 
     def forget_cached_prefixes(self) -> concurrent.futures.Future[int]:
         """From any thread: forget the prefix cache the next time no request runs (their
         prefixes are in use until then). The future holds the number of blocks forgotten."""
         done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._inbox.put(("forget_prefixes", done))
+        self._inbox.put(ForgetPrefixes(done))
         return done
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------- engine thread
@@ -232,31 +268,29 @@ class AsyncLLM:
             except queue.Empty:
                 return
 
-    def _handle(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "add":
-            _, rid, prompt, params, token_ids, arrival, structured, pooling = item
+    def _handle(self, item: InboxItem) -> None:
+        if isinstance(item, AddRequest):
             try:
                 self.engine.add_request(
-                    rid,
-                    prompt,
-                    params,
-                    prompt_token_ids=token_ids,
-                    arrival_time=arrival,
-                    structured_output=structured,
-                    pooling_params=pooling,
+                    item.request_id,
+                    item.prompt,
+                    item.params,
+                    prompt_token_ids=item.prompt_token_ids,
+                    arrival_time=item.arrival_time,
+                    structured_output=item.structured_output,
+                    pooling_params=item.pooling_params,
                 )
             except Exception as e:  # noqa: BLE001 -- bad requests go back to their caller
-                stream = self._streams.get(rid)
+                stream = self._streams.get(item.request_id)
                 if stream is not None:
                     stream.put(e)
             else:
-                self._accepted.add(rid)
-        elif kind == "forget_prefixes":
-            self._forget_when_idle.append(item[1])
-        elif kind == "abort":
-            self._accepted.discard(item[1])
-            for out in self.engine.abort_request(item[1]):
+                self._accepted.add(item.request_id)
+        elif isinstance(item, ForgetPrefixes):
+            self._forget_when_idle.append(item.done)
+        elif isinstance(item, AbortRequest):
+            self._accepted.discard(item.request_id)
+            for out in self.engine.abort_request(item.request_id):
                 if self._on_step is not None:
                     self._on_step(self.engine, [out])
 

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from mlxserve import ops
+from mlxserve import ops, settings
 from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestOutput, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
@@ -80,6 +80,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        settings.start()  # the process settings, validated; the BLAS bound (once)
         ops.check_kernels(config.kernels)  # before loading: fail fast on this machine
         if loaded is None:
             loaded = load_model(
@@ -144,9 +145,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         # The step launched and not yet collected (async scheduling keeps one between calls).
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
-        # Whether steps may be scheduled ahead (see _step). Replaces the Metal-only
-        # "pipelined" order (collect N, launch N+1, process N), which only overlapped N's
-        # output processing: N+1's inputs had to reach the host first.
+        # Whether steps may be scheduled ahead (see _step): N+1 is built before N's tokens
+        # reach the host, so all of the engine's Python overlaps the compute, not only
+        # N's output processing.
         self.async_scheduling = config.async_scheduling and not (
             self.ranks is not None
             or self.runner.channel is not None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve import cpu
+from mlxserve import cpu, settings
 from mlxserve.blas import fast_blas
 from mlxserve.loader import generation_config, hub
 from mlxserve.loader.gguf import load_gguf
@@ -210,6 +209,7 @@ def load_model(
     """
     from mlxserve.models import build_model
 
+    settings.start()  # the BLAS under MLX is bound before the first weights are cast
     source = resolve_model(model, revision)
     tok = None
     if not skip_tokenizer_init and (tokenizer is not None or source.kind == "dir"):
@@ -252,12 +252,12 @@ def should_dequantize(model: nn.Module, dtype: mx.Dtype) -> bool:
     """On the CPU with an optimized BLAS, run small quantized models in float.
 
     MLX's CPU quantized matmul does ~2 GFLOP/s; OpenBLAS sgemm ~40 on 2 cores. Only
-    when the float copy takes at most a quarter of RAM; MLXSERVE_CPU_DEQUANTIZE=off
-    keeps the quantized layers.
+    when the float copy takes at most a quarter of RAM; ``Settings.cpu_dequantize`` off
+    (MLXSERVE_CPU_DEQUANTIZE=off) keeps the quantized layers.
     """
     if uses_gpu() or fast_blas() is None or dtype != mx.float32:
         return False
-    if os.environ.get("MLXSERVE_CPU_DEQUANTIZE", "auto").lower() in ("off", "0", "no"):
+    if not settings.current().cpu_dequantize:
         return False
     size = quantized_bytes_as_float(model, dtype)
     return 0 < size <= usable_memory() // 4

@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from mlxserve import ops
 from mlxserve.kv_cache_spec import KVCacheLayout
+from mlxserve.models.contract import LayerShapesModel
 from mlxserve.ops import AttentionMetadata, kv_quant
 
 
@@ -94,8 +95,9 @@ class KVCache:
         """One pool per attention layer of ``model`` (every layer reads the same block
         table): its ``kv_layer_shapes`` when it has them, else ``num_layers`` x
         (``num_kv_heads``, ``head_dim``)."""
-        shapes = getattr(model, "kv_layer_shapes", None)
-        if shapes is None:
+        if isinstance(model, LayerShapesModel):
+            shapes = model.kv_layer_shapes
+        else:
             shapes = [(model.num_kv_heads, model.head_dim, model.head_dim)] * model.num_layers
         return cls.allocate_layers(shapes, num_blocks, block_size, dtype)
 

@@ -134,7 +134,7 @@ PER_LAYER_POOLS = ("deepseek_v2", "gemma4_text", "youtu_llm")
 
 
 def models_table() -> str:
-    """The README's table of architectures (tests/test_mlx_lm_adapter.py keeps them equal)."""
+    """docs/models.md's table of architectures (tests/test_mlx_lm_adapter.py keeps them equal)."""
     rows = ["| model_type | runs through | what its test exercises |", "|---|---|---|"]
     for model_type in sorted(set(MODEL_TYPES) | set(HAND_WRITTEN)):
         if model_type in HAND_WRITTEN:

@@ -7,7 +7,8 @@ built, and the pure-MLX fallback otherwise (and when forced: it is the reference
 ``write_kv`` is MLX's scatter on every backend (in place when the old pools can be
 donated; why: ops/metal.py); on Metal, rows for 8-bit pools are quantized by a kernel
 first. ``use_kernels(choice)`` ("auto", "metal" or "fallback", the engine's ``kernels``
-setting) scopes a choice; ``check_kernels`` says at start-up whether a choice can run here.
+setting) scopes a choice to the calling thread (a context variable: each engine's runner
+scopes its own); ``check_kernels`` says at start-up whether a choice can run here.
 Each kernel variant is self-tested on first use (ops/selftest.py): on failure "auto" falls
 back for that op, "metal" raises. ``kernel_backend()`` says which implementation is in use
 and why. An attention layer calls ``write_kv``, replaces its pool entries with the result
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from types import ModuleType
@@ -59,7 +61,33 @@ class _Override:
     self_test: str | None  # selftest mode: "fallback", "raise", or None (no self-test)
 
 
-_override: list[_Override] = []  # innermost force_backend() last
+class _ForcedChoices:
+    """The forced choices in scope, innermost last: a context variable, not a process-wide
+    list, so each thread (each engine's runner) scopes its own choice and others never see
+    it. Falsy when nothing is forced here."""
+
+    def __init__(self) -> None:
+        self._stack: ContextVar[tuple[_Override, ...]] = ContextVar("mlxserve_ops", default=())
+
+    def __bool__(self) -> bool:
+        return bool(self._stack.get())
+
+    def __getitem__(self, index: int) -> _Override:
+        return self._stack.get()[index]
+
+    def push(self, choice: _Override) -> Token:
+        return self._stack.set((*self._stack.get(), choice))
+
+    def pop(self, token: Token) -> None:
+        self._stack.reset(token)
+
+
+_override = _ForcedChoices()
+
+
+def _forced() -> _Override | None:
+    """The innermost forced choice in this thread's scope, or None ("auto")."""
+    return _override[-1] if _override else None
 
 
 def _metal_unavailable_reason() -> str | None:
@@ -93,8 +121,8 @@ def use_kernels(choice: str) -> AbstractContextManager[object]:
 
 def kernel_backend() -> tuple[str, str]:
     """(backend, reason): which implementation the ops use right now, and why."""
-    if _override:
-        return _override[-1].backend, "forced (kernels setting or ops.force_backend())"
+    if (forced := _forced()) is not None:
+        return forced.backend, "forced (kernels setting or ops.force_backend())"
     reason = _metal_unavailable_reason()
     if reason:
         if cpu_kernels.available():
@@ -107,8 +135,8 @@ def cpu_module() -> ModuleType | None:
     """mlxserve's CPU primitives (mlxserve/cpu) when the ops use them now, else None: MLX
     on its CPU backend, the extension loaded (not MLXSERVE_CPU_KERNELS=off), and neither
     Metal nor the pure-MLX fallback forced. Models ask too (RMSNorm, RoPE)."""
-    if _override:
-        return cpu_kernels.module() if _override[-1].backend == "cpu" else None
+    if (forced := _forced()) is not None:
+        return cpu_kernels.module() if forced.backend == "cpu" else None
     if uses_gpu():
         return None
     return cpu_kernels.module()
@@ -121,13 +149,14 @@ def _default_kernels() -> MetalKernels:
 
 def _metal() -> MetalKernels | None:
     """The kernels to use, or None for the fallback."""
-    if _override:
-        if _override[-1].backend != "metal":
+    forced = _forced()
+    if forced is not None:
+        if forced.backend != "metal":
             return None
     elif not uses_gpu():  # (kernel_backend() says why; this runs once per layer)
         return None
-    if _override and _override[-1].kernels is not None:
-        return _override[-1].kernels
+    if forced is not None and forced.kernels is not None:
+        return forced.kernels
     return _default_kernels()
 
 
@@ -154,11 +183,11 @@ def force_backend(
     kernels = None
     if backend == "metal" and (factory is not None or config is not None):
         kernels = MetalKernels(factory, config)
-    _override.append(_Override(backend, kernels, self_test))
+    token = _override.push(_Override(backend, kernels, self_test))
     try:
         yield kernels or (_default_kernels() if backend == "metal" else None)
     finally:
-        _override.pop()
+        _override.pop(token)
 
 
 def write_kv(
@@ -228,7 +257,8 @@ def paged_attention(
 
 def _self_test_mode() -> str | None:
     """How kernel variants are verified: on Metal by machine choice ("auto"), fall back."""
-    return _override[-1].self_test if _override else "fallback"
+    forced = _forced()
+    return forced.self_test if forced is not None else "fallback"
 
 
 def metal_kernels() -> MetalKernels | None:

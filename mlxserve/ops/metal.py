@@ -29,8 +29,8 @@ share the buffer and are released before it runs. Two consequences:
   once. A second write of a pool within one evaluation may copy it instead (a step re-run
   in parts after a failure; on Metal possibly the draft model's passes) -- correct, slower.
 
-The engine warns once if a step copied a pool (worker/pool_watch.py). Contiguity no longer
-decides correctness (the attention kernels get a row-contiguous copy of anything else): a
+The engine warns once if a step copied a pool (worker/pool_watch.py). Contiguity does not
+decide correctness (the attention kernels get a row-contiguous copy of anything else): a
 non-row-contiguous pool costs one copy, as the scatter's output is row-contiguous, and the
 pools come from mx.zeros, mx.concatenate and the scatter, all row-contiguous (the engine
 test checks each step's pools).

@@ -8,12 +8,12 @@ the device class; rows per threadgroup capped so registers do not grow with GQA)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlxserve import settings
 from mlxserve.exceptions import ParameterError
 
 # Both prefill kernels (SIMT and tiled) take the same inputs.
@@ -125,7 +125,7 @@ class MetalConfig:
 
 
 def _prefill_choice() -> str:
-    return os.environ.get("MLXSERVE_METAL_PREFILL", "tiled").strip().lower()
+    return settings.current().metal_prefill
 
 
 def head_groups(gqa: int, rows: int = MAX_ROWS) -> tuple[int, int]:

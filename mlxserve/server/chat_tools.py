@@ -27,13 +27,13 @@ from mlxserve.parsers import (
     ParsedDelta,
     tool_parser_for_template,
 )
-from mlxserve.parsers.base import ParsedMessage, ToolCallDelta, aggregate
+from mlxserve.parsers.base import ParsedMessage, aggregate
+from mlxserve.parsers.harmony import HarmonyParser
 from mlxserve.parsers.reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
 from mlxserve.parsers.tool_grammar import call_grammar
 from mlxserve.parsers.tool_prompt import FALLBACK_PARSER, fallback_messages, native_messages
 from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from mlxserve.tokenizer.harmony import HARMONY_TEXT_TOKENS
-from mlxserve.tokenizer.harmony_parser import HarmonyDelta, HarmonyParser
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -206,18 +206,13 @@ class HarmonyReplyParser:
         self._parser = HarmonyParser()
 
     def feed(self, text: str) -> ParsedDelta:
-        return _parsed(self._parser.feed(text))
+        return self._parser.feed(text)
 
     def finish(self) -> ParsedDelta:
-        return _parsed(self._parser.finish())
+        return self._parser.finish()
 
     def parse(self, text: str) -> ParsedMessage:
         return aggregate([self.feed(text), self.finish()])
-
-
-def _parsed(delta: HarmonyDelta) -> ParsedDelta:
-    calls = [ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in delta.tool_calls]
-    return ParsedDelta(delta.content, delta.reasoning_content, calls)
 
 
 class ReplyFormatter:

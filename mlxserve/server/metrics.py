@@ -108,7 +108,7 @@ class ServerMetrics:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of tokens."
         )
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        # Never silently off (issue 12): 1 when on, else 0 with the reason as a label.
+        # Never silently off: 1 when on, else 0 with the reason as a label.
         Gauge(
             "mlxserve:prefix_caching_enabled",
             "1 if automatic prefix caching is on; 0 with the reason why not.",

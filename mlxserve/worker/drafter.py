@@ -34,6 +34,7 @@ from mlxserve.core.request import Request
 from mlxserve.core.scheduler_output import SchedulerOutput
 from mlxserve.kv_cache_spec import FULL_ATTENTION, KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
+from mlxserve.models.contract import LayoutModel
 from mlxserve.ops import AttentionMetadata
 from mlxserve.worker.memory import PROBE_TOKENS, probe_activation_bytes, tree_bytes
 from mlxserve.worker.sampler import (
@@ -92,10 +93,12 @@ class Drafter:
         self.dtype = dtype  # the pool's (the target's KV dtype)
         self.block_size = block_size
         self.vocab_size = vocab_size  # the target's: drafts' probabilities are this wide
-        self.layout: KVCacheLayout = getattr(model, "kv_cache_layout", None) or uniform_layout(
-            model.num_layers, model.num_kv_heads, model.head_dim
+        self.layout: KVCacheLayout = (
+            model.kv_cache_layout
+            if isinstance(model, LayoutModel)
+            else uniform_layout(model.num_layers, model.num_kv_heads, model.head_dim)
         )
-        self._takes_layout = hasattr(model, "kv_cache_layout")
+        self._takes_layout = isinstance(model, LayoutModel)
         self.kv_cache: KVCache | None = None
 
     @property

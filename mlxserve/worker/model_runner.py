@@ -34,6 +34,7 @@ from mlxserve import ops
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
+from mlxserve.models.contract import LayoutModel, Model, PipelineStageModel, ShardedModel
 from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata
 from mlxserve.ops.kv_quant import kv_pool_dtype
@@ -97,7 +98,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model,
+        model: Model,
         *,
         dtype: mx.Dtype,
         block_size: int,
@@ -115,10 +116,12 @@ class ModelRunner:
         self.vocab_size: int = model.vocab_size
         self.kernels = kernels  # "auto" | "metal" | "fallback", checked at start-up
         # Adapted mlx-lm models say what each layer needs; hand-written ones are uniform.
-        self.layout: KVCacheLayout = getattr(model, "kv_cache_layout", None) or uniform_layout(
-            model.num_layers, model.num_kv_heads, model.head_dim
+        self.layout: KVCacheLayout = (
+            model.kv_cache_layout
+            if isinstance(model, LayoutModel)
+            else uniform_layout(model.num_layers, model.num_kv_heads, model.head_dim)
         )
-        self._takes_layout = hasattr(model, "kv_cache_layout")
+        self._takes_layout = isinstance(model, LayoutModel)
         dims = [d for _, k, v in self.layout.tensor_shapes for d in (k, v)]
         self.kv_dtype = kv_pool_dtype(kv_cache_dtype, dtype, dims)  # int8: 8-bit (kv_quant)
         self.kv_cache: KVCache | None = None  # made by the first ensure_blocks()
@@ -187,7 +190,11 @@ class ModelRunner:
     @property
     def group(self) -> mx.distributed.Group | None:
         """The group this runner's model is split over, tensor or pipeline (None: alone)."""
-        return getattr(self.model, "tp_group", None) or getattr(self.model, "pp_group", None)
+        if isinstance(self.model, ShardedModel):
+            return self.model.tp_group
+        if isinstance(self.model, PipelineStageModel):
+            return self.model.pp_group
+        return None
 
     def _check_lost(self, error: BaseException) -> None:
         """Re-raise a step's error as RankLostError when a tensor-parallel rank is gone:

@@ -35,6 +35,7 @@ from mlxserve.core.scheduler import SchedulerOutput
 from mlxserve.core.scheduler_output import PLACEHOLDER_TOKEN
 from mlxserve.kv_cache_spec import KVCacheLayout
 from mlxserve.models.base import KVCache
+from mlxserve.models.contract import Model, PipelineStageModel
 from mlxserve.structured_output.grammar import fill_bitmasks
 from mlxserve.worker.drafter import Drafter, Proposal
 from mlxserve.worker.kv_inputs import step_metadata
@@ -52,12 +53,16 @@ from mlxserve.worker.spmd import ForwardInputs
 
 @dataclass
 class StepPart:
-    """The graph of (part of) a step: whom it samples for and its lazy results."""
+    """The graph of (part of) a step: whom it samples for and its lazy results.
 
-    samplers: list[Request]
-    result: SamplerOutput | None
-    plp_targets: list[tuple[Request, int]]  # (request, position of the scored prompt token)
-    prompt_logprobs: tuple[mx.array, ...] | None
+    Each feature fills its own fields (see :func:`build_part`); a new one adds fields and
+    the function that fills them."""
+
+    samplers: list[Request] = field(default_factory=list)
+    result: SamplerOutput | None = None
+    # (request, position of the scored prompt token) per prompt-logprobs row
+    plp_targets: list[tuple[Request, int]] = field(default_factory=list)
+    prompt_logprobs: tuple[mx.array, ...] | None = None
     # The samplers' logits (S, V) while their grammar bitmasks are being computed.
     logits: mx.array | None = None
     # Per sampler, its drafts (speculative decoding): it has 1 + len(drafts) sample rows.
@@ -109,10 +114,142 @@ class PreviousTokens:
     rows: dict[str, int]
 
 
+@dataclass
+class StepRows:
+    """A step's flat rows on the host, and which rows each feature reads.
+
+    The scheduler orders decodes (one token each) first, as the attention op wants."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    # attention: one entry per query (a request with drafts: one per verified position)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    tables: list[tuple[list[int], ...]] = field(default_factory=list)
+    # rows fed a token of the previous step on the device, and its row in those tokens
+    gather_rows: list[int] = field(default_factory=list)
+    gather_from: list[int] = field(default_factory=list)
+    proposed_rows: list[int] = field(default_factory=list)  # take a draft model's drafts
+    # sampling
+    sample_rows: list[int] = field(default_factory=list)
+    samplers: list[Request] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    aheads: list[int] = field(default_factory=list)
+    # prompt logprobs: rows whose logits score the next prompt token
+    plp_rows: list[int] = field(default_factory=list)
+    plp_targets: list[tuple[Request, int]] = field(default_factory=list)
+    pooling: PoolingRows = field(default_factory=PoolingRows)  # hidden states, no logits
+
+    @property
+    def logits_rows(self) -> list[int]:
+        """The rows the model computes logits (or pooled states) for, in this order."""
+        return self.sample_rows + self.plp_rows + self.pooling.rows
+
+    def add_tokens(
+        self, so: SchedulerOutput, req: Request, previous: PreviousTokens | None
+    ) -> None:
+        """The request's input tokens and positions (a placeholder: gathered on the device)."""
+        start, n = so.start_positions[req.request_id], so.num_scheduled_tokens[req.request_id]
+        tokens = so.token_ids(req)
+        if tokens == [PLACEHOLDER_TOKEN]:
+            assert previous is not None, f"{req}: its input token is neither known nor given"
+            self.gather_rows.append(len(self.input_ids))
+            self.gather_from.append(previous.rows[req.request_id])
+            tokens = [0]  # replaced on the device
+        self.input_ids.extend(tokens)
+        self.positions.extend(range(start, start + n))
+
+    def add_attention(self, so: SchedulerOutput, req: Request, row0: int, proposed: bool) -> None:
+        rid = req.request_id
+        start, n = so.start_positions[rid], so.num_scheduled_tokens[rid]
+        if rid in so.draft_token_ids and req.pooling is None:
+            if proposed:
+                self.proposed_rows += range(row0 + 1, row0 + n)
+            # Each verified position attends as a decode of its own (context up to
+            # it): the decode path, which is much cheaper than a short causal chunk.
+            self.query_lens += [1] * n
+            self.context_lens += range(start + 1, start + n + 1)
+            self.tables += [so.block_ids[rid]] * n
+        else:
+            self.query_lens.append(n)
+            self.context_lens.append(start + n)
+            self.tables.append(so.block_ids[rid])
+
+    def add_prompt_logprobs(
+        self, so: SchedulerOutput, req: Request, row0: int, states: RequestStates
+    ) -> None:
+        state = states.get(req)
+        if req.sampling_params.prompt_logprobs is None or state.prompt_logprobs_done:
+            return
+        start, n = so.start_positions[req.request_id], so.num_scheduled_tokens[req.request_id]
+        if start == 0:
+            state.prompt_logprobs = [None]
+        for pos in range(start, min(start + n, req.num_prompt_tokens - 1)):
+            self.plp_rows.append(row0 + pos - start)
+            self.plp_targets.append((req, pos + 1))
+
+    def add_sampler(
+        self, so: SchedulerOutput, req: Request, row0: int, states: RequestStates
+    ) -> None:
+        rid = req.request_id
+        if not so.samples(rid):
+            return
+        start, n = so.start_positions[rid], so.num_scheduled_tokens[rid]
+        spec = so.draft_token_ids.get(rid, [])
+        self.sample_rows.extend(range(row0 + n - 1 - len(spec), row0 + n))
+        self.samplers.append(req)
+        self.drafts.append(spec)
+        # Outputs before this sample minus those its state holds: 1 while the previous
+        # step's token is in flight (its noise key and min_tokens count it).
+        num_before = start + n - len(spec) - req.num_prompt_tokens
+        self.aheads.append(num_before - states.get(req).sampling.num_output_tokens)
+
+    def add_pooler(self, so: SchedulerOutput, req: Request, row0: int) -> None:
+        rid = req.request_id
+        start, n = so.start_positions[rid], so.num_scheduled_tokens[rid]
+        self.pooling.add(req, row0, start, n, so.samples(rid))
+
+
+def lay_out(
+    so: SchedulerOutput,
+    request_states: RequestStates,
+    previous: PreviousTokens | None,
+    proposed: bool,
+) -> StepRows:
+    """Every scheduled request's rows: its tokens, its attention, and what it reads out
+    (an embedding, or samples and prompt logprobs)."""
+    rows = StepRows()
+    for req in so.scheduled_requests:
+        row0 = len(rows.input_ids)
+        rows.add_tokens(so, req, previous)
+        rows.add_attention(so, req, row0, proposed)
+        if req.pooling is not None:
+            rows.add_pooler(so, req, row0)
+            continue
+        rows.add_prompt_logprobs(so, req, row0, request_states)
+        rows.add_sampler(so, req, row0, request_states)
+    return rows
+
+
+def device_input_ids(
+    rows: StepRows, proposal: Proposal | None, previous: PreviousTokens | None
+) -> mx.array:
+    """The step's input ids, with the draft model's drafts and the previous step's tokens
+    put in on the device."""
+    ids = mx.array(rows.input_ids, dtype=mx.int32)
+    if proposal is not None:
+        ids[mx.array(rows.proposed_rows, dtype=mx.int32)] = proposal.token_ids
+    if rows.gather_rows:
+        assert previous is not None
+        taken = previous.token_ids[mx.array(rows.gather_from, dtype=mx.int32)]
+        ids[mx.array(rows.gather_rows, dtype=mx.int32)] = taken
+    return ids
+
+
 def build_part(
     so: SchedulerOutput,
     *,
-    model,
+    model: Model,
     kv_cache: KVCache,
     layout: KVCacheLayout,
     block_size: int,
@@ -128,133 +265,87 @@ def build_part(
     ``for_ranks`` (tensor parallel): also note the forward's inputs for the other ranks.
     ``previous``: the previous step's sampled tokens, for the decodes scheduled ahead.
     """
-    # The scheduler orders decodes (one token each) first, as the attention op wants.
-    input_ids: list[int] = []
-    positions: list[int] = []
-    query_lens, context_lens = [], []
-    tables: list[tuple[list[int], ...]] = []
-    sample_rows: list[int] = []
-    samplers: list[Request] = []
-    drafts: list[list[int]] = []
-    aheads: list[int] = []
-    gather_rows: list[int] = []  # rows fed a token of the previous step, on the device
-    gather_from: list[int] = []  # its row in the previous step's sampled tokens
-    plp_rows: list[int] = []  # rows whose logits score the next prompt token
-    plp_targets: list[tuple[Request, int]] = []  # (request, position of that token)
-    pooling = PoolingRows()  # embedding requests: hidden states, no logits
     proposal = None
     if drafter is not None and drafter.proposes(so):
         # The draft model's passes first: the drafts are this forward's inputs.
         proposal = drafter.propose(so, lambda r, j: request_states.get(r).sampling.ahead(j))
-    proposed_rows: list[int] = []  # rows of input_ids that take the proposal's drafts
-    for req in so.scheduled_requests:
-        rid = req.request_id
-        n = so.num_scheduled_tokens[rid]
-        start = so.start_positions[rid]
-        end = start + n
-        row0 = len(input_ids)
-        tokens = so.token_ids(req)
-        if tokens == [PLACEHOLDER_TOKEN]:
-            assert previous is not None, f"{req}: its input token is neither known nor given"
-            gather_rows.append(row0)
-            gather_from.append(previous.rows[rid])
-            tokens = [0]  # replaced below
-        input_ids.extend(tokens)
-        positions.extend(range(start, end))
-        if req.pooling is not None:
-            query_lens.append(n)
-            context_lens.append(end)
-            tables.append(so.block_ids[rid])
-            pooling.add(req, row0, start, n, so.samples(rid))
-            continue
-        if rid in so.draft_token_ids:
-            if proposal is not None:
-                proposed_rows += range(row0 + 1, row0 + n)
-            # Each verified position attends as a decode of its own (context up to
-            # it): the decode path, which is much cheaper than a short causal chunk.
-            query_lens += [1] * n
-            context_lens += range(start + 1, end + 1)
-            tables += [so.block_ids[rid]] * n
-        else:
-            query_lens.append(n)
-            context_lens.append(end)
-            tables.append(so.block_ids[rid])
-        state = request_states.get(req)
-        if req.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
-            if start == 0:
-                state.prompt_logprobs = [None]
-            for pos in range(start, min(end, req.num_prompt_tokens - 1)):
-                plp_rows.append(row0 + pos - start)
-                plp_targets.append((req, pos + 1))
-        if so.samples(rid):
-            spec = so.draft_token_ids.get(rid, [])
-            sample_rows.extend(range(row0 + n - 1 - len(spec), row0 + n))
-            samplers.append(req)
-            drafts.append(spec)
-            # Outputs before this sample minus those its state holds: 1 while the previous
-            # step's token is in flight (its noise key and min_tokens count it).
-            num_before = start + n - len(spec) - req.num_prompt_tokens
-            aheads.append(num_before - state.sampling.num_output_tokens)
+    rows = lay_out(so, request_states, previous, proposal is not None)
     md, extra = step_metadata(
-        layout, so, query_lens, context_lens, tables, block_size, takes_layout
+        layout, so, rows.query_lens, rows.context_lens, rows.tables, block_size, takes_layout
     )
-    rows = sample_rows + plp_rows + pooling.rows
-    inputs = None
-    assert not (for_ranks and gather_rows), "tensor parallel steps are never scheduled ahead"
-    if for_ranks:
-        # One full-attention group (the tensor-parallel models): one table per entry
-        # of query_lens (a request with drafts has one per verified position).
-        inputs = ForwardInputs(
-            kv_cache.num_blocks,
-            input_ids,
-            query_lens,
-            context_lens,
-            [t[0] for t in tables],
-            rows,
-            len(pooling.rows),
-        )
-    ids = mx.array(input_ids, dtype=mx.int32)
-    if proposal is not None:
-        ids[mx.array(proposed_rows, dtype=mx.int32)] = proposal.token_ids
-    if gather_rows:
-        taken = previous.token_ids[mx.array(gather_from, dtype=mx.int32)]
-        ids[mx.array(gather_rows, dtype=mx.int32)] = taken
+    assert not (for_ranks and rows.gather_rows), "tensor parallel steps are never scheduled ahead"
+    ids = device_input_ids(rows, proposal, previous)
+    logits_rows = rows.logits_rows
+    num_hidden = len(rows.pooling.rows)
     with nullcontext() if drafter is None else drafter.capture() as captured:
         out = model(
             ids,
-            mx.array(positions, dtype=mx.int32),
+            mx.array(rows.positions, dtype=mx.int32),
             md,
             kv_cache,
-            logits_indices=mx.array(rows, dtype=mx.int32) if rows else None,
+            logits_indices=mx.array(logits_rows, dtype=mx.int32) if logits_rows else None,
             **extra,
-            **({"num_hidden_rows": len(pooling.rows)} if pooling.rows else {}),
+            **({"num_hidden_rows": num_hidden} if num_hidden else {}),
         )
-    logits, hidden = out if pooling.rows else (out, None)
-    pooled = None if hidden is None else pooling.reduce(hidden)
-    result = None
-    num_rows = len(sample_rows)
-    sample_logits = logits[:num_rows] if samplers else None
-    part = StepPart(samplers, None, plp_targets, None, sample_logits, drafts, aheads=aheads)
-    part.poolers, part.pooled, part.proposal = pooling.requests, pooled, proposal
-    if hasattr(model, "pool_writes"):  # models.pipeline_parallel.PipelineStage
-        part.pool_writes = model.pool_writes(md.query_lens)
-    if samplers and not any(request_states[r.request_id].grammar for r in samplers):
-        states, draft_ids, draft_probs = sample_row_inputs(part, request_states)
-        batch = make_sampling_batch(states, logits.shape[-1])
-        result = sample(sample_logits, batch, draft_ids, draft_probs)
-    plp = None
-    if plp_rows:
-        plp = prompt_logprobs(
-            logits[num_rows:],
-            [r.prompt_token_ids[pos] for r, pos in plp_targets],
-            max(r.sampling_params.prompt_logprobs for r, _ in plp_targets),
-        )
-    part.result, part.prompt_logprobs, part.inputs = result, plp, inputs
+    logits, hidden = out if num_hidden else (out, None)
+    part = StepPart(
+        samplers=rows.samplers,
+        plp_targets=rows.plp_targets,
+        logits=logits[: len(rows.sample_rows)] if rows.samplers else None,
+        drafts=rows.drafts,
+        aheads=rows.aheads,
+        poolers=rows.pooling.requests,
+        pooled=None if hidden is None else rows.pooling.reduce(hidden),
+        proposal=proposal,
+        pool_writes=model.pool_writes(md.query_lens)
+        if isinstance(model, PipelineStageModel)
+        else 1,
+        inputs=forward_inputs(rows, kv_cache) if for_ranks else None,
+    )
+    part.result = sample_unmasked(part, request_states, logits.shape[-1])
+    part.prompt_logprobs = score_prompt(rows, logits)
     if captured is not None:  # MTP: after the sampler (a grammar's: sample_masked)
         part.follow = partial(drafter.follow, so, ids, captured, md)
-        if result is not None or not samplers:
-            part.followed = part.follow(result)
+        if part.result is not None or not part.samplers:
+            part.followed = part.follow(part.result)
     return part
+
+
+def forward_inputs(rows: StepRows, kv_cache: KVCache) -> ForwardInputs:
+    """What the other tensor-parallel ranks run. One full-attention group (the
+    tensor-parallel models): one table per entry of query_lens."""
+    return ForwardInputs(
+        kv_cache.num_blocks,
+        rows.input_ids,
+        rows.query_lens,
+        rows.context_lens,
+        [t[0] for t in rows.tables],
+        rows.logits_rows,
+        len(rows.pooling.rows),
+    )
+
+
+def sample_unmasked(
+    part: StepPart, request_states: RequestStates, vocab_size: int
+) -> SamplerOutput | None:
+    """The samplers' tokens, unless one has a grammar (then :func:`sample_masked` samples
+    once its bitmask is ready)."""
+    if not part.samplers or any(request_states[r.request_id].grammar for r in part.samplers):
+        return None
+    states, draft_ids, draft_probs = sample_row_inputs(part, request_states)
+    batch = make_sampling_batch(states, vocab_size)
+    return sample(part.logits, batch, draft_ids, draft_probs)
+
+
+def score_prompt(rows: StepRows, logits: mx.array) -> tuple[mx.array, ...] | None:
+    """The prompt logprobs of this step's prompt-logprobs rows (after the sample rows)."""
+    if not rows.plp_rows:
+        return None
+    return prompt_logprobs(
+        logits[len(rows.sample_rows) :],
+        [r.prompt_token_ids[pos] for r, pos in rows.plp_targets],
+        max(r.sampling_params.prompt_logprobs for r, _ in rows.plp_targets),
+    )
 
 
 def sample_row_inputs(

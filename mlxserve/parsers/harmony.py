@@ -13,45 +13,21 @@ before or after the channel) -> a tool call NAME with the body as its arguments.
 output must be decoded with special tokens kept. Text is sent as it arrives (a possible
 start of a special token held back); a tool call is sent whole when its message ends.
 
-HarmonyDelta has the field names of the API-neutral parsers' ParsedDelta (issue 13:
-content, reasoning_content, tool_calls with index / id / name / arguments), so it plugs
-into them as one more reasoning + tool parser.
+The deltas are the output parsers' ParsedDelta (content, reasoning_content, and
+ToolCallDelta's index / id / name / arguments), so a harmony reply goes through the same
+formatting as every other model's reasoning and tool calls.
 """
 
 from __future__ import annotations
 
 import re
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from mlxserve.parsers.base import ParsedDelta, ToolCallDelta, make_tool_call_id
 
 START, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _RECIPIENT = re.compile(r"\bto=(\S+?)(?=<\||\s|$)")
-
-
-@dataclass
-class HarmonyToolCall:
-    """A tool call's part in a stream (sent whole: id, name and all its arguments)."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass
-class HarmonyDelta:
-    """What a piece of output adds: content, reasoning, tool calls."""
-
-    content: str = ""
-    reasoning_content: str = ""
-    tool_calls: list[HarmonyToolCall] = field(default_factory=list)
-
-    def __iadd__(self, other: HarmonyDelta) -> HarmonyDelta:
-        self.content += other.content
-        self.reasoning_content += other.reasoning_content
-        self.tool_calls += other.tool_calls
-        return self
 
 
 @dataclass(frozen=True)
@@ -93,12 +69,12 @@ class HarmonyParser:
         self._body = ""  # a tool call's arguments so far
         self.num_calls = 0
 
-    def feed(self, text: str) -> HarmonyDelta:
+    def feed(self, text: str) -> ParsedDelta:
         """The next piece of output text; what can be sent now."""
         self.buffer += text
         return self._advance(final=False)
 
-    def finish(self) -> HarmonyDelta:
+    def finish(self) -> ParsedDelta:
         """The output has ended: send what is held back (an unfinished call is sent too)."""
         out = self._advance(final=True)
         if self._mode == "body" and self._header.recipient is not None:
@@ -108,14 +84,14 @@ class HarmonyParser:
             self.buffer = ""
         return out
 
-    def parse(self, text: str) -> HarmonyDelta:
+    def parse(self, text: str) -> ParsedDelta:
         """A whole output at once."""
         out = self.feed(text)
         out += self.finish()
         return out
 
-    def _advance(self, final: bool) -> HarmonyDelta:
-        out = HarmonyDelta()
+    def _advance(self, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
         while self.buffer:
             if self._mode == "header":
                 at = self.buffer.find(MESSAGE)
@@ -142,7 +118,7 @@ class HarmonyParser:
             return out
         return out
 
-    def _emit(self, out: HarmonyDelta, text: str) -> None:
+    def _emit(self, out: ParsedDelta, text: str) -> None:
         if self._header.recipient is not None:
             self._body += text
         elif self._header.channel == "analysis":
@@ -150,10 +126,10 @@ class HarmonyParser:
         else:  # final, or a commentary preamble addressed to the user
             out.content += text
 
-    def _call(self) -> HarmonyToolCall:
+    def _call(self) -> ToolCallDelta:
         recipient = self._header.recipient or ""
         name = recipient.removeprefix("functions.")
-        call = HarmonyToolCall(self.num_calls, "call_" + secrets.token_hex(12), name, self._body)
+        call = ToolCallDelta(self.num_calls, make_tool_call_id(), name, self._body)
         self.num_calls += 1
         self._body = ""
         self._header = Header(None, None)
