@@ -363,3 +363,42 @@ def test_a_forced_call_on_a_harmony_model(tmp_path, choice) -> None:
     with pytest.raises(ValueError):
         for t in final:
             state.accept(t)
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_forced_calls_take_schemas_with_definitions_and_references(tokenizer, parser) -> None:
+    # Pydantic and zod write nested models as $defs + $ref; the call wraps the arguments one
+    # level down, and each reference must still find what it names.
+    schema = {
+        "type": "object",
+        "properties": {
+            "where": {"$ref": "#/$defs/Place"},
+            "also": {"$ref": "#/definitions/Unit"},
+            "same": {"$ref": "#/properties/where"},
+        },
+        "required": ["where"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        "definitions": {"Unit": {"enum": ["C", "F"]}},
+    }
+    functions = [{"name": "get_weather", "parameters": schema}]
+    grammar = GrammarCompiler(tokenizer, VOCAB_SIZE).compile(
+        StructuredOutputsParams(grammar=call_grammar(parser, functions, parallel=False))
+    )
+    key = "arguments" if parser == "hermes" else "parameters"
+
+    def accepts(arguments: str) -> bool:
+        call = f'{{"name": "get_weather", "{key}": {arguments}}}'
+        if parser == "hermes":
+            call = f"<tool_call>\n{call}\n</tool_call>"
+        state = grammar.new_state(frozenset({tokenizer.eos_token_id}))
+        try:
+            for t in tokenizer.encode(call, add_special_tokens=False):
+                state.accept(t)
+        except ValueError:
+            return False
+        return state.matcher.is_accepting()
+
+    assert accepts('{"where": {"city": "Rome"}, "also": "C", "same": {"city": "Oslo"}}')
+    assert not accepts('{"where": {"city": 3}}')  # Place.city is a string
+    assert not accepts('{"where": {"city": "Rome"}, "also": "K"}')  # not a Unit
+    assert not accepts('{"also": "C"}')  # where is required

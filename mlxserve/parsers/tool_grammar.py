@@ -41,11 +41,11 @@ def call_grammar(
     """
     repeat = "+" if parallel else ""
     if parser in _HERMES_LIKE:
-        bodies = [_object({"name": _const(f["name"]), "arguments": _params(f)}) for f in functions]
+        bodies = [_call_object(f, "arguments") for f in functions]
         start, end = _token("<tool_call>", token_id), _token("</tool_call>", token_id)
         return _lark(f'start: call{repeat}\ncall: {start} "\\n" body "\\n" {end} "\\n"?\n', bodies)
     if parser == "llama3_json":
-        bodies = [_object({"name": _const(f["name"]), "parameters": _params(f)}) for f in functions]
+        bodies = [_call_object(f, "parameters") for f in functions]
         rest = ' ("; " body)*' if parallel else ""
         tag = token_id(PYTHON_TAG)  # Llama 3.1 may open a call with it; the parser skips it
         head = f"<[{tag}]>? " if tag is not None else ""
@@ -109,6 +109,30 @@ def _object(properties: dict[str, Any]) -> dict:
         "required": list(properties),
         "additionalProperties": False,
     }
+
+
+def _call_object(function: dict[str, Any], key: str) -> dict:
+    """``{"name": NAME, key: ARGUMENTS}`` as one schema. The argument schema moves one level
+    down, so its definitions (``$defs``, ``definitions``) move up to the new root, where its
+    ``#/$defs/...`` references look for them, and any other local reference (``#``,
+    ``#/properties/...``) is rebased onto where the arguments now are."""
+    params = _params(function)
+    defs = {k: params.pop(k) for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
+    out = _object({"name": _const(function["name"]), key: params}) | defs
+    return _rebase_refs(out, f"#/properties/{key}")
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebase_refs(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        if not ref.startswith(("#/$defs/", "#/definitions/")):
+            out["$ref"] = base + ref[1:]
+    return out
 
 
 def _params(function: dict[str, Any]) -> dict:
