@@ -398,13 +398,3 @@ def test_the_server_splits_a_harmony_reply_by_channel(dir_tok, reply: str, want)
         )
         assert text == {"reasoning_content": want[0], "content": want[1] or ""}, cut
         assert args == (calls[0]["function"]["arguments"] if calls else ""), cut
-
-
-def test_a_forced_call_on_harmony_is_a_clear_400(dir_tok) -> None:
-    from mlxserve.exceptions import ParameterError
-    from mlxserve.sampling_params import SamplingParams
-    from mlxserve.server.chat_tools import ChatFeatures
-
-    with pytest.raises(ParameterError, match="harmony") as e:
-        ChatFeatures(dir_tok).plan([], [WEATHER_TOOL], "required", True, SamplingParams())
-    assert e.value.parameter == "tool_choice"

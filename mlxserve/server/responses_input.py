@@ -188,7 +188,7 @@ def responses_tools(tools: list[dict[str, Any]] | None) -> ResponsesTools:
                         f"{where}.type",
                     )
         elif kind == LOCAL_SHELL:
-            tool = function_tool(LOCAL_SHELL, _LOCAL_SHELL_DOC, _LOCAL_SHELL_SCHEMA, param)
+            tool = function_tool(LOCAL_SHELL, _LOCAL_SHELL_DOC, _LOCAL_SHELL_SCHEMA, param, param)
             out.add(tool, ToolTarget(LOCAL_SHELL, LOCAL_SHELL), param)
         elif kind in SERVER_TOOLS:
             out.dropped.append(kind)
@@ -210,6 +210,7 @@ def _add_function(
         flat_name(namespace, name) if isinstance(name, str) else name,
         tool.get("description"),
         tool.get("parameters"),
+        f"{param}.name",
         f"{param}.parameters",
     )
     out.add(chat, ToolTarget("function", name, namespace), param)  # type: ignore[arg-type]
@@ -248,7 +249,8 @@ def _add_custom(
         flat_name(namespace, name) if isinstance(name, str) else name,
         (description + "\n\nCall it with the whole input as one string.").strip(),
         parameters,
-        param,
+        f"{param}.name",
+        f"{param}.format",
     )
     out.add(chat, ToolTarget("custom", name, namespace), param)  # type: ignore[arg-type]
 
