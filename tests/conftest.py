@@ -37,6 +37,7 @@ SLOW_FIRST = (
     "test_server_structured.py",
     "test_metal_kernels.py",
     "test_server_agent_apis.py",
+    "test_webui.py",
     "test_cpu_fast_path.py",
     "test_soak.py",
     "test_server_schemathesis.py",
