@@ -136,6 +136,17 @@ def test_tool_choice_that_cannot_be_honoured_is_a_400(tokenizer, fields, param) 
     assert e.value.parameter == param
 
 
+def accepts(grammar, tokenizer, text: str) -> bool:
+    """Whether ``grammar`` takes ``text``'s tokens and may end there."""
+    state = grammar.new_state(frozenset({tokenizer.eos_token_id}))
+    try:
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            state.accept(t)
+    except ValueError:
+        return False
+    return state.matcher.is_accepting()
+
+
 @pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3_json", "mistral"])
 def test_forced_call_grammars_accept_exactly_valid_calls(tokenizer, parser) -> None:
     functions = [WEATHER["function"], CLOCK["function"]]
@@ -157,17 +168,9 @@ def test_forced_call_grammars_accept_exactly_valid_calls(tokenizer, parser) -> N
         "Sure! " + good,  # text before the call
     ]
 
-    def accepts(text: str) -> bool:
-        state = grammar.new_state(frozenset({tokenizer.eos_token_id}))
-        try:
-            for t in tokenizer.encode(text, add_special_tokens=False):
-                state.accept(t)
-        except ValueError:
-            return False
-        return state.matcher.is_accepting()
-
-    assert accepts(good)
-    assert not any(accepts(b) for b in bad), [b for b in bad if accepts(b)]
+    assert accepts(grammar, tokenizer, good)
+    wrongly_accepted = [b for b in bad if accepts(grammar, tokenizer, b)]
+    assert not wrongly_accepted, wrongly_accepted
     # The call the grammar forces is what the format's parser reads.
     from mlxserve.parsers import TOOL_PARSERS
 
@@ -386,19 +389,13 @@ def test_forced_calls_take_schemas_with_definitions_and_references(tokenizer, pa
     )
     key = "arguments" if parser == "hermes" else "parameters"
 
-    def accepts(arguments: str) -> bool:
-        call = f'{{"name": "get_weather", "{key}": {arguments}}}'
+    def call(arguments: str) -> bool:
+        text = f'{{"name": "get_weather", "{key}": {arguments}}}'
         if parser == "hermes":
-            call = f"<tool_call>\n{call}\n</tool_call>"
-        state = grammar.new_state(frozenset({tokenizer.eos_token_id}))
-        try:
-            for t in tokenizer.encode(call, add_special_tokens=False):
-                state.accept(t)
-        except ValueError:
-            return False
-        return state.matcher.is_accepting()
+            text = f"<tool_call>\n{text}\n</tool_call>"
+        return accepts(grammar, tokenizer, text)
 
-    assert accepts('{"where": {"city": "Rome"}, "also": "C", "same": {"city": "Oslo"}}')
-    assert not accepts('{"where": {"city": 3}}')  # Place.city is a string
-    assert not accepts('{"where": {"city": "Rome"}, "also": "K"}')  # not a Unit
-    assert not accepts('{"also": "C"}')  # where is required
+    assert call('{"where": {"city": "Rome"}, "also": "C", "same": {"city": "Oslo"}}')
+    assert not call('{"where": {"city": 3}}')  # Place.city is a string
+    assert not call('{"where": {"city": "Rome"}, "also": "K"}')  # not a Unit
+    assert not call('{"also": "C"}')  # where is required
