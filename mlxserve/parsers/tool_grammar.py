@@ -18,6 +18,7 @@ from mlxserve.structured_output.sources import (
     DEFAULT_WHITESPACE,
     close_objects,
     json_schema_for_grammar,
+    map_schemas,
 )
 
 # Formats whose parser reads Hermes-style JSON in <tool_call> tags (Qwen3-Coder's parser
@@ -122,17 +123,15 @@ def _call_object(function: dict[str, Any], key: str) -> dict:
     return _rebase_refs(out, f"#/properties/{key}")
 
 
-def _rebase_refs(schema: Any, base: str) -> Any:
-    if isinstance(schema, list):
-        return [_rebase_refs(v, base) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _rebase_refs(v, base) for k, v in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-        if not ref.startswith(("#/$defs/", "#/definitions/")):
-            out["$ref"] = base + ref[1:]
-    return out
+def _rebase_refs(schema: dict, base: str) -> dict:
+    def rebase(sub: dict) -> dict:
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            if not ref.startswith(("#/$defs/", "#/definitions/")):
+                sub["$ref"] = base + ref[1:]
+        return sub
+
+    return map_schemas(schema, rebase)  # type: ignore[return-value]
 
 
 def _params(function: dict[str, Any]) -> dict:
