@@ -27,19 +27,44 @@ typedef float Keys __attribute__((vector_size(kKeys * sizeof(float))));  // one 
     lanes_;                                 \
   })
 #define MLXSERVE_KEY_LANES(kt, d) MLXSERVE_LANES((kt) + static_cast<size_t>(d) * kKeys)
+// Half of the keys: 8 lanes, one 256-bit register on AVX2. GCC lowers the 16-lane Keys
+// arithmetic on AVX2 through the stack (each scalar broadcast as 16 stores and a reload):
+// the loops below run on halves, every lane the same operations in the same order.
+typedef float Half __attribute__((vector_size(8 * sizeof(float))));
+#define MLXSERVE_HALF(x)                   \
+  __extension__({                          \
+    Half half_;                            \
+    std::memcpy(&half_, (x), sizeof half_); \
+    half_;                                 \
+  })
 __attribute__((always_inline)) inline void dots(const float* q, const float* kt, int n,
                                                 Keys& out) {
-  Keys acc[16];
-  for (int u = 0; u < 16; u++)  // 0 + the first products (written so: no zeroed array)
-    acc[u] = n >= 16 ? Keys{} + q[u] * MLXSERVE_KEY_LANES(kt, u) : Keys{};
-  int i = n >= 16 ? 16 : 0;
-  for (; i + 16 <= n; i += 16)
-    for (int u = 0; u < 16; u++) acc[u] += q[i + u] * MLXSERVE_KEY_LANES(kt, i + u);
-  Keys tail = {};
-  for (; i < n; i++) tail += q[i] * MLXSERVE_KEY_LANES(kt, i);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int u = 0; u < w; u++) acc[u] += acc[u + w];
-  out = acc[0] + tail;
+  const int n16 = n >= 16 ? n / 16 * 16 : 0;
+  for (int h = 0; h < 2; h++) {  // keys 0-7, then 8-15
+    const float* k = kt + h * 8;
+    // Partial sum u: 0 + q[u] k[u] + q[u + 16] k[u + 16] + ... over the whole sixteens,
+    // then halved 8/4/2/1 (c[u] = sum u + sum u + 8, ...): summed pairwise as made, so
+    // at most 8 are alive (no spills), each the sequence a 16-lane loop did.
+    Half c[8];
+    for (int u = 0; u < 8; u++) {
+      Half lo = {}, hi = {};
+      if (n16) {
+        lo = Half{} + q[u] * MLXSERVE_HALF(k + static_cast<size_t>(u) * kKeys);
+        hi = Half{} + q[u + 8] * MLXSERVE_HALF(k + static_cast<size_t>(u + 8) * kKeys);
+        for (int i = 16; i < n16; i += 16) {
+          lo += q[i + u] * MLXSERVE_HALF(k + static_cast<size_t>(i + u) * kKeys);
+          hi += q[i + u + 8] * MLXSERVE_HALF(k + static_cast<size_t>(i + u + 8) * kKeys);
+        }
+      }
+      c[u] = lo + hi;
+    }
+    Half tail = {};
+    for (int i = n16; i < n; i++) tail += q[i] * MLXSERVE_HALF(k + static_cast<size_t>(i) * kKeys);
+    for (int w = 4; w >= 1; w /= 2)
+      for (int u = 0; u < w; u++) c[u] += c[u + w];
+    const Half r = c[0] + tail;
+    std::memcpy(reinterpret_cast<float*>(&out) + h * 8, &r, sizeof r);
+  }
 }
 
 // exp(x) for x <= 0 (a score minus its row's maximum), kKeys lanes, each one fixed sequence
@@ -117,15 +142,17 @@ __attribute__((always_inline)) inline float softmax_numerators(float* s, int n, 
 }
 
 // a[0, B * kKeys) += w[j] * v[j][same] for keys j in [ja, jb) in order (v rows dv apart):
-// B independent sums per key, each element's the same sequence as one at a time.
+// 2B independent sums of 8 elements per key, each element's the same sequence as one at a time.
 template <int B>
 __attribute__((always_inline)) inline void weighted_values(const float* w, int ja, int jb,
                                                            const float* v, int dv, float* a) {
-  Keys sum[B];
-  for (int b = 0; b < B; b++) sum[b] = MLXSERVE_LANES(a + b * kKeys);
-  for (int j = ja; j < jb; j++)
-    for (int b = 0; b < B; b++)
-      sum[b] += w[j] * MLXSERVE_LANES(v + static_cast<size_t>(j) * dv + b * kKeys);
+  Half sum[2 * B];
+  for (int b = 0; b < 2 * B; b++) sum[b] = MLXSERVE_HALF(a + b * 8);
+  for (int j = ja; j < jb; j++) {
+    const float wj = w[j];
+    const float* vj = v + static_cast<size_t>(j) * dv;
+    for (int b = 0; b < 2 * B; b++) sum[b] += wj * MLXSERVE_HALF(vj + b * 8);
+  }
   std::memcpy(a, sum, sizeof sum);
 }
 
