@@ -36,6 +36,25 @@ HEAD_DIMS = [64, 80, 96, 128]
 BLOCK_SIZES = [8, 16, 32]
 GQA = [1, 3, 4, 8]
 SWEEP = list(itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES, GQA))
+
+
+def pairwise_cover(rows: list[tuple]) -> set[tuple]:
+    """Rows of ``rows`` (greedily, in order) until every pair of values of any two columns
+    that ``rows`` holds is in one of them: an interaction of two parameters is still run."""
+    def pairs(row: tuple) -> set[tuple]:
+        return {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
+
+    todo, cover = set().union(*map(pairs, rows)), set()
+    while todo:
+        best = max(rows, key=lambda row: len(pairs(row) & todo))
+        cover.add(best)
+        todo -= pairs(best)
+    return cover
+
+
+# The emulator runs each kernel in Python (~0.3 s a case): it takes a pairwise cover of the
+# sweep (every two parameters' values together at least once); real Metal runs all of it.
+EMULATED = pairwise_cover(SWEEP)
 # Sliding windows (within a block, across blocks, longer than every context) and attention
 # sinks: (dtype, head_dim, block_size, gqa, window, sinks).
 VARIANTS = [
@@ -189,6 +208,8 @@ def kernels(request):
 @pytest.mark.parametrize("dtype,head_dim,block_size,gqa", SWEEP)
 def test_kernels_match_fallback(kernels, dtype, head_dim, block_size, gqa) -> None:
     factory, emu = kernels
+    if emu and (dtype, head_dim, block_size, gqa) not in EMULATED:
+        pytest.skip("the emulator runs a pairwise cover of the sweep (real Metal: all of it)")
     seed = head_dim * 100 + block_size * 10 + gqa
     for name, case, config, expected in paths(dtype, head_dim, block_size, gqa, seed):
         if name == "prefill-simt" and block_size != 16:  # the SIMT prefill: a third of the sweep

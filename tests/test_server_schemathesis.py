@@ -20,11 +20,11 @@ from schemathesis.checks import not_a_server_error
 from tests.server_harness import start_server
 
 # Examples per operation and mode: the request bodies get most; a generation costs the most.
-EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 40}
-GENERATION_EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 30}
+EXAMPLES = {GenerationMode.POSITIVE: 35, GenerationMode.NEGATIVE: 25}
+GENERATION_EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 20}
 GET_EXAMPLES = 10
 # The Anthropic, Responses and Ollama routes: fewer (their validation is shared with the above).
-OTHER_API_EXAMPLES = {GenerationMode.POSITIVE: 15, GenerationMode.NEGATIVE: 10}
+OTHER_API_EXAMPLES = {GenerationMode.POSITIVE: 10, GenerationMode.NEGATIVE: 8}
 OTHER_API_ROUTES = {
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
