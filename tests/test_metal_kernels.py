@@ -41,6 +41,7 @@ SWEEP = list(itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES, GQA))
 def pairwise_cover(rows: list[tuple]) -> set[tuple]:
     """Rows of ``rows`` (greedily, in order) until every pair of values of any two columns
     that ``rows`` holds is in one of them: an interaction of two parameters is still run."""
+
     def pairs(row: tuple) -> set[tuple]:
         return {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
 
