@@ -147,10 +147,13 @@ MLXSERVE_CLONES void attend_tile(const AttnProblem& p, int64_t item, float* scra
       if (j0 + jn <= row_lo[t] || j0 >= row_hi[t]) continue;
       for (int g = 0; g < group; g++) {
         const int i = t * group + g;
-        Keys dot_out;
-        dots(qf + i * p.dk, kt, p.dk, dot_out);
+        float dot_out[kKeys];
+        dots(qf + i * p.dk, kt, p.dk, p.scale, dot_out);
         float* s = scores + static_cast<size_t>(i) * n + j0;  // keys out of the row's range
-        for (int j = 0; j < jn; j++) s[j] = dot_out[j] * p.scale;  // are never read
+        if (jn == kKeys)                                         // are never read
+          std::memcpy(s, dot_out, sizeof dot_out);
+        else
+          for (int j = 0; j < jn; j++) s[j] = dot_out[j];
       }
     }
   }
@@ -162,13 +165,13 @@ MLXSERVE_CLONES void attend_tile(const AttnProblem& p, int64_t item, float* scra
     denom[i] = softmax_numerators(s, row_hi[t] - row_lo[t], sink);
   }
   // Values kKeys keys at a time: a row's accumulator stays in registers over the block
-  // (16 elements at once), each element summing the keys in order as before.
+  // (64 elements at once), each element summing the keys in order as alone.
   for (int j0 = 0; j0 < n; j0 += kKeys) {
     const int jn = std::min(kKeys, n - j0);
+    const float* value_rows[kKeys];  // float32 pools are read in place
     for (int j = 0; j < jn; j++) {
       float* dst = vb + static_cast<size_t>(j) * p.dv;
-      const float* v = row_f32(p.v + pool_row(lo + j0 + j) * p.v_row_bytes, p.v_type, p.dv, dst);
-      if (v != dst) std::memcpy(dst, v, sizeof(float) * p.dv);
+      value_rows[j] = row_f32(p.v + pool_row(lo + j0 + j) * p.v_row_bytes, p.v_type, p.dv, dst);
     }
     for (int t = 0; t < rows; t++) {
       const int ja = std::max(j0, row_lo[t]) - j0, jb = std::min(j0 + jn, row_hi[t]) - j0;
@@ -178,11 +181,11 @@ MLXSERVE_CLONES void attend_tile(const AttnProblem& p, int64_t item, float* scra
         float* a = acc + i * p.dv;
         int d = 0;
         for (; d + 4 * kKeys <= p.dv; d += 4 * kKeys)
-          weighted_values<4>(w, ja, jb, vb + d, p.dv, a + d);
+          weighted_values<4>(w, ja, jb, value_rows, d, a + d);
         for (; d + kKeys <= p.dv; d += kKeys)
-          weighted_values<1>(w, ja, jb, vb + d, p.dv, a + d);
+          weighted_values<1>(w, ja, jb, value_rows, d, a + d);
         for (; d < p.dv; d++)
-          for (int j = ja; j < jb; j++) a[d] += w[j] * vb[j * p.dv + d];
+          for (int j = ja; j < jb; j++) a[d] += w[j] * value_rows[j][d];
       }
     }
   }
