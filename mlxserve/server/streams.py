@@ -177,19 +177,61 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
+# A comment line (every SSE parser skips it) sent when a stream has been silent this long:
+# a long prompt's prefill can keep the first event back for minutes on a CPU, and clients
+# and proxies drop a connection that stays idle (Codex's stream idle timeout is 300 s).
+KEEPALIVE_S = 15.0
+KEEPALIVE = ": keepalive\n\n"
+
+
+async def with_keepalive(frames: AsyncIterator[str], every: float) -> AsyncIterator[str]:
+    """``frames``, with a KEEPALIVE comment after each ``every`` seconds without one."""
+    it = aiter(frames)
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield KEEPALIVE
+                continue
+            frame, pending = pending, None
+            try:
+                yield frame.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if pending is not None:  # the client left mid-wait: stop the frames' step first
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 class SSEResponse(StreamingResponse):
     """A text/event-stream that stops, and closes its iterator, the moment the client leaves.
 
     Starlette only watches for the disconnect on older ASGI specs and never closes the
-    iterator; closing it is what aborts the engine requests behind the stream.
+    iterator; closing it is what aborts the engine requests behind the stream. A stream
+    silent for ``keepalive_s`` gets a comment line, so idle timeouts do not cut it.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]] | None = None
+        self,
+        content: AsyncIterator[str],
+        on_close: Callable[[], Awaitable[None]] | None = None,
+        keepalive_s: float | None = None,
     ) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        every = KEEPALIVE_S if keepalive_s is None else keepalive_s
+        super().__init__(
+            with_keepalive(content, every),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
