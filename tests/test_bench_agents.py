@@ -330,3 +330,22 @@ def test_each_client_is_pointed_at_the_proxy_and_nowhere_else(tmp_path, name):
     # No other host is named anywhere in what the client is given.
     hosts = {h for h in re.findall(r"https?://([^/:\"\s]+)", text + json.dumps(config))}
     assert hosts <= {"127.0.0.1", "opencode.ai"}  # opencode's $schema is a name, not fetched
+
+
+@pytest.mark.parametrize("name", clients.ALL)
+def test_a_follow_up_turn_continues_the_clients_last_conversation(tmp_path, name):
+    env = clients.base_env(tmp_path / "home", "http://127.0.0.1:9", [tmp_path / "bin"])
+    first = clients.Session("http://127.0.0.1:5555", "fix it", env)
+    follow = clients.Session("http://127.0.0.1:5555", "did it pass?", env, resume=True)
+    argv = clients.MAKE_RUN[name](tmp_path / "bin" / name, first).argv
+    again = clients.MAKE_RUN[name](tmp_path / "bin" / name, follow).argv
+    flag = {
+        "claude-code": "--continue",
+        "codex": "resume",
+        "aider": "--restore-chat-history",
+        "opencode": "--continue",
+    }[name]
+    assert flag not in argv and flag in again
+    assert "did it pass?" in again and "fix it" not in again
+    if name == "codex":  # `codex exec resume --last PROMPT`: the newest session, continued
+        assert again[1:4] == ["exec", "resume", "--last"] and again[-1] == "did it pass?"

@@ -31,6 +31,13 @@ PROMPT = (
     "The test in test_calc.py fails because of a bug in calc.py. Fix the bug in calc.py, "
     "then run `python3 test_calc.py` to check that the tests pass."
 )
+# A session: the task, then follow-ups that continue the same conversation (a small model
+# often answers in one request, and a session of one request shows nothing of the next).
+TURNS = [
+    PROMPT,
+    "Run `python3 test_calc.py` now and tell me whether it passes.",
+    "In one sentence: what did you change in calc.py, if anything?",
+]
 CALC = '''"""Tiny arithmetic helpers."""
 
 
@@ -88,47 +95,72 @@ def run_client(
     catcher.label = label
     with ProxyServer(server.url, recorder, read_timeout_s=args.time_limit) as proxy:
         env = clients.base_env(home, catcher.url, [exe.parent, Path(sys.executable).parent])
-        session = clients.Session(
-            proxy.url, PROMPT, env, args.max_turns, args.max_output_tokens, args.max_model_len
-        )
-        run = clients.MAKE_RUN[name](exe, session)
-        for path, text in run.files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-        result["argv"] = run.argv
-        print(
-            f"[agents] {label}: {Path(run.argv[0]).name} {run.argv[1]} ... "
-            f"(limit {args.time_limit:.0f} s)"
-        )
+        result["turns"] = []
         t0 = time.monotonic()
-        with (
-            (run_dir / "client.out").open("w") as stdout,
-            (run_dir / "client.err").open("w") as err,
-        ):
-            proc = subprocess.Popen(
-                run.argv,
-                cwd=repo,
-                env=run.env,
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=err,
-                start_new_session=True,  # its tools' children die with it
+        for turn, prompt in enumerate(TURNS[: args.turns]):
+            left = args.time_limit - (time.monotonic() - t0)
+            if left <= 0:
+                break
+            session = clients.Session(
+                proxy.url,
+                prompt,
+                env,
+                args.max_turns,
+                args.max_output_tokens,
+                args.max_model_len,
+                resume=turn > 0,
             )
-            try:
-                result["exit_code"] = proc.wait(timeout=args.time_limit)
-                result["timed_out"] = False
-            except subprocess.TimeoutExpired:
-                result["timed_out"] = True
-            finally:
-                kill_group(proc)
+            run = clients.MAKE_RUN[name](exe, session)
+            for path, text in run.files.items():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            print(
+                f"[agents] {label} turn {turn + 1}: {Path(run.argv[0]).name} {run.argv[1]} ... "
+                f"({left:.0f} s left)"
+            )
+            outcome = {"argv": run.argv, **run_turn(run, repo, run_dir, turn, left)}
+            result["turns"].append(outcome)
+            if outcome["timed_out"] or outcome["exit_code"] != 0:
+                break  # a follow-up of a failed turn would only repeat the failure
         result["duration_s"] = time.monotonic() - t0
+        last = result["turns"][-1] if result["turns"] else {}
+        result["argv"] = last.get("argv", [])
+        result["exit_code"] = last.get("exit_code")
+        result["timed_out"] = last.get("timed_out", True)
     test = subprocess.run(["python3", "test_calc.py"], cwd=repo, capture_output=True, timeout=60)
     result["task_solved"] = test.returncode == 0  # not expected of a 135M model
     result["summary"] = report.summarize(recorder.records)
     result["net_attempts"] = [a for a in catcher.attempts if a["client"] == label]
-    tail = (run_dir / "client.err").read_text(errors="replace")[-1500:]
-    result["client_stderr_tail"] = tail
+    turns = len(result["turns"])
+    err = run_dir / ("client.err" if turns <= 1 else f"client-turn{turns}.err")
+    result["client_stderr_tail"] = err.read_text(errors="replace")[-1500:] if err.exists() else ""
     return result
+
+
+def run_turn(run: clients.Run, repo: Path, run_dir: Path, turn: int, limit: float) -> dict:
+    """One client invocation in the session's repo: its exit, or a timeout, and its time."""
+    suffix = "" if turn == 0 else f"-turn{turn + 1}"
+    t0 = time.monotonic()
+    with (
+        (run_dir / f"client{suffix}.out").open("w") as stdout,
+        (run_dir / f"client{suffix}.err").open("w") as err,
+    ):
+        proc = subprocess.Popen(
+            run.argv,
+            cwd=repo,
+            env=run.env,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=err,
+            start_new_session=True,  # its tools' children die with it
+        )
+        try:
+            outcome = {"exit_code": proc.wait(timeout=limit), "timed_out": False}
+        except subprocess.TimeoutExpired:
+            outcome = {"exit_code": None, "timed_out": True}
+        finally:
+            kill_group(proc)
+    return {**outcome, "duration_s": time.monotonic() - t0}
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -190,7 +222,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--clients", default="claude-code,codex,aider", help=f"of {','.join(clients.ALL)}"
     )
     p.add_argument("--servers", default="mlxserve,llama-server")
-    p.add_argument("--time-limit", type=float, default=600.0, help="seconds per client run")
+    p.add_argument(
+        "--time-limit", type=float, default=600.0, help="seconds per client session (all turns)"
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=len(TURNS),
+        choices=range(1, len(TURNS) + 1),
+        help="client invocations per session: the task, then follow-ups that continue it",
+    )
     p.add_argument("--max-turns", type=int, default=8, help="Claude Code's --max-turns")
     p.add_argument(
         "--max-output-tokens",
@@ -235,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
         "load_start": os.getloadavg(),
         "model": model_note,
-        "prompt": PROMPT,
+        "prompts": TURNS,
         "settings": {k: str(v) for k, v in vars(args).items()},
         "clients": {},
         "servers": {},

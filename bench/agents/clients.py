@@ -48,6 +48,7 @@ class Session:
     max_turns: int = 8
     max_output_tokens: int = 1024
     context: int = 32768
+    resume: bool = False  # a follow-up turn: continue the client's last conversation
 
 
 @dataclass
@@ -148,7 +149,7 @@ def claude_code(exe: Path, session: Session) -> Run:
     )
     argv = [str(exe), "-p", session.prompt, "--output-format", "stream-json", "--verbose"]
     argv += ["--max-turns", str(session.max_turns), "--model", SERVED_NAME]
-    argv += ["--dangerously-skip-permissions"]
+    argv += ["--dangerously-skip-permissions"] + (["--continue"] if session.resume else [])
     return Run(argv, env)
 
 
@@ -183,7 +184,8 @@ enabled = false
 exporter = "none"
 log_user_prompt = false
 """
-    argv = [str(exe), "exec", "--json", "--skip-git-repo-check", session.prompt]
+    argv = [str(exe), "exec"] + (["resume", "--last"] if session.resume else [])
+    argv += ["--json", "--skip-git-repo-check", session.prompt]
     return Run(argv, env, {home / "config.toml": config})
 
 
@@ -215,6 +217,7 @@ def aider(exe: Path, session: Session) -> Run:
     argv += ["--auto-test", "--test-cmd", "python3 test_calc.py"]
     argv += ["--model-metadata-file", str(home / ".aider.model.metadata.json")]
     argv += ["--max-chat-history-tokens", "4096", "--message", session.prompt, "calc.py"]
+    argv += ["--restore-chat-history"] if session.resume else []
     return Run(argv, env, files)
 
 
@@ -242,7 +245,9 @@ def opencode(exe: Path, session: Session) -> Run:
     }
     env = dict(session.env, OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_MODELS_FETCH="1")
     env["OPENCODE_DISABLE_SHARE"] = "1"
-    argv = [str(exe), "run", "--print-logs", "--model", f"mlxserve/{SERVED_NAME}", session.prompt]
+    argv = [str(exe), "run", "--print-logs", "--model", f"mlxserve/{SERVED_NAME}"]
+    argv += ["--continue"] if session.resume else []
+    argv += [session.prompt]
     return Run(argv, env, {config_path: json.dumps(config, indent=2)})
 
 
