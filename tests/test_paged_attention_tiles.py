@@ -177,3 +177,41 @@ def test_cpu_rows_are_one_fixed_float32_sequence(
     ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
     assert (np.abs(e - exact) <= ulp)[x >= -87].all()
     assert (e[x < -87] == 0).all() and np.isnan(exp_sequence(np.array([np.nan], np.float32)))
+
+
+@pytest.mark.parametrize(
+    "kv_heads,window,with_sinks", [(1, 0, False), (2, 0, True), (3, 300, False)]
+)
+def test_a_lone_row_split_over_threads_keeps_the_bits(
+    kv_heads: int, window: int, with_sinks: bool
+) -> None:
+    """One decode row has as many work items as KV heads, fewer than two threads need: its
+    scores, softmax and value sums run as three parallel loops over parts of the keys and
+    value elements. The bits stay replay_row's, at 1-4 threads, over 1,500 keys."""
+    use_backend("cpu")
+    rng = np.random.default_rng(7)
+    heads, head_dim, blocks = 3 * kv_heads, 64, 100
+    shape = (blocks, BLOCK, kv_heads, head_dim)
+    k = (rng.standard_normal(shape) * 2).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    table = rng.permutation(blocks).astype(np.int32)[None]
+    q = (rng.standard_normal((1, heads, head_dim)) * 3).astype(np.float32)
+    sinks = rng.standard_normal(heads).astype(np.float32) if with_sinks else None
+    scale = head_dim**-0.5
+    module = cpu.module()
+    before = module.threads()
+    try:
+        for threads in (1, 2, 3, 4):
+            module.set_threads(threads)
+            for c in (1500, 1493):
+                got = np.array(
+                    module.paged_attention(
+                        mx.array(q), mx.array(k), mx.array(v), mx.array(table),
+                        mx.array(np.array([c], np.int32)), 1, scale, window,
+                        None if sinks is None else mx.array(sinks),
+                    )
+                )  # fmt: skip
+                want = replay_row(q[0], k, v, table[0], c, scale, window, sinks)
+                np.testing.assert_array_equal(got[0], want, err_msg=f"{threads} threads, {c} keys")
+    finally:
+        module.set_threads(before)

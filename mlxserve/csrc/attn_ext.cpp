@@ -93,119 +93,266 @@ inline const float* row_f32(const char* row, int type, int d, float* dst) {
   return dst;
 }
 
-// Floats of attend_tile's scratch for a tile of nq query heads and n keys.
-size_t scratch_floats(const AttnProblem& p, int nq, int n) {
-  return static_cast<size_t>(nq) * (p.dk + p.dv + n + 1) +
-         static_cast<size_t>(kKeys) * (2 * p.dk + p.dv);
-}
+// One work item's tile, KV head and rows' key ranges: a tile's query head i is (row t,
+// group member g) at i = t * group + g; row t sees keys [row_lo[t], row_hi[t]) - tile.lo.
+struct TileHead {
+  const Tile* tile;
+  int kvh, group, nq, lo, n, h0;
+  int row_lo[kMaxTile], row_hi[kMaxTile];
+  const int32_t* table;
+};
 
-// One work item: a tile's rows on one KV head. No library types inside: clang (19) does not
-// emit the inline library functions only target clones call (the library then failed to
-// load: "undefined symbol: std::allocator<float>::allocator()"), so attend allocates.
-MLXSERVE_CLONES void attend_tile(const AttnProblem& p, int64_t item, float* scratch) {
-  const Tile& tile = p.tiles[item / p.kv_heads];
-  const int kvh = static_cast<int>(item % p.kv_heads);
-  const int group = p.heads / p.kv_heads;
-  const int rows = tile.count;   // rows tile.first.. of one table
-  const int nq = rows * group;   // query heads of the tile: (row, g) at t * group + g
-  const int lo = tile.lo, n = tile.hi - tile.lo;
-  // Every value is written before it is read (scores only over each row's keys): no zeroing.
-  float* qf = scratch;                                   // (nq, dk)
-  float* acc = qf + static_cast<size_t>(nq) * p.dk;      // (nq, dv)
-  float* scores = acc + static_cast<size_t>(nq) * p.dv;  // (nq, n): keys lo.. of the tile
-  float* denom = scores + static_cast<size_t>(nq) * n;   // (nq)
-  float* kt = denom + nq;                                // (dk, kKeys): kKeys keys, transposed
-  float* krows = kt + static_cast<size_t>(p.dk) * kKeys;  // (kKeys, dk): dequantized ones
-  float* vb = krows + static_cast<size_t>(p.dk) * kKeys;  // (kKeys, dv)
-  int row_lo[kMaxTile], row_hi[kMaxTile];  // each row's keys [row_lo, row_hi) - lo
-  const int h0 = kvh * group;
-  for (int t = 0; t < rows; t++) {
-    const int64_t r = tile.first + t;
-    const int c = p.ctx[r];
-    row_lo[t] = (p.window > 0 ? std::max(0, c - p.window) : 0) - lo;
-    row_hi[t] = std::max(row_lo[t], c - lo);
-    for (int g = 0; g < group; g++)
-      for (int d = 0; d < p.dk; d++)
-        qf[(t * group + g) * p.dk + d] = load(p.q, p.q_type, ((r * p.heads) + h0 + g) * p.dk + d);
+inline TileHead tile_head(const AttnProblem& p, int64_t item) {
+  TileHead th;
+  th.tile = &p.tiles[item / p.kv_heads];
+  th.kvh = static_cast<int>(item % p.kv_heads);
+  th.group = p.heads / p.kv_heads;
+  th.nq = th.tile->count * th.group;
+  th.lo = th.tile->lo;
+  th.n = th.tile->hi - th.tile->lo;
+  th.h0 = th.kvh * th.group;
+  for (int t = 0; t < th.tile->count; t++) {
+    const int c = p.ctx[th.tile->first + t];
+    th.row_lo[t] = (p.window > 0 ? std::max(0, c - p.window) : 0) - th.lo;
+    th.row_hi[t] = std::max(th.row_lo[t], c - th.lo);
   }
   // Every row's keys are in the first row's table (make_tiles); each row's arithmetic is
   // the same sequence over its own keys as if it were alone: only the loads are shared.
-  const int32_t* table = p.tables + tile.first * p.max_blocks;
-  auto pool_row = [&](int pos) {  // (slot, KV head) row index of key position pos
-    return (static_cast<int64_t>(table[pos / p.block_size]) * p.block_size +
-            pos % p.block_size) * p.kv_heads + kvh;
-  };
+  th.table = p.tables + th.tile->first * p.max_blocks;
+  return th;
+}
+
+// (slot, KV head) row index of key position pos (from the tile's lo) in the pools.
+inline int64_t pool_row(const AttnProblem& p, const TileHead& th, int pos) {
+  pos += th.lo;
+  return (static_cast<int64_t>(th.table[pos / p.block_size]) * p.block_size +
+          pos % p.block_size) * p.kv_heads + th.kvh;
+}
+
+// Floats of scratch each phase needs for a tile of nq query heads.
+size_t scores_scratch(const AttnProblem& p, int nq) {
+  return static_cast<size_t>(nq) * p.dk + static_cast<size_t>(kKeys) * 2 * p.dk;
+}
+size_t values_scratch(const AttnProblem& p, int nq) {
+  return static_cast<size_t>(nq) * p.dv + static_cast<size_t>(kKeys) * p.dv;
+}
+
+// The three phases of a work item, each over a part of it; run whole and in order they are
+// the item (attend_tile), and any split gives the same bits: a score is one key's dot
+// product, a row's softmax reads all its scores, a value sum runs over the keys in order.
+// The scores of keys [a, b) of the tile (a a multiple of kKeys) for all its query heads:
+// scores (nq, n), each row only over its own keys (the others are never read).
+__attribute__((always_inline)) inline void scores_part(const AttnProblem& p, const TileHead& th,
+                                                       int a, int b, float* scores,
+                                                       float* scratch) {
+  float* qf = scratch;                                     // (nq, dk)
+  float* kt = qf + static_cast<size_t>(th.nq) * p.dk;      // (dk, kKeys): keys transposed
+  float* krows = kt + static_cast<size_t>(p.dk) * kKeys;  // (kKeys, dk): dequantized ones
+  const int rows = th.tile->count;
+  for (int t = 0; t < rows; t++) {
+    const int64_t r = th.tile->first + t;
+    for (int g = 0; g < th.group; g++)
+      for (int d = 0; d < p.dk; d++)
+        qf[(t * th.group + g) * p.dk + d] =
+            load(p.q, p.q_type, ((r * p.heads) + th.h0 + g) * p.dk + d);
+  }
   const float* key_rows[kKeys];
-  for (int j0 = 0; j0 < n; j0 += kKeys) {
-    const int jn = std::min(kKeys, n - j0);
+  for (int j0 = a; j0 < b; j0 += kKeys) {
+    const int jn = std::min(kKeys, b - j0);
     for (int j = 0; j < kKeys; j++) {  // past jn: a copy of the last, never read
-      const char* row = p.k + pool_row(lo + j0 + std::min(j, jn - 1)) * p.k_row_bytes;
+      const char* row = p.k + pool_row(p, th, j0 + std::min(j, jn - 1)) * p.k_row_bytes;
       key_rows[j] = row_f32(row, p.k_type, p.dk, krows + static_cast<size_t>(j) * p.dk);
     }
     transpose_keys(key_rows, p.dk, kt);
     for (int t = 0; t < rows; t++) {
-      if (j0 + jn <= row_lo[t] || j0 >= row_hi[t]) continue;
-      for (int g = 0; g < group; g++) {
-        const int i = t * group + g;
+      if (j0 + jn <= th.row_lo[t] || j0 >= th.row_hi[t]) continue;
+      for (int g = 0; g < th.group; g++) {
+        const int i = t * th.group + g;
         float dot_out[kKeys];
         dots(qf + i * p.dk, kt, p.dk, p.scale, dot_out);
-        float* s = scores + static_cast<size_t>(i) * n + j0;  // keys out of the row's range
-        if (jn == kKeys)                                         // are never read
+        float* s = scores + static_cast<size_t>(i) * th.n + j0;  // keys out of the row's
+        if (jn == kKeys)                                           // range are never read
           std::memcpy(s, dot_out, sizeof dot_out);
         else
           for (int j = 0; j < jn; j++) s[j] = dot_out[j];
       }
     }
   }
-  std::fill(acc, acc + static_cast<size_t>(nq) * p.dv, 0.0f);
-  for (int i = 0; i < nq; i++) {
-    const int t = i / group;
-    float* s = scores + static_cast<size_t>(i) * n + row_lo[t];
-    const float* sink = p.sinks ? p.sinks + h0 + i % group : nullptr;
-    denom[i] = softmax_numerators(s, row_hi[t] - row_lo[t], sink);
+}
+
+// Query heads [i0, i1) of the tile: their scores become softmax numerators, denom[i] their sum.
+__attribute__((always_inline)) inline void softmax_part(const AttnProblem& p, const TileHead& th,
+                                                        int i0, int i1, float* scores,
+                                                        float* denom) {
+  for (int i = i0; i < i1; i++) {
+    const int t = i / th.group;
+    float* s = scores + static_cast<size_t>(i) * th.n + th.row_lo[t];
+    const float* sink = p.sinks ? p.sinks + th.h0 + i % th.group : nullptr;
+    denom[i] = softmax_numerators(s, th.row_hi[t] - th.row_lo[t], sink);
   }
-  // Values kKeys keys at a time: a row's accumulator stays in registers over the block
-  // (64 elements at once), each element summing the keys in order as alone.
-  for (int j0 = 0; j0 < n; j0 += kKeys) {
-    const int jn = std::min(kKeys, n - j0);
+}
+
+// Value elements [d0, d1) (d0 a multiple of kKeys) of every query head of the tile: the
+// numerators' weighted sums over the keys in order, times 1 / denom, into the output.
+__attribute__((always_inline)) inline void values_part(const AttnProblem& p, const TileHead& th,
+                                                       int d0, int d1, const float* scores,
+                                                       const float* denom, float* scratch) {
+  const int width = d1 - d0;
+  float* acc = scratch;                                    // (nq, width)
+  float* vb = acc + static_cast<size_t>(th.nq) * width;  // (kKeys, dv): dequantized rows
+  std::fill(acc, acc + static_cast<size_t>(th.nq) * width, 0.0f);
+  const int rows = th.tile->count;
+  // kKeys keys at a time: a row's accumulator stays in registers over the block (up to 64
+  // elements at once), each element summing the keys in order as alone.
+  for (int j0 = 0; j0 < th.n; j0 += kKeys) {
+    const int jn = std::min(kKeys, th.n - j0);
     const float* value_rows[kKeys];  // float32 pools are read in place
     for (int j = 0; j < jn; j++) {
       float* dst = vb + static_cast<size_t>(j) * p.dv;
-      value_rows[j] = row_f32(p.v + pool_row(lo + j0 + j) * p.v_row_bytes, p.v_type, p.dv, dst);
+      value_rows[j] = row_f32(p.v + pool_row(p, th, j0 + j) * p.v_row_bytes, p.v_type, p.dv, dst);
     }
     for (int t = 0; t < rows; t++) {
-      const int ja = std::max(j0, row_lo[t]) - j0, jb = std::min(j0 + jn, row_hi[t]) - j0;
-      for (int g = 0; ja < jb && g < group; g++) {
-        const int i = t * group + g;
-        const float* w = scores + static_cast<size_t>(i) * n + j0;
-        float* a = acc + i * p.dv;
+      const int ja = std::max(j0, th.row_lo[t]) - j0;
+      const int jb = std::min(j0 + jn, th.row_hi[t]) - j0;
+      for (int g = 0; ja < jb && g < th.group; g++) {
+        const int i = t * th.group + g;
+        const float* w = scores + static_cast<size_t>(i) * th.n + j0;
+        float* out = acc + static_cast<size_t>(i) * width;
         int d = 0;
-        for (; d + 4 * kKeys <= p.dv; d += 4 * kKeys)
-          weighted_values<4>(w, ja, jb, value_rows, d, a + d);
-        for (; d + kKeys <= p.dv; d += kKeys)
-          weighted_values<1>(w, ja, jb, value_rows, d, a + d);
-        for (; d < p.dv; d++)
-          for (int j = ja; j < jb; j++) a[d] += w[j] * value_rows[j][d];
+        for (; d + 4 * kKeys <= width; d += 4 * kKeys)
+          weighted_values<4>(w, ja, jb, value_rows, d0 + d, out + d);
+        for (; d + kKeys <= width; d += kKeys)
+          weighted_values<1>(w, ja, jb, value_rows, d0 + d, out + d);
+        for (; d < width; d++)
+          for (int j = ja; j < jb; j++) out[d] += w[j] * value_rows[j][d0 + d];
       }
     }
   }
   for (int t = 0; t < rows; t++) {
-    const int64_t r = tile.first + t;
-    for (int g = 0; g < group; g++) {
-      const int i = t * group + g;
+    const int64_t r = th.tile->first + t;
+    for (int g = 0; g < th.group; g++) {
+      const int i = t * th.group + g;
       const float inv = denom[i] > 0 ? 1.0f / denom[i] : 0.0f;
-      for (int d = 0; d < p.dv; d++)
-        store(p.out, p.q_type, ((r * p.heads) + h0 + g) * p.dv + d, acc[i * p.dv + d] * inv);
+      for (int d = 0; d < width; d++)
+        store(p.out, p.q_type, ((r * p.heads) + th.h0 + g) * p.dv + d0 + d,
+              acc[static_cast<size_t>(i) * width + d] * inv);
     }
   }
+}
+
+// One work item whole: a tile's rows on one KV head. No library types inside: clang (19)
+// does not emit the inline library functions only target clones call (the library then
+// failed to load: "undefined symbol: std::allocator<float>::allocator()"), so callers
+// allocate. scratch: scores (nq, n), denom (nq), then the larger phase's scratch.
+MLXSERVE_CLONES void attend_tile(const AttnProblem& p, int64_t item, float* scratch) {
+  const TileHead th = tile_head(p, item);
+  float* scores = scratch;
+  float* denom = scores + static_cast<size_t>(th.nq) * th.n;
+  float* rest = denom + th.nq;
+  scores_part(p, th, 0, th.n, scores, rest);
+  softmax_part(p, th, 0, th.nq, scores, denom);
+  values_part(p, th, 0, p.dv, scores, denom, rest);
+}
+
+size_t attend_scratch(const AttnProblem& p, int nq, int n) {
+  return static_cast<size_t>(nq) * (n + 1) +
+         std::max(scores_scratch(p, nq), values_scratch(p, nq));
 }
 
 void attend(void* arg, int64_t item) {
   const AttnProblem& p = *static_cast<const AttnProblem*>(arg);
   const Tile& tile = p.tiles[item / p.kv_heads];
   const int nq = tile.count * (p.heads / p.kv_heads);
-  std::unique_ptr<float[]> scratch(new float[scratch_floats(p, nq, tile.hi - tile.lo)]);
+  std::unique_ptr<float[]> scratch(new float[attend_scratch(p, nq, tile.hi - tile.lo)]);
   attend_tile(p, item, scratch.get());
+}
+
+// Too few work items for the threads (one decode row has as many as KV heads): each phase
+// is its own parallel loop over parts of the items, the scores and sums kept between them.
+struct SplitWork {
+  const AttnProblem* p;
+  const size_t* offset;  // item -> its scores (nq, n) then denom (nq) in buf
+  float* buf;
+  int key_parts, key_step;  // keys per part: a multiple of kKeys
+  int value_parts, value_step;
+};
+
+MLXSERVE_CLONES void split_scores(const SplitWork& w, int64_t part, float* scratch) {
+  const AttnProblem& p = *w.p;
+  const int64_t item = part / w.key_parts;
+  const TileHead th = tile_head(p, item);
+  const int a = static_cast<int>(part % w.key_parts) * w.key_step;
+  const int b = std::min(th.n, a + w.key_step);
+  if (a < b) scores_part(p, th, a, b, w.buf + w.offset[item], scratch);
+}
+
+MLXSERVE_CLONES void split_softmax(const SplitWork& w, int64_t item) {
+  const AttnProblem& p = *w.p;
+  const TileHead th = tile_head(p, item);
+  float* scores = w.buf + w.offset[item];
+  softmax_part(p, th, 0, th.nq, scores, scores + static_cast<size_t>(th.nq) * th.n);
+}
+
+MLXSERVE_CLONES void split_values(const SplitWork& w, int64_t part, float* scratch) {
+  const AttnProblem& p = *w.p;
+  const int64_t item = part / w.value_parts;
+  const TileHead th = tile_head(p, item);
+  const int d0 = static_cast<int>(part % w.value_parts) * w.value_step;
+  const int d1 = std::min(p.dv, d0 + w.value_step);
+  const float* scores = w.buf + w.offset[item];
+  if (d0 < d1)
+    values_part(p, th, d0, d1, scores, scores + static_cast<size_t>(th.nq) * th.n, scratch);
+}
+
+int tile_nq(const SplitWork& w, int64_t item) {
+  return w.p->tiles[item / w.p->kv_heads].count * (w.p->heads / w.p->kv_heads);
+}
+
+void split_scores_fn(void* arg, int64_t part) {
+  const SplitWork& w = *static_cast<const SplitWork*>(arg);
+  std::unique_ptr<float[]> scratch(
+      new float[scores_scratch(*w.p, tile_nq(w, part / w.key_parts))]);
+  split_scores(w, part, scratch.get());
+}
+
+void split_softmax_fn(void* arg, int64_t item) {
+  split_softmax(*static_cast<const SplitWork*>(arg), item);
+}
+
+void split_values_fn(void* arg, int64_t part) {
+  const SplitWork& w = *static_cast<const SplitWork*>(arg);
+  std::unique_ptr<float[]> scratch(
+      new float[values_scratch(*w.p, tile_nq(w, part / w.value_parts))]);
+  split_values(w, part, scratch.get());
+}
+
+// The items of p in three parallel loops, each with at least `want` parts.
+void attend_split(const AttnProblem& p, int64_t items, int64_t want) {
+  SplitWork w;
+  w.p = &p;
+  std::vector<size_t> offset;
+  size_t total = 0;
+  int longest = 0;
+  for (int64_t item = 0; item < items; item++) {
+    const Tile& tile = p.tiles[item / p.kv_heads];
+    const int nq = tile.count * (p.heads / p.kv_heads);
+    offset.push_back(total);
+    total += static_cast<size_t>(nq) * (tile.hi - tile.lo + 1);
+    longest = std::max(longest, tile.hi - tile.lo);
+  }
+  std::unique_ptr<float[]> buf(new float[total]);
+  w.offset = offset.data();
+  w.buf = buf.get();
+  const int64_t per_item = (want + items - 1) / items;
+  const int blocks = (longest + kKeys - 1) / kKeys;
+  w.key_parts = static_cast<int>(std::clamp<int64_t>(per_item, 1, std::max(1, blocks)));
+  w.key_step = (blocks + w.key_parts - 1) / w.key_parts * kKeys;
+  const int chunks = (p.dv + kKeys - 1) / kKeys;
+  w.value_parts = static_cast<int>(std::clamp<int64_t>(per_item, 1, chunks));
+  w.value_step = (chunks + w.value_parts - 1) / w.value_parts * kKeys;
+  mlxserve_qmm_parallel_for(items * w.key_parts, split_scores_fn, &w);
+  mlxserve_qmm_parallel_for(items, split_softmax_fn, &w);
+  mlxserve_qmm_parallel_for(items * w.value_parts, split_values_fn, &w);
 }
 
 // Groups consecutive rows into tiles of at most max_rows: a row joins the tile when its
@@ -304,7 +451,9 @@ void paged_attention_rows(const PagedRows& r) {
   const std::vector<Tile> tiles = make_tiles(p, max_rows);
   p.tiles = tiles.data();
   const int64_t items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
-  if (parallel) {
+  if (parallel && items < 2 * threads) {
+    attend_split(p, items, 4 * threads);
+  } else if (parallel) {
     mlxserve_qmm_parallel_for(items, attend, &p);
   } else {
     for (int64_t i = 0; i < items; i++) attend(&p, i);
