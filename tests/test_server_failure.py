@@ -8,7 +8,9 @@ import json
 import re
 import socket
 import threading
+import time
 
+import anthropic
 import httpx
 import pytest
 import uvicorn
@@ -270,4 +272,52 @@ def test_engine_rejections_name_the_request_field(
         assert (err["param"], err["type"]) == (param, "invalid_request_error")
         assert text in err["message"]
     monkeypatch.undo()
+    ok(url)
+
+
+def test_a_slow_first_token_keeps_the_streams_alive(app_server, monkeypatch) -> None:
+    """While a long prefill holds the first token back, a Responses stream repeats
+    response.in_progress (Codex's idle timer counts events, not comments) and every other
+    stream gets comment lines; both still parse as their APIs."""
+    from openai.types.responses import ResponseInProgressEvent
+
+    from mlxserve.server import streams
+
+    url, faults, _ = app_server
+    monkeypatch.setattr(streams, "KEEPALIVE_S", 0.05)
+    real = faults.real["launch"]
+
+    def slow(*args, **kw):  # every step a prefill of minutes, scaled down
+        time.sleep(0.4)
+        return real(*args, **kw)
+
+    monkeypatch.setitem(faults.real, "launch", slow)
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "temperature": 0}
+    events = []
+    with httpx.stream("POST", url + "/v1/responses", json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    first_output = kinds.index("response.output_item.added")
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:first_output].count("response.in_progress") >= 3  # ticks while waiting
+    for e in events[1:first_output]:
+        ResponseInProgressEvent.model_validate(e)
+    assert kinds[-1] == "response.incomplete"  # its 2 tokens are all it may have
+    with httpx.stream("POST", url + "/v1/completions", json=BODY | {"stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines.count(": keepalive") >= 3 and lines[-1] == "data: [DONE]"
+    # Anthropic's stream: the comments come before message_start; the SDK reads past them.
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    with client.messages.with_streaming_response.create(**chat, stream=True) as raw:
+        head = next(line for line in raw.iter_lines() if line.startswith("event: "))
+        assert head == "event: message_start"
+    with client.messages.stream(**chat) as stream:
+        message = stream.get_final_message()
+    assert message.usage.output_tokens == 2 and message.stop_reason == "max_tokens"
+    monkeypatch.setitem(faults.real, "launch", real)
     ok(url)

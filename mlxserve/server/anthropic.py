@@ -377,7 +377,9 @@ class AnthropicServing:
         run.field_names["structured_outputs"] = "output_config.format"
         tool_args = req.tool_args()
         messages, edits, _ = await run_in_threadpool(self._inputs, req, run, tool_args)
-        start = run.start(raw, params, messages=messages, **tool_args, **_kwargs(req))
+        start = run.start(
+            raw, params, messages=messages, stream=bool(req.stream), **tool_args, **_kwargs(req)
+        )
         if not await started(run, raw, start):
             return Response(status_code=499)
         head = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant"}

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from mlxserve.exceptions import ParameterError
 from mlxserve.parsers import OutputParser, ParsedDelta, ParsedMessage
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.server import streams
 from mlxserve.server.chat_tools import ChatPlan
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.streams import (
@@ -108,8 +109,11 @@ class ChatRun:
         tool_choice: str | None = None,
         parallel_tool_calls: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        stream: bool = False,
     ) -> None:
-        """Render and submit; returns once the engine accepted it (APIError 400 if not).
+        """Render and submit; returns once the engine accepted it (APIError 400 if not):
+        at its first output, or for a ``stream`` after streams.KEEPALIVE_S without one (its
+        keepalives need the headers sent).
 
         Raises ClientDisconnected if the client left meanwhile.
         """
@@ -140,7 +144,8 @@ class ChatRun:
             grammar_starts_after=starts_after,
         )
         try:
-            await run_unless_disconnected(raw, self.group.start())
+            wait_s = streams.KEEPALIVE_S if stream else None
+            await run_unless_disconnected(raw, self.group.start(wait_s))
         except ValueError as e:
             await self.close()
             raise self._engine_error(e) from None

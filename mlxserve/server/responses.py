@@ -38,6 +38,7 @@ from mlxserve.sampling_params import (
     StructuredOutputsParams,
 )
 from mlxserve.server import openapi as doc
+from mlxserve.server import streams
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.protocol import _Strict, model_defaults
@@ -49,7 +50,7 @@ from mlxserve.server.responses_input import (
     responses_tools,
 )
 from mlxserve.server.responses_output import ResponseOutput
-from mlxserve.server.streams import ClientDisconnected, SSEResponse
+from mlxserve.server.streams import TICK, ClientDisconnected, SSEResponse, ticking
 
 # Responses kept for previous_response_id / GET: each holds its conversation's text.
 MAX_STORED_RESPONSES = 1000
@@ -321,6 +322,7 @@ class ResponsesServing:
             tool_choice=choice,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             template_kwargs=template_kwargs,
+            stream=bool(req.stream),
         )
         if not await started(run, raw, start):
             return Response(status_code=499)
@@ -363,7 +365,10 @@ class ResponsesServing:
         async def events():
             yield out.event("response.created", response=body("in_progress", None))
             yield out.event("response.in_progress", response=body("in_progress", None))
-            async for d in run.parsed_deltas():
+            async for d in ticking(run.parsed_deltas(), streams.KEEPALIVE_S):
+                if d is TICK:  # a long prefill: an event, so clients' idle timers restart
+                    yield out.event("response.in_progress", response=body("in_progress", None))
+                    continue
                 for frame in out.reasoning(d.reasoning_content) + out.text(d.content):
                     yield frame
                 for tc in d.tool_calls:

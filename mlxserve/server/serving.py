@@ -22,6 +22,7 @@ from mlxserve.core.request import RequestOutput
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.server import streams
 from mlxserve.server.chat_tools import ChatFeatures, ChatPlan, ReplyFormatter
 from mlxserve.server.errors import APIError, bad_request, error_body
 from mlxserve.server.formatting import (
@@ -106,9 +107,10 @@ class OpenAIServing:
     async def _run(
         self, raw: Request, group: RequestGroup, req: _Request, prompt_param: str
     ) -> None:
-        """Start the group; engine rejections become 400s."""
+        """Start a stream's group; engine rejections become 400s. After KEEPALIVE_S without
+        a first output (a long prefill) the headers go out, keepalives follow."""
         try:
-            await run_unless_disconnected(raw, group.start())
+            await run_unless_disconnected(raw, group.start(streams.KEEPALIVE_S))
         except ValueError as e:
             raise _engine_error(e, req, prompt_param) from None
 

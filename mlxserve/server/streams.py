@@ -94,17 +94,25 @@ class RequestGroup:
         except Exception as e:  # noqa: BLE001 -- handed to the consumer
             self._queue.put_nowait((index, None, e))
 
-    async def start(self) -> None:
-        """Submit every request; return once each has produced its first output.
+    async def start(self, wait_s: float | None = None) -> None:
+        """Submit every request; return once each has produced its first output, or after
+        ``wait_s`` seconds without (a long prefill: a stream's headers go out then, and
+        outputs() brings the rest, errors included).
 
-        Raises the engine's error (e.g. ValueError: prompt too long) if one is rejected;
-        the others are aborted then.
+        Raises the engine's error (e.g. ValueError: prompt too long) if one is rejected
+        (at once, on submission); the others are aborted then.
         """
         self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self._gens)]
         started: set[int] = set()
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_s is None else loop.time() + wait_s
         try:
             while len(started) < len(self._gens):
-                index, out, error = await self._queue.get()
+                try:
+                    timeout = None if deadline is None else max(0.0, deadline - loop.time())
+                    index, out, error = await asyncio.wait_for(self._queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    return
                 if error is not None:
                     raise error
                 started.add(index)
@@ -178,37 +186,52 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 # A comment line (every SSE parser skips it) sent when a stream has been silent this long:
-# a long prompt's prefill can keep the first event back for minutes on a CPU, and clients
-# and proxies drop a connection that stays idle (Codex's stream idle timeout is 300 s).
+# a long prompt's prefill can keep the first event back for minutes on a CPU, and proxies
+# drop a connection that stays idle. A client that times out between events (Codex: 300 s)
+# needs an event of its API instead: the Responses stream repeats response.in_progress.
 KEEPALIVE_S = 15.0
 KEEPALIVE = ": keepalive\n\n"
 
 
-async def with_keepalive(frames: AsyncIterator[str], every: float) -> AsyncIterator[str]:
-    """``frames``, with a KEEPALIVE comment after each ``every`` seconds without one."""
-    it = aiter(frames)
-    pending: asyncio.Future[str] | None = None
+TICK = object()  # what ticking() yields after a silence
+
+
+async def ticking(items: AsyncIterator[T], every: float) -> AsyncIterator[T | object]:
+    """``items``, with TICK after each ``every`` seconds without one (the items' steps run
+    as tasks; closing this closes ``items``, cancelling a step in progress first)."""
+    it = aiter(items)
+    pending: asyncio.Future[T] | None = None
     try:
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(anext(it))
             done, _ = await asyncio.wait({pending}, timeout=every)
             if not done:
-                yield KEEPALIVE
+                yield TICK
                 continue
-            frame, pending = pending, None
+            step, pending = pending, None
             try:
-                yield frame.result()
+                yield step.result()
             except StopAsyncIteration:
                 return
     finally:
-        if pending is not None:  # the client left mid-wait: stop the frames' step first
+        if pending is not None:  # the client left mid-wait: stop the items' step first
             pending.cancel()
             with contextlib.suppress(BaseException):
                 await pending
         aclose = getattr(it, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def with_keepalive(frames: AsyncIterator[str], every: float) -> AsyncIterator[str]:
+    """``frames``, with a KEEPALIVE comment after each ``every`` seconds without one."""
+    ticks = ticking(frames, every)
+    try:
+        async for frame in ticks:
+            yield KEEPALIVE if frame is TICK else frame
+    finally:
+        await ticks.aclose()
 
 
 class SSEResponse(StreamingResponse):
