@@ -310,12 +310,21 @@ def test_a_slow_first_token_keeps_the_streams_alive(app_server, monkeypatch) -> 
     with httpx.stream("POST", url + "/v1/completions", json=BODY | {"stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines.count(": keepalive") >= 3 and lines[-1] == "data: [DONE]"
-    # Anthropic's stream: the comments come before message_start; the SDK reads past them.
+    # Anthropic's stream: message_start once the request is scheduled, then pings (events:
+    # Claude Code times out between events), as the real API; the SDK reads it as usual.
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    with client.messages.with_streaming_response.create(**chat, stream=True) as raw:
-        head = next(line for line in raw.iter_lines() if line.startswith("event: "))
-        assert head == "event: message_start"
+    for _ in range(2):  # the second time, the prompt's blocks are in the prefix cache
+        with client.messages.with_streaming_response.create(**chat, stream=True) as raw:
+            data = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: ")]
+        kinds = [d["type"] for d in data]
+        first_block = kinds.index("content_block_start")
+        assert kinds[0] == "message_start" and kinds[1:first_block].count("ping") >= 3
+        assert set(kinds[1:first_block]) == {"ping"} and kinds[-1] == "message_stop"
+        start, end = data[0]["message"]["usage"], data[-2]["usage"]
+        for key in ("input_tokens", "cache_read_input_tokens"):
+            assert start[key] == end[key], key  # known when scheduled, before any output
+    assert start["cache_read_input_tokens"] > 0
     with client.messages.stream(**chat) as stream:
         message = stream.get_final_message()
     assert message.usage.output_tokens == 2 and message.stop_reason == "max_tokens"

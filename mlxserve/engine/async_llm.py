@@ -192,6 +192,11 @@ class AsyncLLM:
             if not finished:  # client went away, or the consumer stopped early
                 self.abort(request_id)
 
+    def num_cached_tokens(self, request_id: str) -> int | None:
+        """From any thread: the request's prompt tokens held by the prefix cache, once it
+        was first scheduled (before its first output: a long prefill), else None."""
+        return self.engine.num_cached_tokens(request_id)
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed on the engine thread."""
         self._inbox.put(AbortRequest(request_id))

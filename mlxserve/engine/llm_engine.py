@@ -224,6 +224,15 @@ class LLMEngine:
         to the output after this text (e.g. "</think>" for a reasoning model)."""
         return admission.compile_structured_output(self.grammars, params, starts_after)
 
+    def num_cached_tokens(self, request_id: str) -> int | None:
+        """How many of the request's prompt tokens the prefix cache held, known from its
+        first scheduling on (None before, or once it is gone). Safe from any thread: one
+        dict read and one int read."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.num_cached_tokens < 0:
+            return None
+        return request.num_cached_tokens
+
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

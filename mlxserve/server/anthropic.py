@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from mlxserve.exceptions import ParameterError
 from mlxserve.sampling_params import INT32_MAX, MAX_STOP, SamplingParams, StructuredOutputsParams
 from mlxserve.server import openapi as doc
+from mlxserve.server import streams
 from mlxserve.server.anthropic_content import (
     ContextEdits,
     anthropic_messages,
@@ -36,7 +37,7 @@ from mlxserve.server.anthropic_content import (
 from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
 from mlxserve.server.protocol import model_defaults
-from mlxserve.server.streams import ClientDisconnected, SSEResponse
+from mlxserve.server.streams import TICK, ClientDisconnected, SSEResponse, ticking
 from mlxserve.server.tool_messages import anthropic_tool_choice, anthropic_tools, call_input
 
 logger = logging.getLogger("mlxserve.server")
@@ -433,8 +434,11 @@ async def _events(
 ) -> AsyncIterator[str]:
     """Anthropic's event stream of one reply: a block per kind of output, in order.
 
-    message_start waits for the engine's first output, which says how much of the prompt
-    came from the prefix cache (its usage splits input_tokens from cache_read_input_tokens).
+    message_start waits until the engine knows how much of the prompt came from the prefix
+    cache (its usage splits input_tokens from cache_read_input_tokens): the first output,
+    or in a long prefill the first keepalive after the request was scheduled. Pings follow
+    while the first output is still computed: clients time out between events (Claude
+    Code after 300 s), not only between bytes.
     """
     index, open_kind, num_calls, thinking = -1, None, 0, ""
 
@@ -474,7 +478,15 @@ async def _events(
         ]
 
     began = False
-    async for d in run.parsed_deltas(announce_start=True):
+    async for d in ticking(run.parsed_deltas(announce_start=True), streams.KEEPALIVE_S):
+        if d is TICK:
+            if began:
+                yield event("ping", {"type": "ping"})
+            elif run.scheduled():
+                began = True
+                for f in message_start():
+                    yield f
+            continue
         if not began:
             began = True
             for f in message_start():

@@ -157,6 +157,14 @@ class ChatRun:
             return bad_request(str(e), name)
         return bad_request(str(e), self.prompt_param)
 
+    def scheduled(self) -> bool:
+        """Whether the engine has scheduled the request (its cached-token count is then
+        in ``result``), before any output."""
+        cached = self.serving.llm.num_cached_tokens(self.request_id)
+        if cached is not None:
+            self.result.cached_tokens = cached
+        return cached is not None
+
     async def deltas(self) -> AsyncIterator[str]:
         """The text as it is generated; ``result`` holds the totals once it ends."""
         assert self.group is not None
