@@ -224,3 +224,31 @@ def test_cors_headers_only_for_allowed_origins(http) -> None:
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     r = http.get("/v1/models", headers={"Origin": "http://other.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_a_step_longer_than_the_log_interval_is_named(monkeypatch) -> None:
+    """A chunk of a 20k-token prompt can compute for minutes on a CPU: the stats lines of
+    that time say a step is computing, not just "0.0 tokens/s" (read as a stall)."""
+    from types import SimpleNamespace
+
+    from mlxserve.core.scheduler_output import SchedulerStats
+    from mlxserve.server import metrics as metrics_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
+    m = metrics_module.ServerMetrics("tiny")
+    assert m.log_line() is None  # idle; the next window starts on this clock
+    stats = SchedulerStats(1, 0, 0.1, 0, 0, 0)  # one request running
+    engine = SimpleNamespace(get_stats=lambda: stats, num_prompt_tokens_computed=2048)
+    clock[0] += 5
+    m.on_step(engine, [])  # a 2048-token chunk ends
+    clock[0] += 5
+    first = m.log_line()
+    assert "Prompt throughput: 204.8 tokens/s" in first and "Step computing" not in first
+    clock[0] += 10  # the next chunk is still computing at the next line, and the one after
+    assert "Prompt throughput: 0.0 tokens/s, " in m.log_line()
+    clock[0] += 10
+    assert m.log_line().endswith(", Step computing for 25 s (a long prompt's chunk)")
+    m.on_step(engine, [])  # it ends
+    clock[0] += 10
+    assert "Step computing" not in m.log_line()

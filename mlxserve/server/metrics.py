@@ -198,6 +198,7 @@ class ServerMetrics:
         self._cumulative = (0, 0)  # prefix queries, hits
         self._num_preemptions = 0
         self._gauges = (0, 0, 0.0)  # running, waiting, kv usage
+        self._last_step = time.monotonic()  # when the engine last finished a step
 
     # -------------------------------------------------------------- engine thread
     def on_step(self, engine, outputs: list[RequestOutput]) -> None:
@@ -245,6 +246,7 @@ class ServerMetrics:
             self._prompt_tokens_computed = computed
             self._cumulative = (queries, hits)
             self._gauges = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
+            self._last_step = now
         for out in outputs:
             self._observe(out, now)
 
@@ -301,6 +303,7 @@ class ServerMetrics:
             w, self._window = self._window, _Window(start=now)
             running, waiting, kv = self._gauges
             total_q, total_h = self._cumulative
+            last_step = self._last_step
         idle = not (running or waiting or w.num_prompt_tokens or w.num_generation_tokens)
         if idle and self._was_idle:
             return None
@@ -316,6 +319,8 @@ class ServerMetrics:
             f"Generation throughput: {w.num_generation_tokens / elapsed:.1f} tokens/s, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
+        if running and last_step < w.start:  # no step ended in this window: say why
+            line += f", Step computing for {now - last_step:.0f} s (a long prompt's chunk)"
         if self.speculative:
             rate = 100.0 * w.accepted_tokens / w.draft_tokens if w.draft_tokens else 0.0
             line += (
