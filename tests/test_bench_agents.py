@@ -312,6 +312,7 @@ def test_each_client_is_pointed_at_the_proxy_and_nowhere_else(tmp_path, name):
         assert run.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:5555"
         assert run.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
         assert run.env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "300"
+        assert int(run.env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"]) >= int(run.env["API_TIMEOUT_MS"])
     elif name == "codex":
         tomllib = pytest.importorskip("tomllib")  # Python 3.11+
         toml = tomllib.loads(config[str(tmp_path / "home" / ".codex" / "config.toml")])

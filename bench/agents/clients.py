@@ -143,6 +143,9 @@ def claude_code(exe: Path, session: Session) -> Run:
         DISABLE_ERROR_REPORTING="1",
         DISABLE_BUG_COMMAND="1",
         API_TIMEOUT_MS="1800000",  # a slow CPU prefill of its ~18k-token prompt
+        # Its stream watchdog ends a stream 300 s after the last event its SDK passes on
+        # (pings are not), even while bytes arrive; this raises it (it cannot be lowered).
+        CLAUDE_STREAM_IDLE_TIMEOUT_MS="1800000",
         CLAUDE_CODE_MAX_RETRIES="2",
         CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(session.max_output_tokens),
         IS_SANDBOX="1",
