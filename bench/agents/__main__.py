@@ -120,8 +120,10 @@ def run_client(
             )
             outcome = {"argv": run.argv, **run_turn(run, repo, run_dir, turn, left)}
             result["turns"].append(outcome)
-            if outcome["timed_out"] or outcome["exit_code"] != 0:
-                break  # a follow-up of a failed turn would only repeat the failure
+            if outcome["timed_out"]:
+                break  # the session's time is up
+            # A non-zero exit goes on: a client exits 1 when the model's answer hit its
+            # output limit (Claude Code, Codex), and the conversation continues from there.
         result["duration_s"] = time.monotonic() - t0
         last = result["turns"][-1] if result["turns"] else {}
         result["argv"] = last.get("argv", [])
