@@ -9,6 +9,7 @@ aborts every unfinished request in the engine (AsyncLLM.generate aborts on close
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -194,32 +195,56 @@ KEEPALIVE = ": keepalive\n\n"
 
 
 TICK = object()  # what ticking() yields after a silence
+_END = object()
 
 
 async def ticking(items: AsyncIterator[T], every: float) -> AsyncIterator[T | object]:
-    """``items``, with TICK after each ``every`` seconds without one (the items' steps run
-    as tasks; closing this closes ``items``, cancelling a step in progress first)."""
-    it = aiter(items)
-    pending: asyncio.Future[T] | None = None
+    """``items``, with TICK after each ``every`` seconds without one. One task pumps them
+    into a buffer, so an item costs a future and a timer, not a task of its own (a token's
+    frame goes through here); closing this cancels the pump, which closes ``items``."""
+    loop = asyncio.get_running_loop()
+    ready: collections.deque[tuple[Any, BaseException | None]] = collections.deque()
+    wake: asyncio.Future[None] | None = None
+
+    def put(item: Any, error: BaseException | None = None) -> None:
+        ready.append((item, error))
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                put(item)
+        except Exception as e:  # noqa: BLE001 -- raised to the consumer, in order
+            put(_END, e)
+        else:
+            put(_END)
+
+    task = loop.create_task(pump())
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(it))
-            done, _ = await asyncio.wait({pending}, timeout=every)
-            if not done:
-                yield TICK
-                continue
-            step, pending = pending, None
-            try:
-                yield step.result()
-            except StopAsyncIteration:
+            if not ready:
+                wake = loop.create_future()
+                timer = loop.call_later(every, lambda w=wake: w.done() or w.set_result(None))
+                try:
+                    await wake
+                finally:
+                    timer.cancel()
+                if not ready:
+                    yield TICK
+                    continue
+            item, error = ready.popleft()
+            if error is not None:
+                raise error
+            if item is _END:
                 return
+            yield item
     finally:
-        if pending is not None:  # the client left mid-wait: stop the items' step first
-            pending.cancel()
+        if not task.done():  # the client left mid-stream: stop the items' step first
+            task.cancel()
             with contextlib.suppress(BaseException):
-                await pending
-        aclose = getattr(it, "aclose", None)
+                await task
+        aclose = getattr(items, "aclose", None)
         if aclose is not None:
             await aclose()
 
