@@ -37,6 +37,12 @@ class Spawn:
             start_new_session=True,  # a timeout kills the script and its ranks together
         )
 
+    def __enter__(self) -> Spawn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()  # a failed assertion must not leave the script and its ranks spinning
+
     def log(self) -> str:
         return self.log_path.read_text()
 
@@ -116,3 +122,11 @@ def kill_a_rank_and_check_it_failed_fast(run: Spawn) -> None:
     else:  # a collective queued on the broken ring blocked: the watchdog ended the process
         assert "a rank is gone (rank 1 exited (killed by signal 9))" in run.log()
     assert not failed["rank_left"]
+
+
+def assert_logprobs_close(got: list[list[float]], want: list[list[float]], nats: float) -> None:
+    """Every text's every token's log-prob within ``nats`` of ``want``'s."""
+    assert [len(t) for t in got] == [len(t) for t in want]
+    pairs = zip(got, want, strict=True)
+    worst = max(abs(g - w) for gs, ws in pairs for g, w in zip(gs, ws, strict=True))
+    assert worst <= nats, f"a token's log-prob moved by {worst:.4f} nats (at most {nats})"

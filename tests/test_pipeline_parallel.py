@@ -29,8 +29,13 @@ from mlxserve.models.pipeline_parallel import (
 from mlxserve.ops import AttentionMetadata
 from mlxserve.worker.pipeline import STAT_NAMES
 from tests.engine_helpers import make_tiny_model_dir
-from tests.rank_helpers import Spawn, fail_a_rank, kill_a_rank_and_check_it_failed_fast
-from tests.tp_script import SCENARIO_ARGS, SPEC, run_chats, run_scenario
+from tests.rank_helpers import (
+    Spawn,
+    assert_logprobs_close,
+    fail_a_rank,
+    kill_a_rank_and_check_it_failed_fast,
+)
+from tests.tp_script import SCENARIO_ARGS, SPEC, run_chats, run_logprobs, run_scenario
 
 STUCK_TIMEOUT = 5.0  # distributed_timeout_seconds in the stuck-rank run
 
@@ -225,9 +230,12 @@ def test_pp2_on_the_default_model_equals_one_process_then_a_killed_rank_fails_fa
 ) -> None:
     """SmolLM2-135M (30 layers, Q4_1, a tied head: the embedding also on the last rank);
     then rank 1 is killed mid-generation: the engine fails within seconds, no rank left."""
-    run = Spawn(["chat", "", "--pp", "2", "--then-fail"], tmp_path / "ranks.log")
-    one = run_chats(LLM(None, num_blocks=64))
-    two = json.loads(run.read_until("RESULT"))
-    assert two["chats"] == one
-    assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
-    kill_a_rank_and_check_it_failed_fast(run)
+    with Spawn(["chat", "", "--pp", "2", "--then-fail"], tmp_path / "ranks.log") as run:
+        llm = LLM(None, num_blocks=64)
+        one, one_logprobs = run_chats(llm), run_logprobs(llm)
+        two = json.loads(run.read_until("RESULT"))
+        assert two["chats"] == one
+        # Every teacher-forced token's log-prob within 0.02 nats of one process's.
+        assert_logprobs_close(two["logprobs"], one_logprobs, nats=0.02)
+        assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
+        kill_a_rank_and_check_it_failed_fast(run)

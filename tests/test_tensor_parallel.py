@@ -28,11 +28,12 @@ from tests.paths import ROOT
 from tests.rank_helpers import (
     Spawn,
     alive,
+    assert_logprobs_close,
     kill_a_rank_and_check_it_failed_fast,
     result_line,
 )
 from tests.server_harness import free_port
-from tests.tp_script import SCENARIO_ARGS, SPEC, run_chats, run_scenario
+from tests.tp_script import SCENARIO_ARGS, SPEC, run_chats, run_logprobs, run_scenario
 
 
 @pytest.fixture(scope="module")
@@ -148,12 +149,15 @@ def test_tp3_on_the_default_model_equals_one_process_then_a_killed_rank_fails_fa
 ) -> None:
     """SmolLM2-135M (9 heads, 3 KV heads, Q4_1 in the CPU kernels) splits 3 ways; then
     rank 1 is killed mid-generation: the engine fails within seconds, no rank is left."""
-    run = Spawn(["chat", "", "--tp", "3", "--then-fail"], tmp_path / "ranks.log")
-    one = run_chats(LLM(None, num_blocks=64))
-    three = json.loads(run.read_until("RESULT"))
-    assert three["chats"] == one
-    assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
-    kill_a_rank_and_check_it_failed_fast(run)
+    with Spawn(["chat", "", "--tp", "3", "--then-fail"], tmp_path / "ranks.log") as run:
+        llm = LLM(None, num_blocks=64)
+        one, one_logprobs = run_chats(llm), run_logprobs(llm)
+        three = json.loads(run.read_until("RESULT"))
+        assert three["chats"] == one
+        # Every teacher-forced token's log-prob within 0.02 nats of one process's.
+        assert_logprobs_close(three["logprobs"], one_logprobs, nats=0.02)
+        assert len(one) == 2 and all(len(t) >= 8 for t in one)  # real replies
+        kill_a_rank_and_check_it_failed_fast(run)
 
 
 # -------------------------------------------------------------- the server

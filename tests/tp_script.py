@@ -6,7 +6,8 @@
     scenario  the batching / chunked prefill / prefix caching / preemption workload,
               printed as one JSON line (tokens and the scheduler counters); with --spec
               the engine speculates (n-gram: drafts verified as decode rows on every rank)
-    chat      greedy replies to two conversations (MODEL "" is the default model)
+    chat      greedy replies to two conversations and teacher-forced log-probs of eight
+              texts (MODEL "" is the default model)
     --then-fail  afterwards print the ranks' pids and generate until the test kills or
               stops a rank; print how the engine failed and whether the ranks are gone
 
@@ -67,9 +68,6 @@ def run_scenario(llm: LLM) -> dict[str, Any]:
 
 
 # Short: on 2 shared cores a step of 3 ranks of SmolLM2 takes ~1 s (bench/README.md).
-# Greedy steps with clear margins (>= 0.6 nats between the top two tokens): the sharded
-# matmuls add in another order, and int8 activations turn last bits into whole quanta,
-# so a near tie may go either way ("Write a haiku about the sea." had two of ~0.1).
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer with one word."}],
     [{"role": "user", "content": "Name the days of the week."}],
@@ -80,6 +78,31 @@ def run_chats(llm: LLM) -> list[list[int]]:
     """Greedy replies (8 tokens) to two conversations, batched."""
     params = SamplingParams(temperature=0, max_tokens=8)
     return [o.outputs[0].token_ids for o in llm.chat(CHATS, params, use_tqdm=False)]
+
+
+# Teacher-forced texts of several kinds (prose, code, digits, SQL): every token's
+# log-prob is compared, not only the greedy choice, so a split that adds in another order
+# shows even where no argmax flips.
+TEXTS = [
+    "The capital of France is Paris, and the capital of Germany is Berlin.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144",
+    "The quick brown fox jumps over the lazy dog while the cat watches quietly.",
+    "In 1969, Neil Armstrong became the first person to walk on the Moon.",
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY name;",
+]
+
+
+def run_logprobs(llm: LLM) -> list[list[float]]:
+    """Each text's tokens' log-probs given the tokens before them (teacher-forced)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = []
+    for o in llm.generate(TEXTS, params, use_tqdm=False):
+        pairs = zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)
+        out.append([entry[token] for token, entry in pairs])
+    return out
 
 
 # No cost back-off: it decides from wall-clock step times, and these runs compare their
@@ -136,7 +159,7 @@ def main(argv: list[str]) -> None:
         result = run_scenario(llm)
     else:
         llm = LLM(args.model or None, **parallel, num_blocks=64)
-        result = {"chats": run_chats(llm)}
+        result = {"chats": run_chats(llm), "logprobs": run_logprobs(llm)}
     channel = llm.engine.runner.channel
     if args.pp > 1:  # every rank's counters (worker/pipeline.py): the stages did run
         result["stage_stats"] = channel.gather_stats([])

@@ -1,20 +1,35 @@
 """Tensor parallelism for the hand-written decoders (llama, mistral, qwen2, qwen3).
 
-Megatron-style, one all_sum per attention block and one per MLP::
+Every linear layer is split by its output rows, and the activations a rank needs whole
+are gathered, so each rank computes its outputs with the same kernels, on the same
+inputs, in the same order as one process::
 
     x (replicated) -> q/k/v_proj: rows split by head  -> attention on this rank's heads
-                   -> o_proj: columns split by head  -> all_sum -> + bias (once)
-    h (replicated) -> gate/up_proj: rows split       -> SwiGLU on this rank's slice
-                   -> down_proj: columns split       -> all_sum -> + bias (once)
+                   -> gather heads -> o_proj: rows split -> gather     -> h (replicated)
+    h (replicated) -> gate/up_proj: rows split        -> SwiGLU on this rank's slice
+                   -> gather       -> down_proj: rows split -> gather  -> (replicated)
+
+Megatron's split (o_proj and down_proj by input columns, one all_sum of partial
+products) saves two collectives per layer, but its sum adds the partial products in
+another order than one process's dot product. With int8 activations (the CPU kernels
+round each block of 32 values to int8) a last-bit difference flips a rounding by a whole
+quantum at the next layer and grows from there: on SmolLM2-135M split 3 ways, teacher-
+forced log-probs moved by up to ~0.4 nats. Split by rows, each output is one process's
+dot product: the log-probs are the same bits (tests/test_tensor_parallel.py).
+
+A gather is an ``mx.distributed.all_sum`` of this rank's slice placed in zeros
+(:func:`gather_columns`): adding zeros is exact, and all_sum is the one collective
+every backend (ring, JACCL, MPI) has. It moves as many bytes as Megatron's all_sum of
+the same width.
 
 Rank r holds query heads [r*H/N, (r+1)*H/N) and KV heads [r*KV/N, (r+1)*KV/N): with
 contiguous splits a local query head still maps to its own local KV head (GQA), so the
 attention code and the KV pool (num_kv_heads/N heads per rank) need no change.
 
-Weights are split with MLX's ``shard_inplace`` (all-to-sharded / sharded-to-all, float and
-quantized alike), keeping each layer's class: mlxserve's CPU quantized kernels and the
-Metal path keep running them. The reduction is an explicit ``mx.distributed.all_sum``
-(:class:`ShardedToAll`), where MLX's ShardedToAllLinear would put it, bias added after.
+Weights are split with MLX's ``shard_inplace`` ("all-to-sharded", float and quantized
+alike: quantized weights are packed along their input columns, so a row split is any
+whole rows), keeping each layer's class: mlxserve's CPU quantized kernels and the Metal
+path keep running them.
 
 Embeddings and the LM head stay replicated: every rank then has the full logits without
 a gather of vocab slices, and they are a small part of a large model (a 70B llama at
@@ -32,31 +47,29 @@ from mlx.nn.layers.distributed import shard_inplace
 from mlxserve.exceptions import ParameterError
 from mlxserve.models import llama
 
-__all__ = ["ShardedToAll", "check_tensor_parallel", "shard_model"]
+__all__ = ["GatherInputAndOutput", "check_tensor_parallel", "gather_columns", "shard_model"]
 
 
-class ShardedToAll(nn.Module):
-    """A linear layer holding a slice of its input columns; sums the partial products
-    of every rank, then adds the bias once."""
+def gather_columns(part: mx.array, group: mx.distributed.Group) -> mx.array:
+    """Every rank's ``part`` (tokens, columns) side by side, in rank order: (tokens,
+    columns * ranks), exactly (an all_sum of each part in zeros)."""
+    rank, size = group.rank(), group.size()
+    width = part.shape[-1]
+    padded = mx.pad(part, [(0, 0)] * (part.ndim - 1) + [(rank * width, (size - 1 - rank) * width)])
+    return mx.distributed.all_sum(padded, group=group)
+
+
+class GatherInputAndOutput(nn.Module):
+    """A linear layer holding a slice of its output rows that takes this rank's slice of
+    its input: it gathers the input, computes its rows, gathers the output."""
 
     def __init__(self, linear: nn.Module, group: mx.distributed.Group) -> None:
         super().__init__()
-        bias = linear.get("bias") if isinstance(linear, nn.Module) else None
-        if bias is not None:
-            del linear["bias"]  # added after the sum: every rank adding it would count it N times
-            self.bias = bias
         self.linear = linear
         self._group = group
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = mx.distributed.all_sum(self.linear(x), group=self._group)
-        return y + self["bias"] if "bias" in self else y
-
-
-def _input_dims(linear: nn.Module) -> int:
-    if isinstance(linear, nn.QuantizedLinear):
-        return linear.weight.shape[-1] * 32 // linear.bits
-    return linear.weight.shape[-1]
+        return gather_columns(self.linear(gather_columns(x, self._group)), self._group)
 
 
 def require_llama(model: nn.Module, field: str, size: int) -> None:
@@ -90,16 +103,12 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
             f"({args.intermediate_size}) of this model",
             parameter="tensor_parallel_size",
         )
-    layer = model.model.layers[0]
-    for name, linear in (("o_proj", layer.self_attn.o_proj), ("down_proj", layer.mlp.down_proj)):
-        group_size = getattr(linear, "group_size", None)
-        if group_size and (_input_dims(linear) // size) % group_size:
-            raise ParameterError(
-                f"tensor_parallel_size {size}: {name} has {_input_dims(linear)} quantized input "
-                f"columns in groups of {group_size}; a rank's share "
-                f"({_input_dims(linear) // size}) must be whole groups",
-                parameter="tensor_parallel_size",
-            )
+    if args.hidden_size % size:
+        raise ParameterError(
+            f"tensor_parallel_size {size} must divide hidden_size ({args.hidden_size}) of "
+            f"this model",
+            parameter="tensor_parallel_size",
+        )
 
 
 def shard_model(model: llama.Model, group: mx.distributed.Group) -> None:
@@ -108,12 +117,12 @@ def shard_model(model: llama.Model, group: mx.distributed.Group) -> None:
     check_tensor_parallel(model, size)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
             shard_inplace(linear, "all-to-sharded", group=group)
-        for linear in (attn.o_proj, mlp.down_proj):
-            shard_inplace(linear, "sharded-to-all", group=group)
-        attn.o_proj = ShardedToAll(attn.o_proj, group)
-        mlp.down_proj = ShardedToAll(mlp.down_proj, group)
+        for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            shard_inplace(linear, "all-to-sharded", group=group)
+        attn.o_proj = GatherInputAndOutput(attn.o_proj, group)
+        mlp.down_proj = GatherInputAndOutput(mlp.down_proj, group)
         attn.num_heads //= size
         attn.num_kv_heads //= size
     model.num_kv_heads //= size  # the KV pool's layout: this rank's heads only
