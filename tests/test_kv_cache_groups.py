@@ -95,6 +95,29 @@ def test_window_releases_blocks_behind_it_and_a_hit_needs_only_the_window() -> N
     assert kv.get_num_free_blocks() == 19
 
 
+def test_a_prompt_longer_than_the_window_in_one_step_keeps_its_blocks_cached() -> None:
+    """Async scheduling allocates the next step before the last one's blocks are registered:
+    a 14-token prompt computed in one step, window 8, then its first decode step scheduled
+    before cache_blocks. Block 0 (tokens 0..3) left the window, but it must stay held
+    until it is registered; then it goes back to the pool with its hash, and a prompt
+    sharing 12 tokens hits 12 in both groups (the window group needs blocks 1 and 2)."""
+    kv = KVCacheManager(BS, num_blocks=20, groups=GROUPS)
+    a = make_request("a", list(range(14)))
+    assert kv.allocate_slots(a, 14, kv.get_computed_blocks(a)[0]) is not None
+    a.num_computed_tokens = 14  # the step is scheduled; its output not processed yet
+    a.output_token_ids.append(99)
+    assert kv.allocate_slots(a, 1) == ([], [])
+    assert kv.get_block_ids(a) == ([1, 2, 3, 4], [5, 6, 7, 8])  # block 0 not yet registered
+    kv.cache_blocks(a, 14)
+    a.num_computed_tokens = 15
+    assert kv.allocate_slots(a, 1) == ([], [])
+    # Token 15 sees 8..15: blocks 0 and 1 released, still cached.
+    assert kv.get_block_ids(a) == ([1, 2, 3, 4], [0, 0, 7, 8])
+    kv.free(a)
+    hit, n = kv.get_computed_blocks(make_request("b", list(range(12)) + [50, 51, 52]))
+    assert n == 12 and hit.block_ids() == ([1, 2, 3], [0, 6, 7])
+
+
 def test_window_hit_is_cut_where_the_window_lost_a_block() -> None:
     """The full group has all 3 blocks cached; the window group lost block 2 (evicted), so
     its longest resumable prefix is 2 blocks, and the hit shrinks to 8 tokens in both

@@ -279,8 +279,8 @@ def held_blocks(llm: LLM, rid: str) -> list[int]:
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
 def test_windowed_groups_hold_only_their_window(name: str, case) -> None:
     """A 60-token prompt and 32 decodes: after every step the windowed group holds the
-    blocks of its window (and the step's chunk) only, the full-attention group every
-    block; the tokens are mlx-lm's."""
+    blocks of its window (and the step's and the last step's chunks) only, the
+    full-attention group every block; the tokens are mlx-lm's."""
     c = case(name)
     prompt = np.random.default_rng(7).integers(3, VOCAB_SIZE, 60).tolist()
     want, _ = mlx_lm_generate(c.oracle, prompt)
@@ -302,12 +302,30 @@ def test_windowed_groups_hold_only_their_window(name: str, case) -> None:
                 assert held[g] == -(-request.num_computed_tokens // BLOCK_SIZE)
             else:
                 peak[g] = max(peak[g], held[g])
-                # The window behind the chunk, plus the chunk (16 tokens at most).
-                assert held[g] <= -(-(window - 1 + 16) // BLOCK_SIZE) + 1
+                # The window behind the chunk, plus the chunk and, while the pool has
+                # room, the last step's (16 tokens at most each): blocks leave the
+                # window once registered in the prefix cache.
+                assert held[g] <= -(-(window - 1 + 2 * 16) // BLOCK_SIZE) + 1
                 if request.num_output_tokens > 1:  # decoding: the window and one token
                     assert held[g] <= -(-(window - 1 + 1) // BLOCK_SIZE) + 1
     assert out.outputs[0].token_ids == want
     assert engine.block_pool.get_usage() == 0.0  # all freed at the end
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "swa_llama"])
+def test_a_prompt_past_the_window_in_one_step_is_a_prefix_hit_later(name: str, case) -> None:
+    """A 60-token prompt computed in one step (window 8): its blocks leave the window
+    before the step's output is processed (async scheduling). A later prompt sharing its
+    first 40 tokens still hits all 40, as with full attention, with mlx-lm's tokens."""
+    c = case(name)
+    rng = np.random.default_rng(9)
+    first = rng.integers(3, VOCAB_SIZE, 60).tolist()
+    second = first[:40] + rng.integers(3, VOCAB_SIZE, 10).tolist()
+    llm = make_llm(c, max_num_batched_tokens=64)
+    llm.generate([first], PARAMS, use_tqdm=False)
+    (out,) = llm.generate([second], PARAMS, use_tqdm=False)
+    assert out.num_cached_tokens == 40
+    assert out.outputs[0].token_ids == mlx_lm_generate(c.oracle, second)[0]
 
 
 def test_all_windowed_sequence_longer_than_the_pool(case) -> None:

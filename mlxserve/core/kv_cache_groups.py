@@ -34,8 +34,10 @@ class GroupManager:
         block_pool: BlockPool,
         block_size: int,
         tag_hashes: bool,
+        caching: bool = False,
     ) -> None:
         self.spec = spec
+        self.caching = caching
         self.window = spec.window
         self.block_pool = block_pool
         self.block_size = block_size
@@ -85,19 +87,32 @@ class GroupManager:
         return max(num_computed - self.window + 1, 0) // self.block_size
 
     # ------------------------------------------------------------- allocation
-    def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed: int, unregistered_too: bool = False
+    ) -> int:
         """Release (and null out) the blocks no future token of the request attends to;
-        the earliest are queued to be evicted first."""
+        the earliest are queued to be evicted first. How many were released.
+
+        With prefix caching, blocks not yet registered stay (unless ``unregistered_too``:
+        the pool needs them): with async scheduling the next step is scheduled before the
+        last one's blocks are registered (cache_blocks), and a block released unregistered
+        is lost to the prefix cache (a prompt longer than the window, computed in one
+        chunk, would keep none of its blocks). They leave at the next step's scheduling.
+        """
         blocks = self.req_to_blocks.get(request_id)
         if not blocks or self.window is None:
-            return
+            return 0
+        end = self._first_needed_block(num_computed)
+        if self.caching and not unregistered_too:
+            end = min(end, self.num_cached_blocks.get(request_id, 0))
         null = self.block_pool.null_block
         freed = []
-        for i in range(min(self._first_needed_block(num_computed), len(blocks))):
+        for i in range(min(end, len(blocks))):
             if blocks[i] is not null:
                 freed.append(blocks[i])
                 blocks[i] = null
         self.block_pool.free_blocks(freed)
+        return len(freed)
 
     def num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed: Sequence[KVCacheBlock]
@@ -150,7 +165,7 @@ class GroupManager:
         blocks = self.req_to_blocks[rid]
         assert end <= len(blocks) and end <= len(request.block_hashes)
         null = self.block_pool.null_block
-        # A released block was registered before it left the window (it was full then).
+        # A released block was registered before it left the window (remove_skipped_blocks).
         indices = [i for i in range(start, end) if blocks[i] is not null]
         self.block_pool.cache_full_blocks(
             [blocks[i] for i in indices],

@@ -107,7 +107,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching, initial_blocks)
         self.groups = tuple(groups)
         self.managers = tuple(
-            GroupManager(spec, i, self.block_pool, block_size, len(self.groups) > 1)
+            GroupManager(spec, i, self.block_pool, block_size, len(self.groups) > 1, enable_caching)
             for i, spec in enumerate(self.groups)
         )
         self.state_pool = StatePool(num_state_slots) if num_state_slots else None
@@ -224,8 +224,8 @@ class KVCacheManager:
 
         ``cached`` is the hit from get_computed_blocks (only at admission); its blocks are
         shared (ref_cnt + 1), not copied. Blocks a window no longer needs are released
-        first. Returns None, changing nothing else, when the free blocks (or, for
-        recurrent layers, a state slot at admission) do not suffice.
+        first. Returns None, changing nothing else (but those releases), when the free
+        blocks (or, for recurrent layers, a state slot at admission) do not suffice.
         """
         assert num_new_tokens >= 1, num_new_tokens
         rid = request.request_id
@@ -247,7 +247,16 @@ class KVCacheManager:
             1 for hit in cached.blocks for b in hit if b is not null and b.ref_cnt == 0
         )
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
-            return None
+            # Out-of-window blocks held until registered go first, cache or not.
+            released = (
+                0
+                if is_first_allocation
+                else sum(
+                    m.remove_skipped_blocks(rid, request.num_computed_tokens, unregistered_too=True)
+                    for m in self.managers
+                )
+            )
+            return self.allocate_slots(request, num_new_tokens) if released else None
         states = self.state_pool
         if states is not None and is_first_allocation:
             pinned = 1 if cached.state_slot and states.is_evictable(cached.state_slot) else 0
