@@ -12,7 +12,7 @@ the output rows, so row n of the product is computed exactly as before. Quantize
 of different widths are fused at the widest (a 5-bit value is the same value in 8 bits,
 with the same scale and bias), 16- and 32-bit scales at float32: GGUF K-quant mixes store
 q/k/v in different types (Q5_0 q and k, a Q8_0 v on some layers), and a layer that cannot
-fuse leaves the whole CPU stack (models/cpu_stack.py). Layers that differ otherwise
+fuse leaves the whole CPU stack (mlxserve/cpu/stack.py). Layers that differ otherwise
 (class, group size, mode, bias or not) stay separate.
 
 Fusion runs after loading and after tensor-parallel sharding (shards are row slices of
