@@ -16,7 +16,8 @@ fuse leaves the whole CPU stack (mlxserve/cpu/stack.py). Layers that differ othe
 (class, group size, mode, bias or not) stay separate.
 
 Fusion runs after loading and after tensor-parallel sharding (shards are row slices of
-q/k/v and gate/up: each rank fuses its own slices), whatever the checkpoint format.
+q/k/v and gate/up: each rank fuses its own slices), whatever the checkpoint format; a
+pipeline stage's layers are fused on their rank.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def fuse_projections(model: nn.Module) -> int:
     Returns how many fused layers were made; idempotent; models of other families are
     left alone.
     """
-    stack = getattr(model, "model", None)
+    stack = getattr(model, "model", model)  # (a pipeline stage holds its layers itself)
     count = 0
     for layer in getattr(stack, "layers", None) or []:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
