@@ -100,7 +100,7 @@ class CpuDecoderStack(CpuLayers):
         return self.norm(select_rows(h, logits_indices))
 
 
-# Which fused subclass each model class gets, most specific first.
+# The model classes that get a fused forward, and the forward each gets.
 _FORWARDS: list[tuple[type, type]] = [
     (llama.DecoderLayer, CpuDecoderLayer),
     (llama.DecoderStack, CpuDecoderStack),
