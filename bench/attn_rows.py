@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 from mlxserve.ops import kv_quant
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

@@ -25,7 +25,7 @@ def cache_dir() -> Path:
 
 
 def openblas_env(blas: str | None) -> dict[str, str]:
-    """mlx-lm with the OpenBLAS mlxserve binds, bound the same way (mlxserve/blas.py)."""
+    """mlx-lm with the OpenBLAS mlxserve binds, bound the same way (mlxserve/cpu/blas.py)."""
     return {"BENCH_BIND_BLAS": "1", "MLXSERVE_BLAS": blas or "off", "LD_PRELOAD": ""}
 
 
@@ -39,7 +39,7 @@ def run_mlx_lm_offline(spec: dict, env: dict[str, str], work: Path, name: str) -
 
 def find_openblas() -> str | None:
     """The OpenBLAS mlxserve binds by default (PyPI's, else the system's), to give mlx-lm too."""
-    from mlxserve.blas import pypi_openblas, system_openblas
+    from mlxserve.cpu.blas import pypi_openblas, system_openblas
 
     return pypi_openblas() or system_openblas()
 

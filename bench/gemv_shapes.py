@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.q8_gemv import SHAPES  # name: (K, N, bits, calls per step)
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 
 
 def weights(k: int, n: int, bits: int, count: int, seed: int) -> list[tuple[mx.array, ...]]:

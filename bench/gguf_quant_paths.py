@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mlxserve.cpu import STORED_BITS  # noqa: E402
+from mlxserve.cpu.kernels import STORED_BITS  # noqa: E402
 from mlxserve.loader.gguf_quants import FLOAT_TYPES, REPACKABLE, convert_tensor  # noqa: E402
 
 

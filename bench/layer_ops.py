@@ -8,8 +8,8 @@ One engine (default: the embedded SmolLM2-135M Q4_1), one greedy request at a ti
 (32-token prompt, ``--tokens`` decoded); the variants take turns round by round, so a
 change in the machine's load hits them alike:
 
-* ``stack``: today's model, every layer in one op (models/cpu_stack.decoder_stack);
-* ``one op``: an op per layer (models/cpu_layer.decoder_layer; the stack switched off for
+* ``stack``: today's model, every layer in one op (cpu/stack.decoder_stack);
+* ``one op``: an op per layer (cpu/layer.decoder_layer; the stack switched off for
   the round);
 * ``5 ops``: the layer's halves around the separate K/V write and attention (the stack and
   decoder_layer switched off);
@@ -49,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 
 from mlxserve.cli.bench import make_engine, make_prompts, timed_generate  # noqa: E402
-from mlxserve.models import cpu_layer, cpu_stack  # noqa: E402
+from mlxserve.cpu import layer as cpu_layer  # noqa: E402
+from mlxserve.cpu import stack as cpu_stack  # noqa: E402
 
 VARIANTS = ("stack", "one op", "5 ops", "stack, async")
 _OFF = {"stack": (), "one op": ("stack",), "5 ops": ("stack", "layer")}

@@ -42,7 +42,7 @@ def measure(kind: str, seconds: float) -> dict[str, object]:
     """GFLOP/s of each shape in this process (the BLAS already chosen by the env)."""
     import mlx.core as mx
 
-    from mlxserve import blas
+    from mlxserve.cpu import blas
 
     out: dict[str, object] = {"blas": blas.blas_status()}
     mx.random.seed(0)
@@ -65,7 +65,7 @@ def measure(kind: str, seconds: float) -> dict[str, object]:
                     return mx.quantized_matmul(x, wq, s, b, True, 32, bits)
 
             else:
-                from mlxserve import cpu
+                from mlxserve.cpu import kernels as cpu
 
                 if not cpu.available():
                     return {"error": cpu.status()}
@@ -89,7 +89,7 @@ def child(setting: str, seconds: float) -> dict[str, object]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     choice = env["MLXSERVE_BLAS"]
     if choice in ("system", "pypi"):
-        from mlxserve import blas
+        from mlxserve.cpu import blas
 
         path = blas.system_openblas() if choice == "system" else blas.pypi_openblas()
         if path is None:

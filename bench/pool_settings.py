@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from mlxserve import cpu
 from mlxserve.cli.bench import make_engine, make_prompts, timed_generate
+from mlxserve.cpu import kernels as cpu
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 
 SHAPES = {  # name: (K, N, bits, calls per token)
     "qkv": (576, 960, 4, 30),

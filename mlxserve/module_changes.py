@@ -1,5 +1,5 @@
 """Modules that count their changes, so that what is kept from them between steps (the CPU
-decoder stack's weights and settings, models/cpu_stack.py) knows when to be made again.
+decoder stack's weights and settings, mlxserve/cpu/stack.py) knows when to be made again.
 
 Every way Python changes a module's contents goes through the methods below: attributes
 and items set or deleted (``nn.Module.update``, ``load_weights`` and ``update_modules``

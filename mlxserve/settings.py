@@ -8,9 +8,9 @@ force (those :func:`use` installed, else the environment's, read and validated w
 asked), and ``mlxserve doctor`` prints them. The engine settings of one model (block size,
 kernels, ...) are :class:`mlxserve.config.EngineConfig`'s.
 
-It imports only leaves (the exception type, blas), so the lower layers that need a setting
-(cpu, loader, ops) can ask without an import circle; blas, itself a leaf, is handed its
-settings by :func:`start`.
+It imports only leaves (the exception type, cpu/blas.py), so the lower layers that need
+a setting (cpu, loader, ops) can ask without an import circle; blas, itself a leaf, is
+handed its settings by :func:`start`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
-from mlxserve import blas
+from mlxserve.cpu import blas
 from mlxserve.exceptions import ParameterError
 
 __all__ = ["ENV", "Settings", "current", "describe", "start", "use"]
@@ -47,9 +47,9 @@ class Settings:
     """How this process runs MLX's backends; each default is an ``MLXSERVE_*`` variable."""
 
     # OpenBLAS under MLX's CPU backend (Linux): "auto" (PyPI's, else the system's), "off",
-    # or a library path (mlxserve/blas.py).
+    # or a library path (mlxserve/cpu/blas.py).
     blas: str = "auto"
-    # one-row float32 matmuls through sgemv (a small compiled shim; mlxserve/blas.py)
+    # one-row float32 matmuls through sgemv (a small compiled shim; mlxserve/cpu/blas.py)
     blas_gemv: bool = True
     # mlxserve's CPU kernels for quantized layers (mlxserve/cpu), built on first use
     cpu_kernels: bool = True

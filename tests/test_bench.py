@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from bench import memory
-from mlxserve import blas
 from mlxserve.cli.main import main
+from mlxserve.cpu import blas
 from tests.engine_helpers import make_tiny_model_dir, write_tokenizer
 
 

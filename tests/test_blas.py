@@ -1,4 +1,4 @@
-"""Binding an optimized BLAS under MLX (mlxserve/blas.py): which one, why, and right answers.
+"""Binding an optimized BLAS under MLX (mlxserve/cpu/blas.py): which one, why, and right answers.
 
 Each choice is made once per process, when a model is loaded or a command starts
 (mlxserve.settings.start), so every case runs in a fresh interpreter.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxserve import blas
+from mlxserve.cpu import blas
 from tests.paths import ROOT
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the BLAS binding is Linux-only")
@@ -23,7 +23,8 @@ linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the BLAS bindin
 # In the child: the choice, then float32 matmuls through MLX against numpy in float64.
 CHILD = """
 import json, numpy as np, mlxserve, mlx.core as mx
-from mlxserve import blas, settings
+from mlxserve import settings
+from mlxserve.cpu import blas
 settings.start()
 rng = np.random.default_rng(0)
 errors = {}
@@ -113,7 +114,8 @@ def test_an_explicit_system_library_is_bound_with_and_without_the_gemv_shim(gemv
 @linux_only
 def test_binding_works_when_mlx_was_imported_before_mlxserve() -> None:
     code = (
-        "import mlx.core, mlxserve; from mlxserve import blas, settings; settings.start(); "
+        "import mlx.core, mlxserve; from mlxserve import settings; from mlxserve.cpu import blas; "
+        "settings.start(); "
         "print(blas.blas_info()['source'])"
     )
     done = subprocess.run(

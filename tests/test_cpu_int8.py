@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 from tests.test_cpu_kernels import (
     dequantize_np,
     kernels,  # noqa: F401 -- autouse: skip without the kernels

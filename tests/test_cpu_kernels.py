@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 
 ISAS = ("scalar", "avx2", "avx512", "neon")
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxserve import cpu
 from mlxserve.cpu import build
+from mlxserve.cpu import kernels as cpu
 from tests.paths import ROOT
 
 
@@ -40,7 +40,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 NO_COMPILER = """
 import json, logging, sys
 import mlx.core as mx
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 from mlxserve.loader import load_model
 from tests.model_helpers import BlockPoolRunner, greedy_generate
 records = []

@@ -1,5 +1,5 @@
-"""The fused CPU layer primitives (models/cpu_layer.py, csrc/layer_ext.cpp) and the
-one-op stack of layers (models/cpu_stack.py, csrc/decoder_stack_ext.cpp).
+"""The fused CPU layer primitives (mlxserve/cpu/layer.py, csrc/layer_ext.cpp) and the
+one-op stack of layers (mlxserve/cpu/stack.py, csrc/decoder_stack_ext.cpp).
 
 Oracles: the same model with the one-op stack switched off (one op per layer), with the
 one-op layer switched off too (its two halves around the separate K/V write and attention:
@@ -21,9 +21,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxserve import cpu, ops
+from mlxserve import ops
+from mlxserve.cpu import kernels as cpu
+from mlxserve.cpu import layer as cpu_layer
+from mlxserve.cpu import ops as cpu_ops
+from mlxserve.cpu import stack as cpu_stack
 from mlxserve.loader import load_model
-from mlxserve.models import KVCache, cpu_layer, cpu_stack
+from mlxserve.models import KVCache
 from mlxserve.models.fused import fuse_projections
 from mlxserve.ops import AttentionMetadata, kv_quant
 from mlxserve.worker.pool_watch import buffer_address
@@ -268,8 +272,8 @@ def test_a_decode_layer_is_one_op(
     positions = mx.array([2, 5])
     steps = (
         layer.self_attn.rope.tables(positions, mx.float32),
-        ops.cpu._block_offsets(md.slot_mapping, 4),
-        ops.cpu.step_rows(md),
+        cpu_ops._block_offsets(md.slot_mapping, 4),
+        cpu_ops.step_rows(md),
     )
     five = {
         "Scatter": 2,  # K and V, no Reshape before them

@@ -1,4 +1,4 @@
-"""The one-op stack of decoder layers (models/cpu_stack.py, csrc/decoder_stack_ext.cpp).
+"""The one-op stack of decoder layers (mlxserve/cpu/stack.py, csrc/decoder_stack_ext.cpp).
 
 Oracles: the same model with the stack switched off (one op per layer: the same functions
 in the same order, so the same bits, pools included) and the pure-MLX fallback (MLX's own
@@ -18,8 +18,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxserve import cpu, ops
-from mlxserve.models import KVCache, cpu_stack, llama
+from mlxserve import ops
+from mlxserve.cpu import kernels as cpu
+from mlxserve.cpu import ops as cpu_ops
+from mlxserve.cpu import stack as cpu_stack
+from mlxserve.models import KVCache, llama
 from mlxserve.ops import AttentionMetadata, kv_quant
 from tests.model_helpers import BlockPoolRunner, tiny_config
 from tests.test_cpu_layer import LAYERS, _assert_same_bits, _load, _Spy, quantized_checkpoints
@@ -232,7 +235,7 @@ def test_a_pipeline_stage_s_layers_are_one_op(
         layer.self_attn.layer_idx = i
     from bench.decode_profile import op_histogram
 
-    step = (stage[0].self_attn.rope.tables(positions, mx.float32), ops.cpu.step_rows(md))
+    step = (stage[0].self_attn.rope.tables(positions, mx.float32), cpu_ops.step_rows(md))
     runs = []
     for use_stack in (True, False):
         cache = _step_inputs(model, 2)[3]

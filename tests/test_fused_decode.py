@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 from mlxserve.loader import load_model
 from mlxserve.models import compiled
 from mlxserve.models.fused import fuse_linears, fuse_projections

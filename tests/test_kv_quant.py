@@ -14,13 +14,13 @@ import pytest
 
 from mlxserve import LLM, SamplingParams, ops
 from mlxserve.config import EngineConfig
+from mlxserve.cpu import ops as ops_cpu
 from mlxserve.exceptions import ParameterError
 from mlxserve.kv_cache_spec import uniform_layout
 from mlxserve.loader import cast_weights
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.models import build_model
 from mlxserve.ops import AttentionMetadata, fallback, kv_quant
-from mlxserve.ops import cpu as ops_cpu
 from mlxserve.worker.memory import plan_kv_cache
 from tests.engine_helpers import make_tiny_model_dir
 from tests.model_helpers import BlockPoolRunner, greedy_generate, load_checkpoint
@@ -78,7 +78,7 @@ def test_attention_over_8bit_pools_is_within_the_derived_bound(
     (e^(2 eps) - 1) * max|v| + max_j s_vj / 2 (the weights sum to 1). Checked per row and
     head against float64 attention over the unquantized K/V; and exactly (to float32) against
     attention over numpy's quantized K/V, so the op computes this format and no other.
-    On the fallback and on the CPU primitives (ops/cpu.py; the last case: decodes around a
+    On the fallback and on the CPU primitives (mlxserve/cpu/ops.py; the last case: decodes around a
     block boundary, then a prefill).
     """
     use_backend(backend)
@@ -183,7 +183,7 @@ def test_default_model_logits_near_the_float_cache(
     def affine_write(k_cache, v_cache, keys, values, slots):
         return write(k_cache, v_cache, _affine_8bit(keys), _affine_8bit(values), slots)
 
-    def affine_cpu_write(module, k_cache, v_cache, keys, values, slots):  # ops/cpu.py's
+    def affine_cpu_write(module, k_cache, v_cache, keys, values, slots):  # cpu/ops.py's
         return cpu_write(module, k_cache, v_cache, _affine_8bit(keys), _affine_8bit(values), slots)
 
     logits = {}

@@ -200,7 +200,7 @@ def test_only_the_cli_imports_the_cli_and_sub_commands_never_import_main() -> No
 
 
 def test_leaf_modules_import_nothing_from_the_package() -> None:
-    leaves = ("utils", "blas", "gguf_file", "exceptions", "repetition", "kv_cache_spec")
+    leaves = ("utils", "cpu.blas", "gguf_file", "exceptions", "repetition", "kv_cache_spec")
     for leaf in (f"mlxserve.{name}" for name in leaves):
         assert internal_imports(leaf) == set(), leaf
 
@@ -213,15 +213,10 @@ def test_every_package_directory_is_a_regular_package() -> None:
         assert (path.parent / "__init__.py").exists(), path.parent
 
 
-# The CPU backend: mlxserve's CPU kernels and what runs them (item 1 of issue 30 moves the
-# fused-layer ones out of models/, into one wing installed on a model at load time).
-CPU_BACKEND = (
-    "mlxserve.cpu",
-    "mlxserve.blas",
-    "mlxserve.ops.cpu",
-    "mlxserve.models.cpu_layer",
-    "mlxserve.models.cpu_stack",
-)
+# The CPU backend: mlxserve's CPU kernels and what runs them (the BLAS binding, the ops on
+# the kernels, the fused layers and their installer), one wing installed on a model at load
+# time.
+CPU_BACKEND = ("mlxserve.cpu",)
 
 
 def cpu_backend_imports(module: str) -> set[str]:
@@ -232,12 +227,13 @@ def cpu_backend_imports(module: str) -> set[str]:
     }
 
 
-def test_cpu_backend_finder_sees_a_models_import_of_it() -> None:
-    assert "mlxserve.cpu" in cpu_backend_imports("mlxserve.models.cpu_layer")
+def test_cpu_backend_finder_sees_imports_of_it() -> None:
+    # The loader installs the wing (a module of the package); the settings bind its BLAS.
+    assert "mlxserve.cpu.install" in cpu_backend_imports("mlxserve.loader")
+    assert cpu_backend_imports("mlxserve.settings") == {"mlxserve.cpu.blas"}
     assert cpu_backend_imports("mlxserve.models.contract") == set()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 1: the CPU backend wing")
 def test_models_import_no_cpu_backend() -> None:
     """A file in models/ is architecture only: it never asks which backend it runs on."""
     bad = {m: sorted(cpu_backend_imports(m)) for m in modules() if wing(m) == "models"}
@@ -250,7 +246,7 @@ def test_models_import_no_cpu_backend() -> None:
 # the rank a distributed launcher (mlx.launch, mpirun) gives its processes.
 ENVIRONMENT_READERS = ("mlxserve.config", "mlxserve.settings")
 FOREIGN_VARIABLES = {
-    "mlxserve.blas": {"CC", "XDG_CACHE_HOME"},
+    "mlxserve.cpu.blas": {"CC", "XDG_CACHE_HOME"},
     "mlxserve.cpu.build": {"XDG_CACHE_HOME"},  # and _tool(env) below: CC / CXX
     "mlxserve.worker.launch": {"MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE"},
 }

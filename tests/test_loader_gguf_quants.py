@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 from mlxserve.loader import load_model
 from mlxserve.loader.gguf_quants import FLOAT16_SCALES
 from tests.gguf_helpers import write_gguf

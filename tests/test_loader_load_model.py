@@ -16,7 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from mlx.utils import tree_flatten
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 from mlxserve.loader import load_model
 from tests.gguf_helpers import write_gguf
 from tests.model_helpers import BlockPoolRunner, make_mlx_lm_checkpoint, tiny_config

@@ -17,7 +17,8 @@ from metal.checker.cases import (
     mixed_requests,
 )
 from metal.checker.cases import run as run_case
-from mlxserve import cpu, ops
+from mlxserve import ops
+from mlxserve.cpu import kernels as cpu
 from mlxserve.ops import AttentionMetadata
 from tests.paths import ROOT
 

@@ -1,5 +1,5 @@
 """The paged-attention ops against a plainly written dense attention (numpy): the pure-MLX
-fallback (the reference) and, where they are built, mlxserve's CPU primitives (ops/cpu.py:
+fallback (the reference) and, where they are built, mlxserve's CPU primitives (mlxserve/cpu/ops.py:
 decode and verification rows in one op, MLX's scatter built in C++ for the write)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve import cpu, ops
+from mlxserve import ops
+from mlxserve.cpu import kernels as cpu
 from mlxserve.ops import AttentionMetadata
 
 BACKENDS = ("fallback", "cpu")

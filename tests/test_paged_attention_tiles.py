@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels as cpu
 from mlxserve.ops import kv_quant
 from tests.test_paged_attention import use_backend
 

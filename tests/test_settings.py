@@ -87,7 +87,7 @@ def test_describe_marks_what_is_not_the_default() -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="the BLAS binding is Linux-only")
 def test_importing_mlxserve_binds_no_blas_until_a_command_or_model_starts() -> None:
     code = (
-        "import json, mlxserve; from mlxserve import blas, settings\n"
+        "import json, mlxserve; from mlxserve import settings; from mlxserve.cpu import blas\n"
         "before = blas.blas_info()['reason']\n"
         "settings.start()\n"
         "print(json.dumps([before, blas.blas_info()['reason']]))"

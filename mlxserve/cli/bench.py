@@ -58,7 +58,7 @@ def device_info() -> dict[str, object]:
     """Where the numbers come from: machine, MLX device and version, BLAS, CPU kernels."""
     import mlx.core as mx
 
-    from mlxserve import blas, cpu
+    from mlxserve.cpu import blas, kernels
     from mlxserve.utils import uses_gpu
 
     return {
@@ -70,7 +70,7 @@ def device_info() -> dict[str, object]:
         "metal": bool(mx.metal.is_available()),
         "blas": blas.blas_status(),
         # Built on first use; only meaningful (and only consulted by the loader) on the CPU.
-        "cpu_kernels": None if uses_gpu() else cpu.status(),
+        "cpu_kernels": None if uses_gpu() else kernels.status(),
     }
 
 

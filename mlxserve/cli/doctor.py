@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from mlxserve import cpu as cpu_kernels
 from mlxserve import ops, settings
-from mlxserve.blas import FIX as BLAS_FIX
-from mlxserve.blas import blas_status, fast_blas
 from mlxserve.cli.engine_args import add_engine_args, engine_config
 from mlxserve.config import EngineConfig
+from mlxserve.cpu import kernels as cpu_kernels
+from mlxserve.cpu.blas import FIX as BLAS_FIX
+from mlxserve.cpu.blas import blas_status, fast_blas
 from mlxserve.ops import selftest
 from mlxserve.ops.metal import MAX_HEAD_DIM, MetalKernels
 from mlxserve.utils import GiB, gpu_core_count, usable_memory

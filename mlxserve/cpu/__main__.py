@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 import sys
 
-from mlxserve import cpu
+from mlxserve.cpu import kernels
 
 
 def main() -> int:
     """Build (or find in the cache) and check the kernels; print the outcome."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    ok = cpu.available()
-    print(cpu.status())
+    ok = kernels.available()
+    print(kernels.status())
     return 0 if ok else 1
 
 

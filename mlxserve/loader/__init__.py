@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve import cpu, settings
-from mlxserve.blas import fast_blas
+from mlxserve import settings
+from mlxserve.cpu import install as cpu_backend
+from mlxserve.cpu import kernels as cpu_kernels
+from mlxserve.cpu.blas import fast_blas
 from mlxserve.loader import generation_config, hub
 from mlxserve.loader.gguf import load_gguf
 from mlxserve.loader.local import read_model_dir
@@ -204,8 +206,9 @@ def load_model(
     ``gguf_keep_float`` dequantizes GGUF tensors instead of keeping them quantized.
     ``cpu_dequantize``: run quantized layers in float on the CPU (None: only when
     mlxserve's CPU kernels are unavailable, an optimized BLAS is loaded and the float copy
-    fits, see :func:`should_dequantize`). Otherwise the CPU kernels (mlxserve.cpu) run
-    the quantized layers they support, when they could be built.
+    fits, see :func:`should_dequantize`). Otherwise the CPU backend (mlxserve.cpu) is
+    installed when its kernels could be built: they run the quantized layers they
+    support, and the llama-family decoders get its fused forwards.
     """
     from mlxserve.models import build_model
 
@@ -228,15 +231,17 @@ def load_model(
     act_dtype = resolve_dtype(dtype, config)
     # Only a quantized model on the CPU needs the kernels (built on first use).
     quantized = any(name.endswith(".scales") for name in weights)
-    kernels = quantized and not uses_gpu() and cpu_dequantize is not True and cpu.available()
+    kernels = (
+        quantized and not uses_gpu() and cpu_dequantize is not True and cpu_kernels.available()
+    )
     try:
         net = build_model(config, cast_weights(weights, act_dtype, keep_scales=kernels))
     except ValueError as e:
         raise ValueError(f"{source.path}: {e}") from None
     mx.eval(net.parameters())
     if kernels:
-        count = cpu.use_kernels(net, act_dtype)
-        logger.info("%d quantized layers run in %s", count, cpu.status())
+        count = cpu_backend.install(net, act_dtype)
+        logger.info("%d quantized layers run in %s", count, cpu_kernels.status())
     elif cpu_dequantize if cpu_dequantize is not None else should_dequantize(net, act_dtype):
         count = dequantize_model(net, act_dtype)
         logger.info(

@@ -171,7 +171,7 @@ def cached_attention(
     layer_idx: int,
     q: mx.array,  # (num_tokens, num_heads, head_dim)
     k: mx.array,  # (num_tokens, num_kv_heads, head_dim); CPU: or (num_tokens, 1, 1, ...)
-    v: mx.array,  # (num_tokens, num_kv_heads, head_dim) (see ops.cpu.write_kv)
+    v: mx.array,  # (num_tokens, num_kv_heads, head_dim) (see mlxserve/cpu/ops.py)
     md: AttentionMetadata,
     scale: float,
 ) -> mx.array:  # (num_tokens, num_heads, head_dim)

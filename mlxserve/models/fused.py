@@ -12,11 +12,12 @@ the output rows, so row n of the product is computed exactly as before. Quantize
 of different widths are fused at the widest (a 5-bit value is the same value in 8 bits,
 with the same scale and bias), 16- and 32-bit scales at float32: GGUF K-quant mixes store
 q/k/v in different types (Q5_0 q and k, a Q8_0 v on some layers), and a layer that cannot
-fuse leaves the whole CPU stack (models/cpu_stack.py). Layers that differ otherwise
+fuse leaves the whole CPU stack (mlxserve/cpu/stack.py). Layers that differ otherwise
 (class, group size, mode, bias or not) stay separate.
 
 Fusion runs after loading and after tensor-parallel sharding (shards are row slices of
-q/k/v and gate/up: each rank fuses its own slices), whatever the checkpoint format.
+q/k/v and gate/up: each rank fuses its own slices), whatever the checkpoint format; a
+pipeline stage's layers are fused on their rank.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def fuse_projections(model: nn.Module) -> int:
     Returns how many fused layers were made; idempotent; models of other families are
     left alone.
     """
-    stack = getattr(model, "model", None)
+    stack = getattr(model, "model", model)  # (a pipeline stage holds its layers itself)
     count = 0
     for layer in getattr(stack, "layers", None) or []:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)

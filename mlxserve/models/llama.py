@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve.models import compiled, cpu_layer, cpu_stack
+from mlxserve.models import compiled
 from mlxserve.models.base import (
     BaseModelArgs,
     KVCache,
@@ -210,28 +210,8 @@ class DecoderLayer(Watched):
     def __call__(
         self, x: mx.array, positions: mx.array, md: AttentionMetadata, cache: KVCache
     ) -> mx.array:  # (num_tokens, hidden)
-        attn = self.self_attn
-        # On the CPU kernels the layer is one op (models/cpu_layer.py), else None; a
-        # subclass that attends its own way keeps the halves.
-        if self.attends_as_llama:
-            h = cpu_layer.decoder_layer(self, x, positions, md, cache)
-            if h is not None:
-                return h
-        # On the CPU kernels each half is one op, else None.
-        qkv = cpu_layer.attention_input(attn, self.input_layernorm, x, positions)
-        if qkv is None:
-            qkv = attn.project(self.input_layernorm(x), positions)
-        out = attn.attend(qkv, md, cache)  # (num_tokens, num_heads, head_dim)
-        h = cpu_layer.output_mlp(self, x, out)
-        if h is not None:
-            return h
-        h = x + attn.o_proj(out.reshape(x.shape[0], -1))
+        h = x + self.self_attn(self.input_layernorm(x), positions, md, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-    @property
-    def attends_as_llama(self) -> bool:
-        """Whether the attention is Attention's own (a subclass may attend its own way)."""
-        return type(self.self_attn).attend is Attention.attend
 
 
 class DecoderStack(nn.Module):
@@ -246,7 +226,6 @@ class DecoderStack(nn.Module):
         for layer in self.layers[1:]:
             layer.self_attn.rope = self.layers[0].self_attn.rope
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self._stack_args = cpu_stack.StackArgs()  # the layers as one op (CPU kernels)
 
     def __call__(
         self,
@@ -256,16 +235,17 @@ class DecoderStack(nn.Module):
         cache: KVCache,
         logits_indices: mx.array | None,
     ) -> mx.array:  # (num_rows, hidden)
-        h = cpu_layer.embed(self.embed_tokens, input_ids)  # one op on the CPU kernels
-        if h is None:
-            h = self.embed_tokens(input_ids)  # (num_tokens, hidden)
-        out = cpu_stack.decoder_stack(self._stack_args, self.layers, h, positions, md, cache)
-        if out is None:  # (not on the CPU kernels: layer by layer)
-            for layer in self.layers:
-                h = layer(h, positions, md, cache)
-        else:
-            h = out
+        h = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        h = self.run_layers(h, positions, md, cache)
         return self.norm(select_rows(h, logits_indices))
+
+    def run_layers(
+        self, h: mx.array, positions: mx.array, md: AttentionMetadata, cache: KVCache
+    ) -> mx.array:  # (num_tokens, hidden)
+        """The decoder layers, in order."""
+        for layer in self.layers:
+            h = layer(h, positions, md, cache)
+        return h
 
 
 class Model(nn.Module):

@@ -32,7 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxserve.exceptions import ParameterError
-from mlxserve.models import cpu_stack, llama
+from mlxserve.models import llama
 from mlxserve.models.base import KVCache, select_rows, split_hidden_rows
 from mlxserve.models.tensor_parallel import require_llama
 from mlxserve.ops import AttentionMetadata
@@ -168,7 +168,6 @@ class PipelineStage(nn.Module):
         self.layers = stack.layers[lo:hi]
         for i, layer in enumerate(self.layers):
             layer.self_attn.layer_idx = i  # this rank's KV pool holds its layers only
-        self._stack_args = cpu_stack.StackArgs()  # this rank's layers as one op (CPU kernels)
         if self.is_first or (self.is_last and tied):
             self.embed_tokens = stack.embed_tokens
         if self.is_last:
@@ -201,9 +200,6 @@ class PipelineStage(nn.Module):
         self, h: mx.array, positions: mx.array, md: AttentionMetadata, cache: KVCache
     ) -> mx.array:  # (num_tokens, hidden)
         """This rank's layers on one micro-batch's hidden states."""
-        out = cpu_stack.decoder_stack(self._stack_args, self.layers, h, positions, md, cache)
-        if out is not None:  # (one op on the CPU kernels)
-            return out
         for layer in self.layers:
             h = layer(h, positions, md, cache)
         return h

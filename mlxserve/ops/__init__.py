@@ -1,9 +1,11 @@
 """The single dispatch point for attention kernels.
 
 ``paged_attention`` runs mlxserve's Metal kernels (``mlxserve.ops.metal``) when Metal is
-available and the default stream is on the GPU; on MLX's CPU backend mlxserve's CPU
-primitives (``mlxserve.ops.cpu``: one op per layer for the decode rows) when they are
-built, and the pure-MLX fallback otherwise (and when forced: it is the reference).
+available and the default stream is on the GPU; on MLX's CPU backend the CPU backend's
+primitives (one op per layer for every row) when one is registered and its extension is
+built, and the pure-MLX fallback otherwise (and when forced: it is the reference). The
+CPU backend (``mlxserve.cpu.ops``) registers itself with :func:`register_cpu_backend`
+when imported (the loader imports it); ops never imports it.
 ``write_kv`` is MLX's scatter on every backend (in place when the old pools can be
 donated; why: ops/metal.py); on Metal, rows for 8-bit pools are quantized by a kernel
 first. ``use_kernels(choice)`` ("auto", "metal" or "fallback", the engine's ``kernels``
@@ -28,18 +30,19 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from types import ModuleType
+from typing import Protocol
 
 import mlx.core as mx
 
-from mlxserve import cpu as cpu_kernels
 from mlxserve.exceptions import ParameterError
-from mlxserve.ops import cpu, fallback, kv_quant, selftest
+from mlxserve.ops import fallback, kv_quant, selftest
 from mlxserve.ops.metadata import AttentionMetadata, StateMetadata
 from mlxserve.ops.metal import KernelFactory, MetalConfig, MetalKernels, unsupported_reason
 from mlxserve.utils import uses_gpu
 
 __all__ = [
     "AttentionMetadata",
+    "CpuBackend",
     "StateMetadata",
     "check_kernels",
     "cpu_module",
@@ -47,6 +50,7 @@ __all__ = [
     "kernel_backend",
     "metal_kernels",
     "paged_attention",
+    "register_cpu_backend",
     "use_kernels",
     "write_kv",
 ]
@@ -83,6 +87,50 @@ class _ForcedChoices:
 
 
 _override = _ForcedChoices()
+
+
+class CpuBackend(Protocol):
+    """What a CPU backend registers: compiled primitives for MLX's CPU and the attention
+    ops on them (mlxserve.cpu.ops is one). Its functions are looked up on every call."""
+
+    def primitives(self) -> ModuleType | None:
+        """The loaded primitives, or None where they cannot be used here."""
+
+    def status(self) -> str:
+        """One line: the primitives in use, or why not."""
+
+    def write_kv(
+        self,
+        module: ModuleType,
+        k_cache: mx.array,
+        v_cache: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        slot_mapping: mx.array,
+    ) -> tuple[mx.array, mx.array]:
+        """:func:`write_kv` on the primitives."""
+
+    def paged_attention(
+        self,
+        module: ModuleType,
+        q: mx.array,
+        k_cache: mx.array,
+        v_cache: mx.array,
+        md: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """:func:`paged_attention` on the primitives."""
+
+
+_cpu_backend: list[CpuBackend] = []  # the registered one, if any
+
+
+def register_cpu_backend(backend: CpuBackend) -> None:
+    """Make ``backend`` the CPU backend the ops dispatch to on MLX's CPU (the last one
+    registered wins)."""
+    _cpu_backend[:] = [backend]
 
 
 def _forced() -> _Override | None:
@@ -125,21 +173,25 @@ def kernel_backend() -> tuple[str, str]:
         return forced.backend, "forced (kernels setting or ops.force_backend())"
     reason = _metal_unavailable_reason()
     if reason:
-        if cpu_kernels.available():
+        if not _cpu_backend:
+            return "fallback", f"{reason}; no CPU backend is registered"
+        if _cpu_backend[0].primitives() is not None:
             return "cpu", f"{reason}; mlxserve's CPU kernels are loaded"
-        return "fallback", f"{reason}; {cpu_kernels.status()}"
+        return "fallback", f"{reason}; {_cpu_backend[0].status()}"
     return "metal", "Metal is available and the default stream is on the GPU"
 
 
 def cpu_module() -> ModuleType | None:
-    """mlxserve's CPU primitives (mlxserve/cpu) when the ops use them now, else None: MLX
+    """The registered CPU backend's primitives when the ops use them now, else None: MLX
     on its CPU backend, the extension loaded (not MLXSERVE_CPU_KERNELS=off), and neither
     Metal nor the pure-MLX fallback forced. Models ask too (RMSNorm, RoPE)."""
+    if not _cpu_backend:
+        return None
     if (forced := _forced()) is not None:
-        return cpu_kernels.module() if forced.backend == "cpu" else None
+        return _cpu_backend[0].primitives() if forced.backend == "cpu" else None
     if uses_gpu():
         return None
-    return cpu_kernels.module()
+    return _cpu_backend[0].primitives()
 
 
 @lru_cache(maxsize=1)
@@ -205,7 +257,7 @@ def write_kv(
     """
     kernels = _metal()
     if kernels is None and (module := cpu_module()) is not None:
-        return cpu.write_kv(module, k_cache, v_cache, keys, values, slot_mapping)
+        return _cpu_backend[0].write_kv(module, k_cache, v_cache, keys, values, slot_mapping)
     if kernels is None or not kv_quant.is_quantized(k_cache) or keys.shape != values.shape:
         return fallback.write_kv(k_cache, v_cache, keys, values, slot_mapping)
     if not selftest.quantize_ok(kernels, keys.dtype, keys.shape[-1], _self_test_mode()):
@@ -248,7 +300,8 @@ def paged_attention(
     _check_window(window)
     kernels = _kernels_for(q, k_cache, v_cache)
     if kernels is None and (module := cpu_module()) is not None:
-        return cpu.paged_attention(module, q, k_cache, v_cache, md, scale, window, sinks)
+        backend = _cpu_backend[0]
+        return backend.paged_attention(module, q, k_cache, v_cache, md, scale, window, sinks)
     mode = _self_test_mode()
     if kernels is None or not selftest.attention_ok(kernels, q, k_cache, md, window, sinks, mode):
         return fallback.paged_attention(q, k_cache, v_cache, md, scale, window, sinks)

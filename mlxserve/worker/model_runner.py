@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from mlxserve import ops
 from mlxserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from mlxserve.cpu import install as cpu_backend
 from mlxserve.kv_cache_spec import KVCacheLayout, uniform_layout
 from mlxserve.models.base import KVCache
 from mlxserve.models.contract import LayoutModel, Model, PipelineStageModel, ShardedModel
@@ -109,6 +110,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         fuse_projections(model)  # one matmul for q/k/v, one for gate/up (after sharding)
+        # The CPU backend's fused forwards, also on what was made after loading (a
+        # pipeline stage); nothing changes where the loader did not install it.
+        cpu_backend.bind_forwards(model)
         # Tensor parallel (rank 0): every forward's inputs go to the other ranks first.
         self.channel = channel
         self.dtype = dtype

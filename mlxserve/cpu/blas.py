@@ -69,7 +69,7 @@ _state: dict[str, str | None] = {
     "gemv_reason": "not attempted",
 }
 _OFF = ("off", "0", "no", "false", "none")
-_SHIM_SOURCE = Path(__file__).with_name("csrc") / "sgemm_gemv.c"
+_SHIM_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sgemm_gemv.c"
 _keep: list[ctypes.CDLL] = []  # libraries whose functions the GOT slot points into
 
 

@@ -1,10 +1,11 @@
 """A llama-family model's decoder layers in one op on MLX's CPU backend
 (csrc/decoder_stack_ext.cpp).
 
-With each layer one op (models/cpu_layer.py), a step still paid ~30 us of Python per layer
+With each layer one op (cpu/layer.py), a step still paid ~30 us of Python per layer
 to describe it (module lookups, the weight lists and keyword arguments, the call) and MLX
 ~7-9 us to dispatch it. Here the layers' weights and settings are read and checked once
-and kept (:class:`StackArgs`, held by the model), and a step is one call::
+and kept (:class:`StackArgs`, held by the decoder stack or pipeline stage cpu/install.py
+bound this onto), and a step is one call::
 
     x, k_pools, v_pools -> decoder_stack -> h, k_pools, v_pools
         each layer as the one-op layer computes it, in order (the same bits, pools included)
@@ -26,10 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxserve import module_changes, ops
-from mlxserve.models import cpu_layer
+from mlxserve.cpu import layer as cpu_layer
+from mlxserve.cpu import ops as cpu_ops
 from mlxserve.module_changes import Watched
 from mlxserve.ops import AttentionMetadata
-from mlxserve.ops import cpu as cpu_ops
 
 __all__ = ["StackArgs", "decoder_stack"]
 
@@ -80,7 +81,7 @@ def _stack_layer(module: ModuleType, layer: nn.Module, index: int) -> Any:
     """The extension's StackLayer of ``layer`` (the ``index``-th: its K/V pools' index), or
     None where decoder_layer would not apply to it or a module it reads does not count its
     changes."""
-    if not getattr(layer, "attends_as_llama", False):
+    if not cpu_layer.attends_as_llama(layer):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     if attn.layer_idx != index:

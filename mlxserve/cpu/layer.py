@@ -7,11 +7,12 @@ layer on the quantized matmul kernels and float32 or int8 K/V pools, a layer is 
     x, k_pool, v_pool -> decoder_layer -> h, k_pool, v_pool
         attention_input: RMSNorm, q|k|v projection (+ bias), [q/k norms,] split + RoPE
         k and v written into their slots (int8 pools: quantized), in place when the old
-        pools can be donated; the paged attention of ops/cpu.py
+        pools can be donated; the paged attention of cpu/ops.py
         output_mlp: o_proj, + x, RMSNorm, gate|up projection, SwiGLU, down, + h
 
-Where every layer of a model is such a layer, models/cpu_stack.py makes all of them one
-op (the same function per layer, in order).
+Where every layer of a model is such a layer, cpu/stack.py makes all of them one op (the
+same function per layer, in order). cpu/install.py binds these onto a loaded model's
+layers (they never look at which backend they run on).
 
 Where the whole layer does not apply but its dense halves do (another attention: the
 Metal kernels, an mlx-lm layer's), ``attention_input`` and ``output_mlp`` are one op each
@@ -21,8 +22,8 @@ op too (``embed``).
 Each primitive runs the same kernels in the same order as the separate ops (the same
 bits, tests/test_cpu_layer.py). Where a part does not apply (other backends, the pure-MLX
 fallback forced, layers not on the kernels, unfused projections, tensor-parallel shards,
-activations other than float32) these return None and the layer builds today's
-graph.
+activations other than float32) these return None and the layer builds the separate
+ops' graph.
 """
 
 from __future__ import annotations
@@ -34,11 +35,28 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxserve import ops
-from mlxserve.cpu import CpuQuantizedEmbedding, CpuQuantizedLinear
+from mlxserve.cpu import ops as cpu_ops
+from mlxserve.cpu.kernels import CpuQuantizedEmbedding, CpuQuantizedLinear
+from mlxserve.models import llama
 from mlxserve.ops import AttentionMetadata
-from mlxserve.ops import cpu as cpu_ops
 
-__all__ = ["attention_input", "decoder_layer", "embed", "linear_args", "output_mlp"]
+__all__ = [
+    "attends_as_llama",
+    "attention_input",
+    "decoder_layer",
+    "embed",
+    "linear_args",
+    "output_mlp",
+]
+
+
+def attends_as_llama(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a llama-family decoder layer whose attention is
+    llama.Attention's own (a subclass may attend its own way: then the fused layer, which
+    attends inside, does not apply)."""
+    return isinstance(layer, llama.DecoderLayer) and (
+        type(layer.self_attn).attend is llama.Attention.attend
+    )
 
 
 def linear_args(layer: Any) -> tuple[list[mx.array], list[int]] | None:

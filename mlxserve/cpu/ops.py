@@ -3,7 +3,7 @@
 On MLX's CPU backend the fallback's decode attention is ~25 small ops per layer (gathers
 through the block table, transposes, a masked softmax) and the pool write ~12 (Python's
 indexing adds squeezes, broadcasts and reshapes), each dispatched on its own (~11 us an
-op here). With the extension loaded (mlxserve/cpu):
+op here). With the extension loaded (mlxserve/cpu/kernels.py):
 
 * every row of a step (decode rows, a speculative verification's rows, prefill chunks'
   rows: each attends to its sequence's keys up to its own position) is one
@@ -21,15 +21,22 @@ op here). With the extension loaded (mlxserve/cpu):
 
 The fallback (ops/fallback.py) stays the reference these are tested against
 (tests/test_paged_attention.py runs both against a dense attention).
+
+Importing this module registers it with mlxserve.ops as the CPU backend (its
+``primitives``, ``status``, ``write_kv`` and ``paged_attention``): ops chooses when they
+run, and looks them up here on each call.
 """
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
 
+from mlxserve import ops
+from mlxserve.cpu import kernels
 from mlxserve.ops import kv_quant
 from mlxserve.ops.metadata import AttentionMetadata
 
@@ -99,3 +106,17 @@ def step_rows(md: AttentionMetadata) -> tuple[mx.array, mx.array, int]:
         md.derived[key] = (md.block_tables[mx.array(req)], mx.array((pos + 1).astype(np.int32)))
     tables, ctx_rows = md.derived[key]
     return tables, ctx_rows, ctx_rows.shape[0]
+
+
+def primitives() -> ModuleType | None:
+    """The extension's primitives (built on the first call), or None where they cannot be
+    used here (:func:`status` says why)."""
+    return kernels.module()
+
+
+def status() -> str:
+    """One line: the CPU kernels in use, or why not."""
+    return kernels.status()
+
+
+ops.register_cpu_backend(sys.modules[__name__])
