@@ -102,19 +102,6 @@ def test_one_row_matmuls_through_the_gemv_shim_match_numpy() -> None:
     np.testing.assert_allclose(np.array(got), xs @ w.T, rtol=1e-5, atol=1e-5)
 
 
-def test_adapter_bench_times_both_paths_on_the_same_weights(tmp_path: Path) -> None:
-    from bench.adapter_vs_handwritten import step_times
-    from mlxserve.loader.local import read_model_dir
-    from mlxserve.models import build_model, mlx_lm_zoo
-
-    _, model_dir = make_tiny_model_dir(tmp_path / "m")
-    config, weights = read_model_dir(model_dir)
-    models = {"hand": build_model(config, weights), "adapter": mlx_lm_zoo.build(config, weights)}
-    times = step_times(models, batch=3, num_steps=2)
-    assert {k: len(v) for k, v in times.items()} == {"hand": 2, "adapter": 2}
-    assert all(t > 0 for v in times.values() for t in v)
-
-
 def test_window_itls_keeps_gaps_within_one_request_ending_in_the_window() -> None:
     from bench.serving import window_itls
 
@@ -323,18 +310,3 @@ def test_decode_profile_runs_a_step_and_the_verification_rows(tmp_path: Path) ->
     }
     assert set(data["verification"]) == {"1", "3"}
     assert data["verification"]["1"]["forward"]["vs_1_row"] == 1.0
-
-
-def test_layer_ops_runs_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """bench/layer_ops.py end to end on the tiny model (it swaps cpu_stack.decoder_stack,
-    cpu_layer.decoder_layer, engine.async_scheduling and the runner's launch: renames there
-    would break it)."""
-    from bench import layer_ops
-
-    _, model_dir = make_tiny_model_dir(tmp_path / "m")
-    argv = [str(model_dir), "--rounds", "1", "--tokens", "4", "--forward-reps", "1"]
-    assert layer_ops.main(argv) == 0
-    out = capsys.readouterr().out
-    forwards = ["forward pass, stack", "forward pass, one op", "forward pass, 5 ops"]
-    for variant in [*layer_ops.VARIANTS, *forwards]:
-        assert variant in out, variant
