@@ -15,7 +15,7 @@ import argparse
 import os
 
 from mlxserve import cpu
-from mlxserve.cli.bench import make_engine, make_prompts, timed_generate
+from mlxserve.cli.bench.workload import make_engine, make_prompts, timed_generate
 
 
 def main(argv: list[str] | None = None) -> int:

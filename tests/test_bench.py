@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from bench import memory
 from mlxserve import blas
+from mlxserve.cli.bench import memory
 from mlxserve.cli.main import main
 from tests.engine_helpers import make_tiny_model_dir, write_tokenizer
 
@@ -103,7 +103,7 @@ def test_one_row_matmuls_through_the_gemv_shim_match_numpy() -> None:
 
 
 def test_window_itls_keeps_gaps_within_one_request_ending_in_the_window() -> None:
-    from bench.serving import window_itls
+    from mlxserve.cli.bench.serving import window_itls
 
     requests = [[1.0, 2.0, 4.0, 7.0], [7.5, 8.0], [9.0]]
     # Gaps ending at 2, 4, 7 (first request), 8 (second); 7 -> 7.5 is a restart, not a gap.
@@ -117,7 +117,7 @@ def test_a_servers_peak_rss_counts_what_it_once_touched_and_not_its_parent() -> 
     import subprocess
     import sys
 
-    from bench.serving import proc_status_mib, reap
+    from mlxserve.cli.bench.serving import proc_status_mib, reap
 
     # The parent holds 256 MiB: ru_maxrss would count them (exec keeps the parent's
     # resident set at the fork when larger), the child's own peak must not.
@@ -143,7 +143,7 @@ def test_a_servers_cpu_seconds_count_its_busy_loop() -> None:
     import subprocess
     import sys
 
-    from bench.serving import cpu_seconds, reap
+    from mlxserve.cli.bench.serving import cpu_seconds, reap
 
     script = (
         "import time; t = time.process_time()\n"
@@ -163,7 +163,7 @@ def test_background_streams_restart_when_an_engine_ends_them() -> None:
 
     import httpx
 
-    from bench.serving import BackgroundStreams
+    from mlxserve.cli.bench.serving import BackgroundStreams
 
     sent: list[dict] = []
 
