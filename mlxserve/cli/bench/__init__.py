@@ -56,7 +56,7 @@ CHECKOUT = Path(__file__).resolve().parents[3]
 
 class SubCommands(argparse._SubParsersAction):
     """`bench`'s sub-commands, where a first word that names none is MODEL: `mlxserve bench
-    MODEL --flags` runs the quick check, as it did before `bench` had sub-commands."""
+    MODEL --flags` runs the quick check (the line the docs and the macOS CI use)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -78,6 +78,10 @@ class SubCommands(argparse._SubParsersAction):
             namespace.handler, namespace.argv = checkout_command(name), rest
             return
         if name in self._name_parser_map:
+            # `bench`'s own flags are the quick check's: a sub-command has only its own.
+            for action in self.quick._actions:
+                if hasattr(namespace, action.dest):
+                    delattr(namespace, action.dest)
             return super().__call__(parser, namespace, values, option_string)
         # Into the same namespace: flags given before MODEL are kept, not reset to defaults.
         _, extras = self.quick.parse_known_args(list(values), namespace)

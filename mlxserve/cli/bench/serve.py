@@ -255,7 +255,7 @@ def serve_command(args: argparse.Namespace) -> int:
         "model": source.name,
         "device": device_info(),
         "conditions": conditions(),
-        "args": vars(args) | {"handler": None},
+        "args": {k: v for k, v in vars(args).items() if k != "handler"},
     }
     print(f"device: {results['device']}")
 
