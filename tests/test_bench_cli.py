@@ -47,6 +47,14 @@ def test_the_checkout_sub_commands_show_their_scripts_options(name: str, capsys)
     assert capsys.readouterr().out.startswith(f"usage: mlxserve bench {name} ")
 
 
+def test_profile_runs_the_checkouts_decode_profile(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    argv = ["bench", "profile", str(tiny_model), "--batch", "2", "--steps", "1", "--repeats", "1"]
+    argv += ["--verify-rows", "1", "--verify-context", "8", "--overlap-rounds", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["steps"]["2"]["step"] > 0
+
+
 def test_a_checkout_sub_command_says_where_to_run_it_when_bench_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -64,6 +72,9 @@ def test_bench_without_a_sub_command_takes_model_and_flags_in_any_order() -> Non
     args = parser.parse_args(["bench", "--json", "x.json"])  # the macOS CI's line: no MODEL
     assert (args.model if hasattr(args, "model") else None, args.json) == (None, "x.json")
     assert parser.parse_args(["bench", "latency", "m"]).bench_command == "latency"
+    # A checkout sub-command gets every word after its name, bench's own flags' names too.
+    words = ["--out", "x", "--batch", "2", "--json", "y.json"]
+    assert parser.parse_args(["bench", "profile", *words]).argv == words
 
 
 def test_latency_measures_decode_and_prefill_only(tiny_model: Path, tmp_path: Path) -> None:

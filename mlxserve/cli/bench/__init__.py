@@ -119,6 +119,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         help="how fast mlxserve is: latency, throughput, serve, peers, agents, ...",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # argparse reads every word after `bench` against these flags first, also those of
+        # a sub-command: `profile --batch` must not be taken for an abbreviated --batch-sizes.
+        allow_abbrev=False,
     )
     add_offline_flags(p, QUICK_FLAGS, model=False)  # `mlxserve bench --flags`: the quick check
     quick = ("latency", "throughput")
