@@ -113,6 +113,22 @@ def test_serve_measures_a_server_on_the_tiny_model(tiny_model: Path, tmp_path: P
     assert data["rss"]["serving"]["mlxserve"]["peak_mib"] > 0
 
 
+def test_serve_measures_a_running_server_at_base_url(tiny_model: Path, tmp_path: Path) -> None:
+    import sys
+
+    from mlxserve.cli.bench.serving import Server, ServerSpec
+
+    cmd = [sys.executable, "-m", "mlxserve.cli", "serve", str(tiny_model)]
+    with Server(ServerSpec("tiny", cmd), tmp_path) as srv:
+        argv = ["bench", "serve", str(tiny_model), "--base-url", srv.url, "--concurrency", "2"]
+        argv += ["--requests", "2", "--max-tokens", "2", "--out", str(tmp_path / "r")]
+        assert main(argv) == 0
+        assert srv.proc.poll() is None  # measured, not stopped
+    data = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert data["serving"][srv.url]["2"]["output_tokens"] == 4
+    assert data["rss"]["serving"][srv.url] == {"ready_mib": None, "peak_mib": None}
+
+
 def test_peers_refuses_an_unknown_peer(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "peers", "--peers", "mlxserve,vllm"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown peer or section 'vllm'")

@@ -32,17 +32,20 @@ from mlxserve.cli.bench.workload import (
 )
 
 if TYPE_CHECKING:
-    from mlxserve.cli.bench.serving import Server, ServerSpec
+    from mlxserve.cli.bench.serving import RunningServer, Server, ServerSpec
 
 SERVER_SECTIONS = ("serving", "mixed", "busy", "prefix")
 
 
-def server_specs(args, gguf: Path, parallel: int, ctx_per_slot: int) -> dict[str, ServerSpec]:
-    """The servers of ``args.peers``; llama-server with ``parallel`` slots of ``ctx_per_slot``."""
+def server_specs(args, gguf: Path, parallel: int, ctx_per_slot: int) -> dict[str, ServerSpec | str]:
+    """The servers of ``args.peers``; llama-server with ``parallel`` slots of ``ctx_per_slot``.
+    With ``args.base_url``, that one server, already running (named by its URL)."""
     from mlxserve.cli.bench import serving
     from mlxserve.cli.bench.common import STOCK_ENV
     from mlxserve.cli.bench.llamacpp import server_cmd
 
+    if getattr(args, "base_url", None):
+        return {args.base_url: args.base_url}
     specs = {}
     mlxserve_cmd = [sys.executable, "-m", "mlxserve.cli", "serve", str(gguf)]
     mlxserve_cmd += [
@@ -70,7 +73,17 @@ def server_specs(args, gguf: Path, parallel: int, ctx_per_slot: int) -> dict[str
     return specs
 
 
-def note_rss(rss: dict[str, dict], name: str, srv: Server) -> None:
+def open_server(spec: ServerSpec | str, work: Path) -> Server | RunningServer:
+    """A context that starts the server of ``spec`` and stops it after; a URL: measured as
+    it runs."""
+    from mlxserve.cli.bench import serving
+
+    if isinstance(spec, str):
+        return serving.RunningServer(spec)
+    return serving.Server(spec, work)
+
+
+def note_rss(rss: dict[str, dict], name: str, srv: Server | RunningServer) -> None:
     """Record a stopped server's resident memory: when ready, and its peak."""
     rss[name] = {"ready_mib": srv.ready_rss_mib, "peak_mib": srv.peak_rss_mib}
     print(f"[{name}] RSS when ready {_mib(srv.ready_rss_mib)}, peak {_mib(srv.peak_rss_mib)}")
@@ -86,12 +99,12 @@ def run_serving(args, tok, gguf: Path, work: Path, rss: dict[str, dict]) -> dict
     res: dict[str, dict] = {}
     for name, spec in server_specs(args, gguf, max(args.concurrency), 256).items():
         res[name] = {}
-        with serving.Server(spec, work) as srv:
+        with open_server(spec, work) as srv:
             for c in args.concurrency:
                 per = max(1, args.requests // c) if c < args.requests else 1
                 texts = text_prompts(tok, c * per, 32, start=10_000 + 100 * c)
                 prompts = [texts[i * per : (i + 1) * per] for i in range(c)]
-                cpu = serving.cpu_seconds(srv.proc.pid)
+                cpu = serving.cpu_seconds(srv.proc.pid) if srv.proc else None
                 results, wall = asyncio.run(serving.closed_loop(srv.url, prompts, args.max_tokens))
                 res[name][str(c)] = s = serving.summarize(results, wall)
                 if cpu is not None:  # the server's CPU time (all threads) per output token
@@ -137,7 +150,7 @@ def _under_load(
     res = {}
     slots = len(streams) + len(arrivals)
     for name, spec in server_specs(args, gguf, slots, ctx_per_slot).items():
-        with serving.Server(spec, work) as srv:
+        with open_server(spec, work) as srv:
             res[name] = asyncio.run(
                 serving.under_load(srv.url, streams, stream_tokens, arrivals, arrival_tokens, gap_s)
             )
@@ -160,7 +173,7 @@ def run_prefix(args, tok, gguf: Path, work: Path, rss: dict[str, dict]) -> dict[
             "mlxserve-nocache", [*off.cmd, "--no-enable-prefix-caching"]
         )
     for name, spec in specs.items():
-        with serving.Server(spec, work) as srv:
+        with open_server(spec, work) as srv:
             res[name] = asyncio.run(serving.shared_prefix(srv.url, prompts, 8))
         note_rss(rss, name, srv)
         print(
@@ -217,6 +230,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated, of " + ",".join(SERVER_SECTIONS) + " (default: serving)",
     )
     p.add_argument(
+        "--base-url",
+        default=None,
+        help="measure this running OpenAI-compatible server (http://HOST:PORT) instead of "
+        "starting `mlxserve serve MODEL`; MODEL's tokenizer still cuts the prompts",
+    )
+    p.add_argument(
         "--serve-arg",
         dest="serve_args",
         action="append",
@@ -252,7 +271,9 @@ def serve_command(args: argparse.Namespace) -> int:
     work = out_dir / "logs"
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, object] = {
-        "model": source.name,
+        # A server at --base-url serves what it serves; MODEL only tokenized the prompts.
+        "model": args.base_url or source.name,
+        "prompt_tokenizer": source.name,
         "device": device_info(),
         "conditions": conditions(),
         "args": {k: v for k, v in vars(args).items() if k != "handler"},

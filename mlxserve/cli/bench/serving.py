@@ -102,6 +102,23 @@ class Server:
         self._log_file.close()
 
 
+class RunningServer:
+    """A server started elsewhere (`mlxserve bench serve --base-url`): measured only, never
+    started or stopped; its memory and CPU time are not this process's to read."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.proc: subprocess.Popen | None = None
+        self.peak_rss_mib: float | None = None
+        self.ready_rss_mib: float | None = None
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 def cpu_seconds(pid: int) -> float | None:
     """CPU time a process has used so far, all its threads (user + system), where /proc
     tells it."""
