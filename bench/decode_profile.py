@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from mlxserve.cli.bench import make_engine, make_prompts  # noqa: E402
+from mlxserve.cli.bench.workload import make_engine, make_prompts  # noqa: E402
 from mlxserve.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -398,7 +398,7 @@ def profile_verification(model, rows: list[int], repeats: int, context: int = 60
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="mlxserve bench profile", description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", default=None)
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 8], help="none: skip")
     ap.add_argument("--steps", type=int, default=20)

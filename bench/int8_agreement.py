@@ -34,7 +34,7 @@ CLEAR_GAP = 0.3
 
 def worker(num_prompts: int, max_tokens: int) -> dict:
     from mlxserve import LLM, SamplingParams
-    from mlxserve.cli.bench import make_prompts
+    from mlxserve.cli.bench.workload import make_prompts
 
     cases = json.loads(ORACLE.read_text())["greedy"]
     # A few prompt tokens per step (2-4 rows: the decode-row kernels). The chunk size is

@@ -1,9 +1,10 @@
 """Prefill and decode deep in a long context: mlxserve vs llama.cpp on the same GGUF, one run.
 
-Run: PYTHONPATH=. python -m bench.long_context [MODEL.gguf] [--depths 4096,8192] [--out FILE]
+Run: mlxserve bench long-context [MODEL.gguf] [--depths 4096,8192] [--out FILE]
+(in a checkout also ``PYTHONPATH=. python -m bench.long_context``)
 
 A coding agent's prompt is long (Claude Code's first one is ~20k tokens), so what it waits
-for is attention over many keys, not the short-prompt prefill of `bench/run.py`. For each
+for is attention over many keys, not the short-prompt prefill of `mlxserve bench latency`. For each
 depth D this measures what llama-bench calls `pp512 @ dD` and `tg32 @ dD`:
 
 - llama.cpp: `llama-bench -p 512 -n 32 -d D -fa 0,1 -t 2 -r 1` (flash attention off and on;
@@ -27,7 +28,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.peers import llamacpp
+from mlxserve.cli.bench import llamacpp
 
 CHUNK, DECODE = 512, 32
 
@@ -76,14 +77,18 @@ def mlxserve(model: Path, depth: int) -> dict[str, float]:
     return {"prefill_tok_s": CHUNK / (first - start), "decode_tok_s": DECODE / (last - first)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Print one row per depth and engine, and the ratios."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="mlxserve bench long-context",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("model", nargs="?", type=Path)
     parser.add_argument("--depths", default="4096,8192")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--out", type=Path)
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
     model = a.model or default_model()
     result = {"model": str(model), "load_start": os.getloadavg()[0], "rows": []}
     print(f"model {model}; load average {result['load_start']:.2f}")
@@ -103,7 +108,8 @@ def main() -> None:
     print(f"load average at end {result['load_end']:.2f}")
     if a.out:
         a.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -36,7 +36,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cache_dir  # noqa: E402
+from mlxserve.cli.bench.common import cache_dir  # noqa: E402
 
 VOCAB = 49152
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from mlxserve.cli.bench import make_engine, make_prompts, timed_generate
+from mlxserve.cli.bench.workload import make_engine, make_prompts, timed_generate
 from mlxserve.cpu import kernels as cpu
 
 

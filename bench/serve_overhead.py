@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    from mlxserve.cli.bench import make_engine, make_prompts
+    from mlxserve.cli.bench.workload import make_engine, make_prompts
     from mlxserve.engine.async_llm import AsyncLLM
     from mlxserve.engine.startup import default_max_num_batched_tokens
 

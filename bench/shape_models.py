@@ -9,11 +9,11 @@ byte-level BPE vocabulary of the real size measures what the real file would::
 
 The F16 GGUF is written with the `gguf` package (llama.cpp's tensor names and metadata, a
 chat template, tied embeddings where the real model ties them); each quantized file is
-made from it by llama.cpp's own ``llama-quantize`` (bench/peers/llamacpp.py builds it), so
+made from it by llama.cpp's own ``llama-quantize`` (mlxserve/cli/bench/llamacpp.py builds it), so
 its tensor-type mix is the one real files have: e.g. Q4_K_M of Qwen2.5-0.5B (hidden 896,
 not a multiple of 256) has Q5_0/Q8_0 rows where 256-value K-quant blocks do not fit.
 Files live in
-``bench.common.cache_dir() / "shape-models"``, never in the repository.
+``mlxserve.cli.bench.common.cache_dir() / "shape-models"``, never in the repository.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from bench.common import cache_dir
+from mlxserve.cli.bench.common import cache_dir
 
 QUANTS = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 CHATML = (
@@ -281,7 +281,7 @@ def quantized_path(name: str, quant: str, seed: int = 0, log=print) -> Path:
     path = models_dir() / f"{name}-s{seed}-{quant}.gguf"
     if path.exists():
         return path
-    from bench.peers import llamacpp
+    from mlxserve.cli.bench import llamacpp
 
     source = f16_path(name, seed)
     tool = llamacpp.ensure_built(log=log) / "llama-quantize"

@@ -73,8 +73,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cache_dir  # noqa: E402
 from bench.edit_workload import SHAPES, describe, edit_source, prompt, score  # noqa: E402
+from mlxserve.cli.bench.common import cache_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = [

@@ -51,15 +51,15 @@ def llama_cpp_rows(
 ) -> dict[str, dict]:
     """llama-server on ``gguf`` (default: the embedded model) in each llama_cpp_modes mode.
     Skipped (with the reason) when the bench's llama.cpp build is missing: building it
-    takes ~10 minutes (``python -m bench.peers.llamacpp``)."""
+    takes ~10 minutes (``python -m mlxserve.cli.bench.llamacpp``)."""
     import subprocess
     import tempfile
 
-    from bench.peers.llamacpp import TARGETS, bin_dir
+    from mlxserve.cli.bench.llamacpp import TARGETS, bin_dir
     from mlxserve.loader import default_model_path
 
     if not all((bin_dir() / t).exists() for t in TARGETS):
-        print("  llama.cpp: skipped (not built: python -m bench.peers.llamacpp builds it)")
+        print("  llama.cpp: skipped (not built: python -m mlxserve.cli.bench.llamacpp builds it)")
         return {}
     gguf = gguf or str(default_model_path())
     if not gguf.endswith(".gguf"):

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from mlxserve import LLM, SamplingParams
-    from mlxserve.cli.bench import make_prompts
+    from mlxserve.cli.bench.workload import make_prompts
     from mlxserve.sampling_params import StructuredOutputsParams
 
     print(f"device: {mx.default_device()}")

@@ -37,16 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mlxserve import settings  # noqa: E402
 
 settings.start()  # bind the optimized BLAS, as a command does, before anything computes
-from bench.common import (  # noqa: E402
-    ROOT,
+from bench.peers.mlx_lm_zoo_worker import run_cases  # noqa: E402
+from mlxserve.cli.bench.common import (  # noqa: E402
     STOCK_ENV,
     child_env,
     find_openblas,
     openblas_env,
     run_json,
 )
-from bench.peers.mlx_lm_zoo_worker import run_cases  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 MLX_LM_ZOO_WORKER = ROOT / "bench" / "peers" / "mlx_lm_zoo_worker.py"
 MODELS = ("qwen3_moe", "qwen3_5", "qwen3_next")
 
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     args = parse_args(argv)
-    from mlxserve.cli.bench import device_info
+    from mlxserve.cli.bench.workload import device_info
 
     info = device_info()
     print(f"device: {info['device']}  mlx {info['mlx']}  blas: {info['blas']}")

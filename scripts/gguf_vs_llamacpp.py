@@ -9,7 +9,7 @@ greedy tokens and their log-probs are compared with mlx-lm's. Where the tokens p
 llama.cpp's prefill of the common prefix is compared with mlx-lm's next-token log-probs:
 equal tops there point at llama.cpp's decode arithmetic rather than at the file.
 
-Needs the llama.cpp build of bench/ (bench/peers/llamacpp.py; ~10 minutes once, 2 cores);
+Needs the bench's llama.cpp build (mlxserve/cli/bench/llamacpp.py; ~10 minutes once, 2 cores);
 never in CI. Tiny models, one llama-server at a time on 127.0.0.1, a few seconds each.
 
     python scripts/gguf_vs_llamacpp.py [CASE ...]
@@ -33,7 +33,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from bench.peers.llamacpp import bin_dir  # noqa: E402
+from mlxserve.cli.bench.llamacpp import bin_dir  # noqa: E402
 from mlxserve.loader import load_model  # noqa: E402
 from tests.model_helpers import mlx_lm_chunk_logits  # noqa: E402
 from tests.test_loader_gguf_families import (  # noqa: E402
@@ -162,7 +162,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown cases {unknown}; the cases are {sorted(CASES)}")
     if not (bin_dir() / "llama-server").exists():
-        sys.exit(f"no llama-server in {bin_dir()}: build it with bench (bench/peers/llamacpp.py)")
+        sys.exit(f"no llama-server in {bin_dir()}: python -m mlxserve.cli.bench.llamacpp builds it")
     print(f"{len(PROMPTS)} prompts x {STEPS} greedy tokens, llama-server vs mlx-lm")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.cases or sorted(CASES):

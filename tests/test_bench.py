@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from bench import memory
+from mlxserve.cli.bench import memory
 from mlxserve.cli.main import main
 from mlxserve.cpu import blas
 from tests.engine_helpers import make_tiny_model_dir, write_tokenizer
@@ -102,21 +102,8 @@ def test_one_row_matmuls_through_the_gemv_shim_match_numpy() -> None:
     np.testing.assert_allclose(np.array(got), xs @ w.T, rtol=1e-5, atol=1e-5)
 
 
-def test_adapter_bench_times_both_paths_on_the_same_weights(tmp_path: Path) -> None:
-    from bench.adapter_vs_handwritten import step_times
-    from mlxserve.loader.local import read_model_dir
-    from mlxserve.models import build_model, mlx_lm_zoo
-
-    _, model_dir = make_tiny_model_dir(tmp_path / "m")
-    config, weights = read_model_dir(model_dir)
-    models = {"hand": build_model(config, weights), "adapter": mlx_lm_zoo.build(config, weights)}
-    times = step_times(models, batch=3, num_steps=2)
-    assert {k: len(v) for k, v in times.items()} == {"hand": 2, "adapter": 2}
-    assert all(t > 0 for v in times.values() for t in v)
-
-
 def test_window_itls_keeps_gaps_within_one_request_ending_in_the_window() -> None:
-    from bench.serving import window_itls
+    from mlxserve.cli.bench.serving import window_itls
 
     requests = [[1.0, 2.0, 4.0, 7.0], [7.5, 8.0], [9.0]]
     # Gaps ending at 2, 4, 7 (first request), 8 (second); 7 -> 7.5 is a restart, not a gap.
@@ -130,7 +117,7 @@ def test_a_servers_peak_rss_counts_what_it_once_touched_and_not_its_parent() -> 
     import subprocess
     import sys
 
-    from bench.serving import proc_status_mib, reap
+    from mlxserve.cli.bench.serving import proc_status_mib, reap
 
     # The parent holds 256 MiB: ru_maxrss would count them (exec keeps the parent's
     # resident set at the fork when larger), the child's own peak must not.
@@ -156,7 +143,7 @@ def test_a_servers_cpu_seconds_count_its_busy_loop() -> None:
     import subprocess
     import sys
 
-    from bench.serving import cpu_seconds, reap
+    from mlxserve.cli.bench.serving import cpu_seconds, reap
 
     script = (
         "import time; t = time.process_time()\n"
@@ -176,7 +163,7 @@ def test_background_streams_restart_when_an_engine_ends_them() -> None:
 
     import httpx
 
-    from bench.serving import BackgroundStreams
+    from mlxserve.cli.bench.serving import BackgroundStreams
 
     sent: list[dict] = []
 
@@ -323,18 +310,3 @@ def test_decode_profile_runs_a_step_and_the_verification_rows(tmp_path: Path) ->
     }
     assert set(data["verification"]) == {"1", "3"}
     assert data["verification"]["1"]["forward"]["vs_1_row"] == 1.0
-
-
-def test_layer_ops_runs_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """bench/layer_ops.py end to end on the tiny model (it swaps cpu_stack.decoder_stack,
-    cpu_layer.decoder_layer, engine.async_scheduling and the runner's launch: renames there
-    would break it)."""
-    from bench import layer_ops
-
-    _, model_dir = make_tiny_model_dir(tmp_path / "m")
-    argv = [str(model_dir), "--rounds", "1", "--tokens", "4", "--forward-reps", "1"]
-    assert layer_ops.main(argv) == 0
-    out = capsys.readouterr().out
-    forwards = ["forward pass, stack", "forward pass, one op", "forward pass, 5 ops"]
-    for variant in [*layer_ops.VARIANTS, *forwards]:
-        assert variant in out, variant

@@ -1,4 +1,5 @@
-"""`python -m bench.agents`: each coding-agent client x each server, one short session.
+"""`mlxserve bench agents` (`python -m bench.agents` in a checkout): each coding-agent client x
+each server, one short session.
 
 For every server (mlxserve, llama-server), started alone on 127.0.0.1, and every client,
 one after another: a fresh git repo holding a small bug, a fresh HOME, a logging proxy
@@ -24,8 +25,8 @@ import httpx
 
 from bench.agents import clients, report, servers
 from bench.agents.proxy import NetCatcher, ProxyServer, Recorder
-from bench.common import cache_dir
-from bench.serving import Server
+from mlxserve.cli.bench.common import cache_dir
+from mlxserve.cli.bench.serving import Server
 
 PROMPT = (
     "The test in test_calc.py fails because of a bug in calc.py. Fix the bug in calc.py, "
@@ -211,10 +212,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from bench.peers import llamacpp
+    from mlxserve.cli.bench import llamacpp
 
     p = argparse.ArgumentParser(
-        prog="python -m bench.agents",
+        prog="mlxserve bench agents",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -16,8 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from bench.common import cache_dir
-from bench.serving import ServerSpec
+from mlxserve.cli.bench.common import cache_dir
+from mlxserve.cli.bench.serving import ServerSpec
 
 SERVED_NAME = "mlxserve-bench"  # the model name every client is told to use
 

@@ -1,1 +1,1 @@
-"""The engines mlxserve is compared with: mlx-lm (same MLX, same weights) and llama.cpp."""
+"""mlx-lm as a peer of bench/zoo_vs_mlx_lm.py (the suite's peers are in mlxserve/cli/bench)."""

@@ -22,7 +22,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from bench.common import cache_dir
+from mlxserve.cli.bench.common import cache_dir
 
 VERSION = "0.3.36"  # llama-cpp-python; its vendor/llama.cpp is what gets built
 TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize")

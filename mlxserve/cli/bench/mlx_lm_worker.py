@@ -1,6 +1,6 @@
 """mlx-lm's offline numbers, in a process of their own (so its BLAS is what mlx-lm gets).
 
-    python bench/peers/mlx_lm_worker.py SPEC.json OUT.json
+    python mlxserve/cli/bench/mlx_lm_worker.py SPEC.json OUT.json
 
 SPEC: {"model": DIR, "decode_prompt": ids, "decode_tokens": n, "prefill_prompt": ids,
 "batches": {"8": [ids...], ...}, "batch_tokens": n, "kv_lengths": [n...]}. Runs what a user
@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 
@@ -80,4 +81,8 @@ def main(spec_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    # Run by its path: its folder (the bench package's modules: report, memory, ...) must
+    # not stand in for top-level modules of the same names.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     main(sys.argv[1], sys.argv[2])

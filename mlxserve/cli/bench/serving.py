@@ -5,7 +5,7 @@ greedy, on localhost. Workloads:
 
     concurrency C   C clients in a closed loop, R requests each, distinct prompts
     under load      D streams keep decoding while prompts arrive one after another
-                    (bench/run.py's "mixed": 8 streams, two long prompts; "busy": 32
+                    (`mlxserve bench peers`' "mixed": 8 streams, two long prompts; "busy": 32
                     streams, short prompts): the streams' ITL while the arrivals are
                     processed (does prefill stall them?) and the arrivals' TTFT (does
                     decoding starve them?)
@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import ROOT, child_env, percentile
+from mlxserve.cli.bench.common import child_env, percentile
 
 
 @dataclass
@@ -76,7 +76,6 @@ class Server:
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(
             cmd,
-            cwd=ROOT,
             env=child_env(self.spec.env),
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
@@ -101,6 +100,23 @@ class Server:
         maxrss = reap(self.proc, timeout_s=30)
         self.peak_rss_mib = peak if peak is not None else maxrss
         self._log_file.close()
+
+
+class RunningServer:
+    """A server started elsewhere (`mlxserve bench serve --base-url`): measured only, never
+    started or stopped; its memory and CPU time are not this process's to read."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.proc: subprocess.Popen | None = None
+        self.peak_rss_mib: float | None = None
+        self.ready_rss_mib: float | None = None
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 def cpu_seconds(pid: int) -> float | None:

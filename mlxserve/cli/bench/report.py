@@ -1,15 +1,22 @@
-"""Tables, goal ratios and the PNG chart of a bench/run.py results dict."""
+"""The one report of every measuring `mlxserve bench` sub-command: tables, goal ratios,
+results.json and a PNG chart.
+
+A results dict holds the sections that were run, each keyed by engine: ``offline``
+(`latency`, `throughput`, the quick check, `peers`), ``profile`` (the step profile),
+``serving``, ``mixed``, ``busy``, ``prefix``, ``rss`` (`serve`, `peers`) and ``memory``
+(`peers`); a section that was not run is absent, and so are its tables and panels.
+"""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
 
-OFFLINE_KEYS = [
+LATENCY_KEYS = [
     ("decode_tok_s", "single-stream decode tok/s"),
     ("prefill_tok_s", "prefill tok/s"),
-    ("batch8_tok_s", "batch 8 output tok/s"),
-    ("batch32_tok_s", "batch 32 output tok/s"),
 ]
 SERVING_KEYS = [
     ("output_tok_s", "output tok/s"),
@@ -21,7 +28,7 @@ SERVING_KEYS = [
     ("cpu_ms_per_token", "server CPU ms per output token"),
 ]
 
-# bench/serving.py under_load(): stream ITLs while the arrivals are served, their TTFT.
+# serving.under_load(): stream ITLs while the arrivals are served, their TTFT.
 LOAD_KEYS = [
     "itl_p50_ms",
     "itl_p99_ms",
@@ -52,6 +59,14 @@ def _table(title: str, header: list[str], rows: list[list[object]]) -> None:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
+
+
+def offline_keys(off: dict[str, dict]) -> list[tuple[str, str]]:
+    """(key, label) of the offline numbers any engine has: latency first, then batches."""
+    have = {k for numbers in off.values() for k in numbers}
+    batches = sorted(int(k[5:-6]) for k in have if k.startswith("batch") and k.endswith("_tok_s"))
+    keys = [(k, label) for k, label in LATENCY_KEYS if k in have]
+    return keys + [(f"batch{n}_tok_s", f"batch {n} output tok/s") for n in batches]
 
 
 def goals(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
@@ -112,8 +127,18 @@ def print_report(results: dict) -> None:
     off = results.get("offline", {})
     if off:
         engines = list(off)
-        rows = [[label] + [off[e].get(k) for e in engines] for k, label in OFFLINE_KEYS]
+        rows = [[label] + [off[e].get(k) for e in engines] for k, label in offline_keys(off)]
         _table("offline", ["metric", *engines], rows)
+    profile = {e: p for e, p in (results.get("profile") or {}).items() if p}
+    if profile:
+        keys = ["batch", "step_ms", "host_ms", "wait_ms"]
+        rows = [[k] + [profile[e].get(k) for e in profile] for k in keys]
+        rows.append(["host_share"] + [f"{profile[e]['host_share']:.0%}" for e in profile])
+        _table(
+            "step profile (decode-only steps: host = Python, wait = blocked in MLX)",
+            ["metric", *profile],
+            rows,
+        )
     srv = results.get("serving", {})
     if srv:
         engines = list(srv)
@@ -166,77 +191,102 @@ def print_report(results: dict) -> None:
         if "mlx_lm_measured_kv_bytes" in mem:
             print(f"  mlx-lm measured KV bytes by prompt length: {mem['mlx_lm_measured_kv_bytes']}")
     rows = [
-        [
-            name,
-            None if value is None else f"{value:.2f}",
-            target,
-            {True: "met", False: "MISSED", None: "-"}[met],
-        ]
+        [name, f"{value:.2f}", target, "met" if met else "MISSED"]
         for name, value, target, met in goals(results)
+        if value is not None  # a goal whose engines were not both run
     ]
-    _table("goals", ["ratio", "measured", "target", ""], rows)
+    if rows:
+        _table("goals", ["ratio", "measured", "target", ""], rows)
     if "llama.cpp" in off and "mlxserve" in off:
         rows = [
             [label, _ratio(off["mlxserve"].get(k), off["llama.cpp"].get(k))]
-            for k, label in OFFLINE_KEYS
+            for k, label in offline_keys(off)
         ]
         _table("distance to llama.cpp (mlxserve / llama.cpp)", ["metric", "ratio"], rows)
 
 
-def write_chart(results: dict, path: Path) -> None:
-    """Throughput vs concurrency, TTFT and ITL percentiles per engine, offline bars."""
+def publish(results: dict, out_dir: Path | None) -> None:
+    """Print the report; with ``out_dir``, also write results.json and chart.png there."""
+    print_report(results)
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if hasattr(os, "getloadavg"):
+        results.setdefault("conditions", {})["loadavg_end"] = os.getloadavg()
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    wrote = [out_dir / "results.json"]
+    try:
+        if write_chart(results, out_dir / "chart.png"):
+            wrote.append(out_dir / "chart.png")
+    except ImportError:
+        print("\nno chart: it needs matplotlib (pip install 'mlxserve[bench]')")
+    print(f"\nwrote {' and '.join(str(p) for p in wrote)}")
+
+
+def write_chart(results: dict, path: Path) -> bool:
+    """The panels the results have data for: serving throughput vs concurrency, TTFT and
+    ITL percentiles per engine and concurrency, offline tok/s bars per engine. False when
+    there is nothing to draw (no file)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    srv = results.get("serving", {})
+    off = results.get("offline", {})
+    panels = ["throughput", "ttft", "itl"] if srv else []
+    panels += ["offline"] if off else []
+    if not panels:
+        return False
+    cols = min(len(panels), 2)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(panels) :]:
+        ax.set_visible(False)
     d = results.get("device", {})
     fig.suptitle(
         f"{results.get('model')} - {d.get('platform')} - mlx {d.get('mlx')} on {d.get('device')}"
     )
-    srv = results.get("serving", {})
-    ax = axes[0][0]
-    for e, levels in srv.items():
-        cs = sorted(levels, key=int)
-        ax.plot([int(c) for c in cs], [levels[c]["output_tok_s"] for c in cs], marker="o", label=e)
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="concurrent clients",
-        ylabel="output tok/s",
-        title="serving throughput",
-    )
-    ax.legend()
-    for ax, metric, title in ((axes[0][1], "ttft", "TTFT"), (axes[1][0], "itl", "ITL")):
-        labels, p50, p99 = [], [], []
-        for e, levels in srv.items():
-            for c in sorted(levels, key=int):
-                labels.append(f"{e}\nc={c}")
-                p50.append(levels[c][f"{metric}_p50_ms"])
-                p99.append(levels[c][f"{metric}_p99_ms"])
-        x = range(len(labels))
-        ax.bar([i - 0.2 for i in x], p50, 0.4, label="p50")
-        ax.bar([i + 0.2 for i in x], p99, 0.4, label="p99")
-        ax.set_xticks(list(x), labels, fontsize=7)
-        ax.set(yscale="log", ylabel="ms", title=f"{title} percentiles")
-        ax.legend()
-    ax = axes[1][1]
-    off = results.get("offline", {})
-    engines = list(off)
-    for j, e in enumerate(engines):
-        vals = [off[e].get(k) or 0 for k, _ in OFFLINE_KEYS]
-        ax.bar(
-            [i + j * 0.8 / max(len(engines), 1) for i in range(len(OFFLINE_KEYS))],
-            vals,
-            0.8 / max(len(engines), 1),
-            label=e,
-        )
-    ax.set_xticks(
-        [i + 0.3 for i in range(len(OFFLINE_KEYS))], ["decode", "prefill", "batch 8", "batch 32"]
-    )
-    ax.set(yscale="log", ylabel="tok/s", title="offline")
-    ax.legend(fontsize=8)
+    for ax, panel in zip(flat, panels, strict=False):
+        if panel == "throughput":
+            for e, levels in srv.items():
+                cs = sorted(levels, key=int)
+                ys = [levels[c]["output_tok_s"] for c in cs]
+                ax.plot([int(c) for c in cs], ys, marker="o", label=e)
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="concurrent clients",
+                ylabel="output tok/s",
+                title="serving throughput",
+            )
+            ax.legend()
+        elif panel in ("ttft", "itl"):
+            labels, p50, p99 = [], [], []
+            for e, levels in srv.items():
+                for c in sorted(levels, key=int):
+                    labels.append(f"{e}\nc={c}")
+                    p50.append(levels[c][f"{panel}_p50_ms"])
+                    p99.append(levels[c][f"{panel}_p99_ms"])
+            x = range(len(labels))
+            ax.bar([i - 0.2 for i in x], p50, 0.4, label="p50")
+            ax.bar([i + 0.2 for i in x], p99, 0.4, label="p99")
+            ax.set_xticks(list(x), labels, fontsize=7)
+            ax.set(yscale="log", ylabel="ms", title=f"{panel.upper()} percentiles")
+            ax.legend()
+        else:
+            keys = offline_keys(off)
+            engines = list(off)
+            width = 0.8 / max(len(engines), 1)
+            for j, e in enumerate(engines):
+                vals = [off[e].get(k) or 0 for k, _ in keys]
+                ax.bar([i + j * width for i in range(len(keys))], vals, width, label=e)
+            short = [label.replace(" output tok/s", "").replace(" tok/s", "") for _, label in keys]
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))], short, fontsize=8)
+            ax.set(yscale="log", ylabel="tok/s", title="offline")
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

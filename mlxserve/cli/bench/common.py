@@ -1,4 +1,5 @@
-"""Shared by the bench scripts: paths, model preparation for the peers, prompts, stats."""
+"""Shared by the bench sub-commands and bench/ scripts: child processes, the peers' model
+preparation, the cache folder, percentiles."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The folder holding the mlxserve package imported here (a checkout, or site-packages):
+# child processes put it first on their path so they run this same mlxserve.
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 
 # MLX's own BLAS for mlx-lm's "stock" runs: mlxserve must not leak its OpenBLAS choice.
 STOCK_ENV = {"MLXSERVE_BLAS": "off", "LD_PRELOAD": ""}
-MLX_LM_WORKER = ROOT / "bench" / "peers" / "mlx_lm_worker.py"
+# Run by its path, not as a module: importing mlxserve first would bind its BLAS for mlx-lm.
+MLX_LM_WORKER = Path(__file__).with_name("mlx_lm_worker.py")
 
 
 def cache_dir() -> Path:
@@ -30,7 +32,7 @@ def openblas_env(blas: str | None) -> dict[str, str]:
 
 
 def run_mlx_lm_offline(spec: dict, env: dict[str, str], work: Path, name: str) -> dict:
-    """Run bench/peers/mlx_lm_worker.py on ``spec`` in a child process; its results."""
+    """Run mlx_lm_worker.py on ``spec`` in a child process; its results."""
     spec_path, out = work / f"{name}-spec.json", work / f"{name}-offline.json"
     spec_path.write_text(json.dumps(spec))
     cmd = [sys.executable, str(MLX_LM_WORKER), str(spec_path), str(out)]
@@ -45,7 +47,8 @@ def find_openblas() -> str | None:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = str(PACKAGE_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, PYTHONPATH=path)
     env.update(extra or {})
     if env.get("LD_PRELOAD") == "":
         env.pop("LD_PRELOAD")
@@ -120,5 +123,5 @@ def percentile(values: list[float], q: float) -> float:
 def run_json(cmd: list[str], env: dict[str, str], out_path: Path, log=print) -> dict:
     """Run a worker that writes JSON to out_path; its output goes to our stdout."""
     log(f"[bench] {' '.join(str(c) for c in cmd)}")
-    subprocess.run(cmd, env=env, cwd=ROOT, check=True)
+    subprocess.run(cmd, env=env, check=True)
     return json.loads(out_path.read_text())
