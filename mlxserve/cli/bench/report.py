@@ -219,7 +219,7 @@ def publish(results: dict, out_dir: Path | None) -> None:
         if write_chart(results, out_dir / "chart.png"):
             wrote.append(out_dir / "chart.png")
     except ImportError:
-        print("\nno chart: it needs matplotlib (pip install 'mlxserve[bench]')")
+        print("\nno chart: it needs matplotlib (pip install -e '.[bench]' in the clone)")
     print(f"\nwrote {' and '.join(str(p) for p in wrote)}")
 
 
