@@ -153,4 +153,8 @@ def test_keep_alive_zero_forgets_the_prefix_cache(client, server) -> None:
     # Ollama's "unload" request: answered as Ollama does; the model itself stays loaded.
     assert client.generate("tiny", "", keep_alive="0s").done_reason == "unload"
     assert client.generate("tiny", "").done_reason == "load"
+    # The same through /api/chat: no messages (as Ollama's own CLI loads a model).
+    unloaded = client.chat("tiny", [], keep_alive=0)
+    assert (unloaded.done_reason, unloaded.message.content) == ("unload", "")
+    assert client.chat("tiny", []).done_reason == "load"
     assert client.generate("tiny", "x", options=OPTIONS).done

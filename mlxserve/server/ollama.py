@@ -146,6 +146,8 @@ class OllamaServing:
     # ------------------------------------------------------------ generation
     async def chat(self, raw: Request, req: OllamaChatRequest) -> Response:
         model = self.model_name(req.model)
+        if not req.messages:  # Ollama's way of asking for the model to be (un)loaded
+            return self._load(req, model, "message", {"role": "assistant", "content": ""})
         if any(m.images for m in req.messages):
             raise bad_request("images are not supported (no vision models here)", "messages")
         params = req.sampling_params(self.serving.sampling_defaults)
@@ -170,17 +172,19 @@ class OllamaServing:
             if getattr(req, name):
                 raise bad_request(f"{name} is not supported", name)
         if not req.prompt:  # Ollama's way of asking for the model to be (un)loaded
-            unload = self.models.keep_alive(req.keep_alive, model)
-            body = {"model": model, "created_at": now_iso(), "response": ""}
-            return JSONResponse(
-                body | {"done": True, "done_reason": "unload" if unload else "load"}
-            )
+            return self._load(req, model, "response", "")
         params = req.sampling_params(self.serving.sampling_defaults)
         if req.raw:
             return await self._run(raw, req, params, model, "response", prompt=req.prompt)
         messages = [{"role": "system", "content": req.system}] if req.system else []
         messages.append({"role": "user", "content": req.prompt})
         return await self._run(raw, req, params, model, "response", messages=messages)
+
+    def _load(self, req: _Common, model: str, key: str, empty: Any) -> Response:
+        """Ollama's answer to a request with nothing to generate: the model is (un)loaded."""
+        unload = self.models.keep_alive(req.keep_alive, model)
+        body = {"model": model, "created_at": now_iso(), key: empty, "done": True}
+        return JSONResponse(body | {"done_reason": "unload" if unload else "load"})
 
     async def _run(
         self,
