@@ -192,6 +192,36 @@ def test_usage_leaves_cached_tokens_out_of_input_tokens(client) -> None:
     assert again.input_tokens + again.cache_read_input_tokens == prompt
 
 
+def test_a_session_hits_the_cache_though_the_hash_and_budget_change_each_turn(
+    client, hf_tokenizer
+) -> None:
+    """Claude Code recomputes the billing header's cch and the token budget in its system
+    prompt on every request: both sit before the whole conversation, and every later turn
+    would recompute it all. Neutralized by default (--prompt-normalization)."""
+    messages: list[dict] = [{"role": "user", "content": "List the files."}]
+    previous = 0
+    for turn in range(3):
+        budget = f"<total_tokens>{90_000 - 1_000 * turn} tokens left</total_tokens>"
+        system = [
+            {"type": "text", "text": BILLING.replace("ab12c", f"{turn:05x}")},
+            {"type": "text", "text": f"{LONG_SYSTEM}\n{budget}"},
+        ]
+        body = agent_body(system=system, messages=messages, thinking={"type": "disabled"})
+        usage = client.beta.messages.create(**(body | {"max_tokens": 2}), betas=BETAS).usage
+        if turn:  # all but the previous prompt's end from its moved budget on, and a block
+            end = f"\n{budget}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+            tail = len(hf_tokenizer.encode(end).ids)
+            assert usage.cache_read_input_tokens >= previous - tail - 16, (turn, usage)
+        previous = usage.input_tokens + usage.cache_read_input_tokens
+        call = {"type": "tool_use", "id": f"toolu_{turn}", "name": "tool_0", "input": {"path": "."}}
+        result = {"type": "tool_result", "tool_use_id": f"toolu_{turn}", "content": f"{budget}"}
+        messages += [
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result, {"type": "text", "text": f"Turn {turn}."}]},
+            {"role": "system", "content": f"Reminder {turn}."},
+        ]
+
+
 def test_mid_conversation_system_message_is_rendered_in_place(client, hf_tokenizer) -> None:
     plain = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be terse."}]
     args = {"model": MODEL, "messages": plain}

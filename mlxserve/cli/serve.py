@@ -104,6 +104,15 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         "template mentions </think>)",
     )
     g.add_argument(
+        "--prompt-normalization",
+        type=_prompt_parts,
+        default="all",
+        metavar="PART,...|all|none",
+        help="agents' volatile prompt parts neutralized so the prefix cache holds their "
+        "conversation turn after turn: billing-header, token-markers (default: all; "
+        "docs/agents.md)",
+    )
+    g.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|vllm|DIR",
@@ -135,6 +144,16 @@ def generation_config_choice(choice: str) -> dict[str, float | int] | None:
             "generation_config.json"
         )
     return generation_config.from_model_dir(Path(choice))
+
+
+def _prompt_parts(spec: str) -> tuple[str, ...]:
+    # Imported here: the server's package brings FastAPI, which only `serve` needs.
+    from mlxserve.server.prompt_normalization import parse_parts
+
+    try:
+        return parse_parts(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -244,6 +263,7 @@ def serve_command(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        prompt_normalization=args.prompt_normalization,
         sampling_defaults=engine.loaded.generation_defaults if defaults is None else defaults,
     )
     if server_config.sampling_defaults:

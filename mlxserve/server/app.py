@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server import openapi as doc
+from mlxserve.server import prompt_normalization
 from mlxserve.server.anthropic import (
     AnthropicServing,
     CountTokensRequest,
@@ -89,6 +90,8 @@ class ServerConfig:
     # Chat replies: the tool-call format and the reasoning parser (None: from the template).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # Agents' volatile prompt parts to neutralize (server/prompt_normalization.PARTS).
+    prompt_normalization: tuple[str, ...] = prompt_normalization.DEFAULT
     # The model's sampling defaults for fields a request leaves out ({}: OpenAI's defaults).
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
@@ -128,7 +131,12 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
         engine.tokenizer,
         engine.max_model_len,
         engine.model.vocab_size,
-        ChatFeatures(engine.tokenizer, config.tool_call_parser, config.reasoning_parser),
+        ChatFeatures(
+            engine.tokenizer,
+            config.tool_call_parser,
+            config.reasoning_parser,
+            config.prompt_normalization,
+        ),
         config.sampling_defaults,
     )
     tokenizer = engine.tokenizer

@@ -33,6 +33,7 @@ from mlxserve.parsers.reasoning import THINK_END, ReasoningParser, prompt_opens_
 from mlxserve.parsers.tool_grammar import call_grammar
 from mlxserve.parsers.tool_prompt import FALLBACK_PARSER, fallback_messages, native_messages
 from mlxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from mlxserve.server.prompt_normalization import normalize
 from mlxserve.tokenizer.harmony import HARMONY_TEXT_TOKENS
 
 logger = logging.getLogger("mlxserve.server")
@@ -78,7 +79,9 @@ class ChatFeatures:
         tokenizer,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        prompt_normalization: tuple[str, ...] = (),
     ) -> None:
+        self.prompt_normalization = prompt_normalization  # server/prompt_normalization.PARTS
         template = None
         try:
             compiled = tokenizer.compiled_chat_template(None, tools=[])
@@ -124,7 +127,9 @@ class ChatFeatures:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """(messages, tools) to render: natively, or with tools written into the messages
-        for a template that does not render them (tool_prompt.fallback_messages)."""
+        for a template that does not render them (tool_prompt.fallback_messages); agents'
+        volatile parts neutralized first (server/prompt_normalization.py)."""
+        messages = normalize(messages, self.prompt_normalization)
         if self.native_tools:
             return native_messages(messages), tools or None
         if tools or any(m.get("tool_calls") for m in messages):
