@@ -3,6 +3,8 @@ preemption, sampling, n > 1, logprobs, and argument errors."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 
 import mlx.core as mx
@@ -85,6 +87,33 @@ def test_shared_prefix_computes_only_new_tokens(tiny) -> None:
         uncached.generate([b], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         == second.outputs[0].token_ids
     )
+
+
+def test_cache_stats_count_what_two_requests_shared(tiny, caplog) -> None:
+    _, model_dir = tiny
+    config = json.loads((model_dir / "config.json").read_text())
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(3, 300, size=100).tolist()
+    llm = LLM(str(model_dir), num_blocks=400, block_size=16)
+    llm.generate([prefix + [5]], GREEDY, use_tqdm=False)
+    with caplog.at_level(logging.DEBUG, logger="mlxserve"):
+        llm.generate([prefix + [9, 10]], GREEDY, use_tqdm=False)
+    stats = llm.engine.cache_stats()
+    assert (stats.num_requests, stats.num_requests_hit) == (2, 1)
+    assert (stats.query_tokens, stats.hit_tokens) == (101 + 102, 96)
+    assert stats.hit_rate == 96 / 203 and stats.enabled and stats.block_size == 16
+    (pool,) = stats.tiers
+    assert pool.num_blocks == 399 and pool.num_blocks_in_use == 0  # both requests are done
+    # Each request's K/V holds its prompt and 11 of its 12 outputs: 112 and 113 tokens, 7
+    # full blocks each; the prefix's 6 are shared.
+    assert pool.num_cached_blocks == 7 + 7 - 6
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    itemsize = np.dtype(str(llm.engine.runner.kv_dtype).split(".")[-1]).itemsize
+    assert pool.bytes_per_block == per_token * 16 * itemsize
+    assert stats.as_dict()["tiers"][0]["cached_bytes"] == 8 * pool.bytes_per_block
+    # The debug log says where the second prompt left the cache: after token 96.
+    assert any("96 of 102 prompt tokens cached (pool)" in r.message for r in caplog.records)
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny) -> None:

@@ -81,7 +81,8 @@ class KVCacheManager:
 
     Prefix-cache stats are cumulative counters, counted in tokens at a request's first
     admission (not on retries, not on resumption after preemption):
-    ``prefix_cache_queries`` (tokens looked up) and ``prefix_cache_hits`` (tokens found).
+    ``prefix_cache_queries`` (tokens looked up) and ``prefix_cache_hits`` (tokens found);
+    ``prefix_cache_requests`` and ``prefix_cache_requests_hit`` count the requests.
 
     ``groups``: the model's KV cache groups (default: one full-attention group).
     ``num_state_slots``: recurrent-state slots including the null slot (0: no recurrent
@@ -115,6 +116,8 @@ class KVCacheManager:
         self._step_state: dict[str, StateSlots] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_cache_requests = 0
+        self.prefix_cache_requests_hit = 0
         # A hit stops a block short (MTP: the scheduler sets it).
         self.drop_last_hit_block = False
 
@@ -266,6 +269,8 @@ class KVCacheManager:
         if is_first_allocation and self._use_prefix_cache(request) and not request.num_preemptions:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += cached.num_tokens
+            self.prefix_cache_requests += 1
+            self.prefix_cache_requests_hit += cached.num_tokens > 0
         if is_first_allocation:
             for m, hit in zip(self.managers, cached.blocks, strict=True):
                 m.take_hits(rid, hit)

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mlxserve.core.request import RequestOutput
+from mlxserve.engine.cache_stats import CacheStats
 from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.exceptions import RequestFailedError
 from mlxserve.pooling_params import PoolingParams
@@ -196,6 +197,10 @@ class AsyncLLM:
         """From any thread: the request's prompt tokens held by the prefix cache, once it
         was first scheduled (before its first output: a long prefill), else None."""
         return self.engine.num_cached_tokens(request_id)
+
+    def cache_stats(self) -> CacheStats:
+        """From any thread: the prefix cache's blocks and counters (LLMEngine.cache_stats)."""
+        return self.engine.cache_stats()
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed on the engine thread."""

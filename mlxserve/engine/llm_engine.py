@@ -39,6 +39,7 @@ from mlxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from mlxserve.core.request import Request, RequestOutput, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 from mlxserve.engine import admission
+from mlxserve.engine.cache_stats import CacheStats, CacheTier
 from mlxserve.engine.output_processor import OutputProcessor
 from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.engine.startup import (
@@ -265,6 +266,24 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
         return num_cached
 
+    def cache_stats(self) -> CacheStats:
+        """The prefix cache's blocks and counters. Safe from any thread (integer reads;
+        the counts of one call may be a step apart)."""
+        kv = self.scheduler.kv_cache_manager
+        pool = kv.block_pool
+        usable = self.plan.num_blocks - 1
+        in_use = usable - pool.get_num_free_blocks()
+        tier = CacheTier("pool", usable, in_use, pool.num_cached_blocks, self.plan.bytes_per_block)
+        return CacheStats(
+            enabled=self.prefix_caching_off is None,
+            block_size=self.plan.block_size,
+            tiers=(tier,),
+            query_tokens=kv.prefix_cache_queries,
+            hit_tokens=kv.prefix_cache_hits,
+            num_requests=kv.prefix_cache_requests,
+            num_requests_hit=kv.prefix_cache_requests_hit,
+        )
+
     def has_unfinished_requests(self) -> bool:
         return (
             self._in_flight is not None
@@ -425,6 +444,24 @@ class LLMEngine:
             m = self.outputs.metrics_of(req.request_id)
             if m is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = now
+                if logger.isEnabledFor(logging.DEBUG):
+                    self._log_prefix_hit(req)
+
+    def _log_prefix_hit(self, req: Request) -> None:
+        """Where a request's prompt left the prefix cache: the tokens around the first one
+        computed (a block that differs from every cached one, or was evicted)."""
+        hit, total = req.num_cached_tokens, req.num_prompt_tokens
+        if hit <= 0 or hit >= total - 1:
+            logger.debug("request %s: %d of %d prompt tokens cached", req.request_id, hit, total)
+            return
+        ids = req.prompt_token_ids
+        before = self.tokenizer.decode(ids[max(0, hit - 12) : hit], False)
+        after = self.tokenizer.decode(ids[hit : hit + self.plan.block_size], False)
+        logger.debug(
+            "request %s: %d of %d prompt tokens cached (pool); the cache ends at token %d, "
+            "between %r and the block %r",
+            req.request_id, hit, total, hit, before, after,
+        )  # fmt: skip
 
     def _process(
         self,
