@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.llm_engine import LLMEngine
+from mlxserve.engine.model_info import ModelInfo
 from mlxserve.exceptions import RequestFailedError
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
@@ -137,6 +138,10 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive()
+
+    def describe(self) -> ModelInfo:
+        """The served model (its limits, size, facts and tokenizer): LLMEngine.describe()."""
+        return self.engine.describe()
 
     async def generate(
         self,
