@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -38,6 +39,7 @@ from mlxserve.server.api import API
 from mlxserve.server.chat_run import ChatRequest, ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request, closing_headers
 from mlxserve.server.protocol import model_defaults
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import TICK, ClientDisconnected, SSEResponse, ticking
 from mlxserve.server.tool_messages import anthropic_tool_choice, anthropic_tools, call_input
 
@@ -309,9 +311,9 @@ def event(name: str, data: dict[str, Any]) -> str:
 
 
 class AnthropicServing:
-    """/v1/messages over the OpenAI serving object (its engine, checks and limits)."""
+    """/v1/messages over the server's models (Serving: model checks, in-flight requests)."""
 
-    def __init__(self, serving) -> None:
+    def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
     def _inputs(
@@ -571,7 +573,7 @@ def parse_anthropic(data: Any, model: type[_Body]) -> _Body:
         raise bad_request(message, name) from None
 
 
-def add_anthropic_routes(app, serving, limit: int) -> None:
+def add_anthropic_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     """Register /v1/messages and /v1/messages/count_tokens over ``serving`` (the server's
     models); errors leave in Anthropic's shape.
 

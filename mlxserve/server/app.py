@@ -115,7 +115,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
 
     @app.get("/health", responses=_HEALTH_RESPONSES)
     async def health() -> Response:
-        if not llm.is_running:
+        if not serving.is_running:
             message = "the engine thread has stopped"
         elif serving.in_flight.is_draining:  # load balancers: stop sending requests here
             message = "the server is shutting down"

@@ -29,6 +29,7 @@ from mlxserve.server import streams
 from mlxserve.server.chat_tools import ChatPlan
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.formatting import PromptResult
+from mlxserve.server.serving import ServedModel, Serving
 from mlxserve.server.streams import (
     ClientDisconnected,
     RequestGroup,
@@ -78,9 +79,11 @@ class ChatRun:
     is parsed into content, reasoning and tool calls the same way for every API.
     """
 
-    def __init__(self, serving, model, prefix: str, prompt_param: str = "messages") -> None:
-        self.serving = serving  # server/serving.py's Serving: shutdown state, in-flight
-        self.model = model  # the ServedModel that runs it (Serving.check_model's answer)
+    def __init__(
+        self, serving: Serving, model: ServedModel, prefix: str, prompt_param: str = "messages"
+    ) -> None:
+        self.serving = serving  # shutdown state, in-flight requests
+        self.model = model  # the model that runs it (Serving.check_model's answer)
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_param = prompt_param  # the request field a rejected prompt is blamed on
         self.result = ChatResult()

@@ -19,6 +19,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
+from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -82,11 +83,11 @@ def _done_fields(res: ChatResult) -> dict[str, Any]:
 
 
 class OllamaServing:
-    """The /api/* routes over the OpenAI serving object (its engine, checks and limits)."""
+    """The /api/* routes over the server's models (Serving: model checks, in-flight requests)."""
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        self.models = OllamaModels(serving.default.llm, serving.model_names)
+        self.models = OllamaModels(serving.model_names)
 
     def model_name(self, name: str) -> ServedModel:
         """The model of a served name (Ollama's ":latest" tag allowed); 404 otherwise."""
@@ -176,7 +177,7 @@ class OllamaServing:
             if getattr(req, name):
                 raise bad_request(f"{name} is not supported", name)
         if not req.prompt:  # Ollama's way of asking for the model to be (un)loaded
-            unload = self.models.keep_alive(req.keep_alive, model.name)
+            unload = self.models.keep_alive(req.keep_alive, model)
             body = {"model": model.name, "created_at": now_iso(), "response": ""}
             return JSONResponse(
                 body | {"done": True, "done_reason": "unload" if unload else "load"}
@@ -202,7 +203,7 @@ class OllamaServing:
         run.field_names = {"structured_outputs": "format"}
         if not await started(run, raw, run.start(raw, ChatRequest(params, **what))):
             return Response(status_code=499)
-        self.models.keep_alive(keep_alive, model.name)  # the request runs: acts once it is over
+        self.models.keep_alive(keep_alive, model)  # the request runs: acts once it is over
 
         def piece(content: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
             if key == "response":
@@ -284,7 +285,7 @@ def _line(obj: dict[str, Any]) -> str:
     return json.dumps(obj, ensure_ascii=False) + "\n"
 
 
-def add_ollama_routes(app, serving: Serving, limit: int) -> None:
+def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     """Register /api/* on ``app`` over ``serving``; every error leaves in Ollama's shape."""
     from mlxserve.server.body import parse_body, parse_json, read_body
 
@@ -359,7 +360,7 @@ def add_ollama_routes(app, serving: Serving, limit: int) -> None:
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
         start = time.monotonic()
         vectors, num_tokens = await ollama.embed(request, model, texts, body.dimensions)
-        ollama.models.keep_alive(body.keep_alive, model.name)
+        ollama.models.keep_alive(body.keep_alive, model)
         return {
             "model": model.name,
             "embeddings": vectors,

@@ -24,6 +24,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Literal
 
+from fastapi import FastAPI
 from pydantic import ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -51,6 +52,7 @@ from mlxserve.server.responses_input import (
     responses_tools,
 )
 from mlxserve.server.responses_output import ResponseOutput
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import TICK, ClientDisconnected, SSEResponse, ticking
 
 # Responses kept for previous_response_id / GET: each holds its conversation's text.
@@ -245,9 +247,9 @@ class ResponseStore:
 
 
 class ResponsesServing:
-    """/v1/responses over the OpenAI serving object (its engine, checks and limits)."""
+    """/v1/responses over the server's models (Serving: model checks, in-flight requests)."""
 
-    def __init__(self, serving, store: ResponseStore | None = None) -> None:
+    def __init__(self, serving: Serving, store: ResponseStore | None = None) -> None:
         self.serving = serving
         self.store = store or ResponseStore()
 
@@ -476,7 +478,7 @@ def _response(
     }
 
 
-def add_responses_routes(app, serving, limit: int) -> None:
+def add_responses_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     """Register /v1/responses and its retrieve, delete, input_items and input_tokens routes
     over ``serving`` (the server's models)."""
     from mlxserve.server.body import parse_body

@@ -116,6 +116,11 @@ class Serving:
             code="model_not_found",
         )
 
+    @property
+    def is_running(self) -> bool:
+        """Whether every model's engine thread runs."""
+        return all(m.llm.is_running for m in self.models)
+
     def model_or_default(self, name: str | None) -> ServedModel:
         """The model serving ``name``, or the default model for a name this server does not
         serve (routes that only count tokens and never refused an unknown name)."""
