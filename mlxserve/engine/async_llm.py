@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from mlxserve.core.request import RequestOutput
 from mlxserve.engine.cache_stats import CacheStats
 from mlxserve.engine.llm_engine import LLMEngine
+from mlxserve.engine.model_info import ModelInfo
 from mlxserve.exceptions import RequestFailedError
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
@@ -138,6 +139,10 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive()
+
+    def describe(self) -> ModelInfo:
+        """The served model (its limits, size, facts and tokenizer): LLMEngine.describe()."""
+        return self.engine.describe()
 
     async def generate(
         self,

@@ -40,6 +40,7 @@ from mlxserve.core.request import Request, RequestOutput, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 from mlxserve.engine import admission
 from mlxserve.engine.cache_stats import CacheStats, CacheTier
+from mlxserve.engine.model_info import ModelInfo, config_facts
 from mlxserve.engine.output_processor import OutputProcessor
 from mlxserve.engine.parallel_sampling import ParallelSampling
 from mlxserve.engine.startup import (
@@ -170,6 +171,20 @@ class LLMEngine:
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
+
+    def describe(self) -> ModelInfo:
+        """The served model, for front-ends (the server reads nothing else of the engine)."""
+        cfg = self.loaded.config
+        return ModelInfo(
+            name=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            weight_bytes=tree_bytes(self.model.parameters()),
+            architecture=str(cfg.get("model_type", "")),
+            file_format="gguf" if self.loaded.source.kind == "gguf" else "safetensors",
+            config_facts=config_facts(cfg),
+            tokenizer=self.tokenizer,
+        )
 
     # --------------------------------------------------------------- requests
     def add_request(

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -34,9 +35,11 @@ from mlxserve.server.anthropic_content import (
     clear_thinking,
     clear_tool_uses,
 )
-from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
-from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
+from mlxserve.server.api import API
+from mlxserve.server.chat_run import ChatRequest, ChatResult, ChatRun, framed, started
+from mlxserve.server.errors import APIError, bad_request, closing_headers
 from mlxserve.server.protocol import model_defaults
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import TICK, ClientDisconnected, SSEResponse, ticking
 from mlxserve.server.tool_messages import anthropic_tool_choice, anthropic_tools, call_input
 
@@ -308,9 +311,9 @@ def event(name: str, data: dict[str, Any]) -> str:
 
 
 class AnthropicServing:
-    """/v1/messages over the OpenAI serving object (its engine, checks and limits)."""
+    """/v1/messages over the server's models (Serving: model checks, in-flight requests)."""
 
-    def __init__(self, serving) -> None:
+    def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
     def _inputs(
@@ -322,13 +325,14 @@ class AnthropicServing:
         edits = req.edits()
         if not edits:
             return messages, None, 0
-        original = len(run.prepare(copy.deepcopy(messages), SamplingParams(), **tool_args)[1])
+        chat = ChatRequest(SamplingParams(), messages=copy.deepcopy(messages), **tool_args)
+        original = len(run.prepare(chat)[1])
         applied = []
         for edit in edits:
             done = ContextEdits()
             if edit["type"] == "clear_thinking_20251015":
                 clear_thinking(messages, edit.get("keep"), done)
-                cleared = self._num_tokens(done.cleared_thinking)
+                cleared = _num_tokens(run.model.tokenizer, done.cleared_thinking)
                 applied.append(
                     {
                         "type": edit["type"],
@@ -338,7 +342,7 @@ class AnthropicServing:
                 )
             elif edit["type"] == "clear_tool_uses_20250919":
                 clear_tool_uses(messages, edit, original, done)
-                cleared = self._num_tokens(done.cleared_tool_text)
+                cleared = _num_tokens(run.model.tokenizer, done.cleared_tool_text)
                 least = (edit.get("clear_at_least") or {}).get("value", 0)
                 if done.cleared_tool_uses and cleared < least:  # not worth it: undo
                     messages = req.chat_messages()
@@ -353,18 +357,14 @@ class AnthropicServing:
             # compact_20260112 (a server-side summary) is not done: the history stays whole
         return messages, {"applied_edits": applied}, original
 
-    def _num_tokens(self, texts: list[str]) -> int:
-        return sum(len(self.serving.tokenizer.encode(t, add_special_tokens=False)) for t in texts)
-
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:
-        self.serving.check_model(req.model)
+        model = self.serving.check_model(req.model)
         req.check()
-        run = ChatRun(self.serving, "count")
+        run = ChatRun(self.serving, model, "count")
         tool_args = req.tool_args()
         messages, edits, original = await run_in_threadpool(self._inputs, req, run, tool_args)
-        _, ids, _ = await run_in_threadpool(
-            run.prepare, messages, SamplingParams(), **tool_args, **_kwargs(req)
-        )
+        chat = ChatRequest(SamplingParams(), messages=messages, **tool_args, **_kwargs(req))
+        _, ids, _ = await run_in_threadpool(run.prepare, chat)
         body: dict[str, Any] = {"input_tokens": len(ids)}
         if edits is not None:
             body["context_management"] = {"original_input_tokens": original}
@@ -373,18 +373,17 @@ class AnthropicServing:
     async def messages(self, raw: Request, req: MessagesRequest) -> Response:
         model = self.serving.check_model(req.model)
         req.check()
-        params = req.sampling_params(self.serving.sampling_defaults)
-        run = ChatRun(self.serving, "msg", "messages")
+        params = req.sampling_params(model.sampling_defaults)
+        run = ChatRun(self.serving, model, "msg", "messages")
         run.field_names["structured_outputs"] = "output_config.format"
         tool_args = req.tool_args()
         messages, edits, _ = await run_in_threadpool(self._inputs, req, run, tool_args)
-        start = run.start(
-            raw, params, messages=messages, stream=bool(req.stream), **tool_args, **_kwargs(req)
-        )
+        chat = ChatRequest(params, messages=messages, **tool_args, **_kwargs(req))
+        start = run.start(raw, chat, stream=bool(req.stream))
         if not await started(run, raw, start):
             return Response(status_code=499)
         head = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant"}
-        head["model"] = model
+        head["model"] = model.name
         extra = {"context_management": edits} if edits is not None else {}
         if not req.stream:
             try:
@@ -422,6 +421,10 @@ class AnthropicServing:
             lambda e: event("error", error_body(e.status, e.message)),
         )
         return SSEResponse(frames, run.close)
+
+
+def _num_tokens(tokenizer, texts: list[str]) -> int:
+    return sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
 
 
 def _kwargs(req: _Body) -> dict[str, Any]:
@@ -570,15 +573,16 @@ def parse_anthropic(data: Any, model: type[_Body]) -> _Body:
         raise bad_request(message, name) from None
 
 
-def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
-    """Register /v1/messages and /v1/messages/count_tokens; errors leave in Anthropic's shape.
+def add_anthropic_routes(app: FastAPI, serving: Serving, limit: int) -> None:
+    """Register /v1/messages and /v1/messages/count_tokens over ``serving`` (the server's
+    models); errors leave in Anthropic's shape.
 
     ``?beta=true`` and the ``anthropic-beta`` / ``anthropic-version`` headers are accepted:
     every beta feature this server has is on for every request.
     """
     from mlxserve.server.body import parse_json, read_body
 
-    add_error_shape(app, "/v1/messages", error_response)
+    anthropic = AnthropicServing(serving)
 
     async def messages(request: Request) -> Response:
         try:
@@ -608,3 +612,13 @@ def add_anthropic_routes(app, anthropic: AnthropicServing, limit: int) -> None:
         methods=["POST"],
         **doc.other_api_route(CountTokensRequest, doc.AnthropicError),
     )
+
+
+ANTHROPIC_API = API(
+    name="anthropic",
+    add_routes=add_anthropic_routes,
+    prefixes=("/v1/messages",),
+    bodies=(MessagesRequest, CountTokensRequest),
+    error_response=error_response,
+    auth_hint="send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+)

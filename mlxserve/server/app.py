@@ -1,80 +1,51 @@
-"""The FastAPI app: routes, API-key check, CORS, metrics and the periodic stats log.
+"""The FastAPI app: the registered APIs, the API-key check, CORS, metrics, the stats log.
 
-GET  /health /version /metrics /v1/models /v1/models/{id}
+Each API (server/api.py's API record) brings its routes, request bodies, paths and error
+shape; ``APIS`` lists them. The app itself adds:
+
+GET  /health /version /metrics
 GET  / (the chat page), /docs, /redoc (mlxserve.server.webui)
-POST /v1/completions /v1/chat/completions /v1/embeddings /tokenize /detokenize
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxserve import __version__
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.server import openapi as doc
 from mlxserve.server import prompt_normalization
-from mlxserve.server.anthropic import (
-    AnthropicServing,
-    CountTokensRequest,
-    MessagesRequest,
-    add_anthropic_routes,
-)
-from mlxserve.server.anthropic import error_body as anthropic_error_body
-from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES, parse_body
-from mlxserve.server.chat_tools import ChatFeatures
-from mlxserve.server.embeddings import EmbeddingRequest, create_embedding
+from mlxserve.server.anthropic import ANTHROPIC_API
+from mlxserve.server.api import API
+from mlxserve.server.auth import APIKeyMiddleware
+from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from mlxserve.server.errors import (
-    APIError,
-    bad_request,
+    add_error_shape,
     closing_headers,
     error_body,
     install_error_handlers,
 )
 from mlxserve.server.metrics import ServerMetrics
-from mlxserve.server.ollama import OllamaServing, add_ollama_routes
-from mlxserve.server.ollama_protocol import (
-    OllamaChatRequest,
-    OllamaDeleteRequest,
-    OllamaEmbeddingsRequest,
-    OllamaEmbedRequest,
-    OllamaGenerateRequest,
-    OllamaPullRequest,
-    OllamaShowRequest,
-)
-from mlxserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from mlxserve.server.responses import (
-    InputTokensRequest,
-    ResponsesRequest,
-    ResponsesServing,
-    add_responses_routes,
-)
-from mlxserve.server.serving import OpenAIServing
+from mlxserve.server.ollama import OLLAMA_API
+from mlxserve.server.openai_api import OPENAI_API
+from mlxserve.server.responses import RESPONSES_API
+from mlxserve.server.serving import Serving, make_served_model
 from mlxserve.server.webui import add_webui_routes
 
 logger = logging.getLogger("mlxserve")
 
-# Paths that need the API key when one is set (health, version and metrics stay open
-# for load balancers and Prometheus, as in vLLM).
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/api/")
-OPEN_PATHS = ("/api/version",)  # like /version
+# The APIs the server speaks, in the order their routes are registered. Adding an API is
+# its module (exporting an API record) plus one line here.
+APIS: list[API] = [OPENAI_API, ANTHROPIC_API, RESPONSES_API, OLLAMA_API]
 
 
 @dataclass(frozen=True)
@@ -106,41 +77,19 @@ class ServerConfig:
             )
 
 
-# The request bodies of the Anthropic, Responses and Ollama routes, in /openapi.json too.
-OTHER_API_BODIES = [
-    MessagesRequest,
-    CountTokensRequest,
-    ResponsesRequest,
-    InputTokensRequest,
-    OllamaChatRequest,
-    OllamaGenerateRequest,
-    OllamaEmbedRequest,
-    OllamaEmbeddingsRequest,
-    OllamaShowRequest,
-    OllamaPullRequest,
-    OllamaDeleteRequest,
-]
-
-
 def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
-    """The OpenAI-compatible app over a running AsyncLLM (whose on_step feeds ``metrics``)."""
-    engine = llm.engine
-    serving = OpenAIServing(
+    """The app over a running AsyncLLM (whose on_step feeds ``metrics``): every API in
+    APIS, health, version, metrics and the web page."""
+    model = make_served_model(
         llm,
-        list(config.model_names),
-        engine.tokenizer,
-        engine.max_model_len,
-        engine.model.vocab_size,
-        ChatFeatures(
-            engine.tokenizer,
-            config.tool_call_parser,
-            config.reasoning_parser,
-            config.prompt_normalization,
-        ),
+        config.model_names,
+        config.tool_call_parser,
+        config.reasoning_parser,
         config.sampling_defaults,
+        root=config.model_root,
+        prompt_normalization=config.prompt_normalization,
     )
-    tokenizer = engine.tokenizer
-    created = int(time.time())
+    serving = Serving([model])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -157,21 +106,9 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     )
     app.state.in_flight = serving.in_flight  # for a graceful shutdown (server/shutdown.py)
     install_error_handlers(app)
-    doc.install_openapi(
-        app,
-        [
-            CompletionRequest,
-            ChatCompletionRequest,
-            EmbeddingRequest,
-            TokenizeRequest,
-            DetokenizeRequest,
-            *OTHER_API_BODIES,
-        ],
-        list(config.model_names),
-    )
-    limit = config.max_request_body_bytes
+    doc.install_openapi(app, [b for api in APIS for b in api.bodies], serving.model_names)
     if config.api_keys:
-        app.add_middleware(APIKeyMiddleware, keys=config.api_keys)
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, apis=APIS)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -180,20 +117,9 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
             allow_headers=["*"],
         )
 
-    def model_card(name: str) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "mlxserve",
-            "root": config.model_root or name,
-            "parent": None,
-            "max_model_len": engine.max_model_len,
-        }
-
     @app.get("/health", responses=_HEALTH_RESPONSES)
     async def health() -> Response:
-        if not llm.is_running:
+        if not serving.is_running:
             message = "the engine thread has stopped"
         elif serving.in_flight.is_draining:  # load balancers: stop sending requests here
             message = "the server is shutting down"
@@ -210,111 +136,10 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", response_model=None, responses={200: doc.ok(doc.ModelList)} | doc.ERRORS)
-    async def list_models() -> dict:
-        return {"object": "list", "data": [model_card(n) for n in config.model_names]}
-
-    @app.get(
-        "/v1/models/{model_id:path}",
-        response_model=None,
-        responses={200: doc.ok(doc.ModelCard), 404: doc.BODY_ERRORS[404]} | doc.ERRORS,
-    )
-    async def retrieve_model(model_id: str) -> dict:
-        serving.check_model(model_id)
-        return model_card(model_id)
-
-    @app.post(
-        "/v1/completions",
-        openapi_extra=doc.request_body(CompletionRequest),
-        responses=doc.generation_responses(doc.CompletionResponse),
-    )
-    async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, limit)
-        return await serving.create_completion(request, body)
-
-    @app.post(
-        "/v1/chat/completions",
-        openapi_extra=doc.request_body(ChatCompletionRequest),
-        responses=doc.generation_responses(doc.ChatCompletionResponse),
-    )
-    async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, limit)
-        return await serving.create_chat_completion(request, body)
-
-    @app.post(
-        "/v1/embeddings",
-        openapi_extra=doc.request_body(EmbeddingRequest),
-        response_model=None,
-        responses={200: doc.ok(doc.EmbeddingResponse)} | doc.GENERATE_ERRORS,
-    )
-    async def embeddings(request: Request) -> Response:
-        body = await parse_body(request, EmbeddingRequest, limit)
-        return await create_embedding(serving, request, body)
-
-    @app.post(
-        "/tokenize",
-        openapi_extra=doc.request_body(TokenizeRequest),
-        response_model=None,
-        responses={200: doc.ok(doc.TokenizeResponse)} | doc.BODY_ERRORS,
-    )
-    async def tokenize(request: Request) -> dict:
-        body = await parse_body(request, TokenizeRequest, limit)
-        serving.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt and messages", "prompt")
-
-        def encode() -> list[int]:
-            if body.prompt is not None:
-                add = True if body.add_special_tokens is None else body.add_special_tokens
-                return tokenizer.encode(body.prompt, add_special_tokens=add)
-            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-            messages, tools = serving.features.template_inputs(
-                [m.to_template() for m in body.messages], tools
-            )
-            try:
-                text = tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                )
-            except ValueError as e:
-                raise bad_request(str(e), getattr(e, "parameter", None) or "messages") from None
-            if body.add_special_tokens:
-                return tokenizer.encode(text, add_special_tokens=True)
-            return tokenizer.encode_rendered_chat(text)
-
-        def encode_with_strs() -> tuple[list[int], list[str | None] | None]:
-            tokens = encode()
-            return tokens, [tokenizer.id_to_token(t) for t in tokens] if (
-                body.return_token_strs
-            ) else None
-
-        tokens, strs = await run_in_threadpool(encode_with_strs)
-        out = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
-        if strs is not None:
-            out["token_strs"] = strs
-        return out
-
-    @app.post(
-        "/detokenize",
-        openapi_extra=doc.request_body(DetokenizeRequest),
-        response_model=None,
-        responses={200: doc.ok(doc.DetokenizeResponse)} | doc.BODY_ERRORS,
-    )
-    async def detokenize(request: Request) -> dict:
-        body = await parse_body(request, DetokenizeRequest, limit)
-        serving.check_model(body.model)
-        serving.check_token_ids(body.tokens, "tokens")
-        text = await run_in_threadpool(tokenizer.decode, body.tokens, False)
-        return {"prompt": text}
-
-    from mlx.utils import tree_flatten
-
-    model_size = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
-    add_ollama_routes(app, OllamaServing(serving, engine, model_size), limit)
-    add_anthropic_routes(app, AnthropicServing(serving), limit)
-    add_responses_routes(app, ResponsesServing(serving), limit)
+    for api in APIS:
+        for prefix in api.prefixes:  # framework errors (404, 405...) in the API's shape too
+            add_error_shape(app, prefix, api.error_response)
+        api.add_routes(app, serving, config.max_request_body_bytes)
     add_webui_routes(app)
     return app
 
@@ -332,48 +157,6 @@ _METRICS_RESPONSES = {
         "content": {"text/plain": {"schema": {"type": "string"}}},
     }
 }
-
-
-class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``) holds one of the
-    keys (constant-time)."""
-
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
-        self.app = app
-        self.keys = [k.encode() for k in keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope.get("method") == "OPTIONS"
-            or not scope["path"].startswith(PROTECTED_PREFIXES)
-            or scope["path"] in OPEN_PATHS
-        ):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        # Anthropic's clients send the key as x-api-key instead.
-        x_api_key = headers.get(b"x-api-key")
-        ok = False
-        for key in self.keys:  # no early exit: the time does not depend on which key matched
-            ok |= hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer"
-            if x_api_key is not None:
-                ok |= hmac.compare_digest(x_api_key.strip(), key)
-        if not ok:
-            message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
-            error = APIError(401, message, code="invalid_api_key")
-            body = error.body()
-            path = scope["path"]
-            if path.startswith("/v1/messages"):  # each API's clients read their own shape
-                body = anthropic_error_body(401, message.replace("send the header", "send"))
-                body["error"]["message"] += " or 'x-api-key: <key>'"
-            elif path.startswith("/api/"):
-                body = {"error": message}
-            response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 async def _log_stats(metrics: ServerMetrics, interval: float) -> None:

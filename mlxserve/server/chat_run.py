@@ -1,8 +1,12 @@
-"""One generation on the engine for the API translators (Ollama, Anthropic, Responses).
+"""One chat generation on the engine, for every API: ChatRequest in, ChatRun runs it.
 
-Each translator turns its body into chat messages (or a raw prompt) and SamplingParams;
-this runs them through the same AsyncLLM, RequestGroup, cancellation and in-flight
-tracking as /v1/chat/completions, and hands back the text as deltas or as a whole.
+Each API (OpenAI chat, Anthropic, Responses, Ollama) translates its body into a
+ChatRequest: chat messages (or a raw prompt), OpenAI function tools and a tool_choice,
+SamplingParams (constraints included) and the template's switches. ChatRun plans tools
+and reasoning, renders the prompt, runs it as one engine request (n samples) through
+the same AsyncLLM, RequestGroup, cancellation and in-flight tracking, and hands back the
+outputs: raw (OpenAI's per-sample chunks and logprobs), as text deltas, or parsed into
+content, reasoning and tool calls. The API then formats them its own way.
 """
 
 from __future__ import annotations
@@ -17,18 +21,38 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from mlxserve.core.request import RequestOutput
 from mlxserve.exceptions import ParameterError
 from mlxserve.parsers import OutputParser, ParsedDelta, ParsedMessage
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.server import streams
 from mlxserve.server.chat_tools import ChatPlan
 from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.formatting import PromptResult
+from mlxserve.server.serving import ServedModel, Serving
 from mlxserve.server.streams import (
     ClientDisconnected,
     RequestGroup,
     SSEResponse,
     run_unless_disconnected,
 )
+
+
+@dataclass
+class ChatRequest:
+    """One chat generation, as each API's body translates into it."""
+
+    params: SamplingParams  # sampling, n, logprobs, and constraints (structured_outputs)
+    messages: list[dict[str, Any]] | None = None  # chat messages (the template's shape)
+    prompt: str | None = None  # or a raw prompt, without the chat template
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools
+    tool_choice: str | None = None  # "none" | "auto" | "required" | a function's name
+    parallel_tool_calls: bool = True
+    # The chat template's switches (enable_thinking, reasoning_effort...), which
+    # templates that do not know them ignore.
+    template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass
@@ -49,68 +73,58 @@ class ChatResult:
 
 
 class ChatRun:
-    """A chat conversation (or a raw prompt) as one engine request.
+    """A ChatRequest as one engine request (``params.n`` samples).
 
-    With tools (OpenAI function tools and a tool_choice name, server/tool_messages.py
-    translates each API's) the server's ChatFeatures plan the prompt and the constraint, and
-    the reply is parsed into content, reasoning and tool calls, as on /v1/chat/completions.
+    With tools the model's ChatFeatures plan the prompt and the constraint, and the reply
+    is parsed into content, reasoning and tool calls the same way for every API.
     """
 
-    def __init__(self, serving, prefix: str, prompt_param: str = "messages") -> None:
-        self.serving = serving
+    def __init__(
+        self, serving: Serving, model: ServedModel, prefix: str, prompt_param: str = "messages"
+    ) -> None:
+        self.serving = serving  # shutdown state, in-flight requests
+        self.model = model  # the model that runs it (Serving.check_model's answer)
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_param = prompt_param  # the request field a rejected prompt is blamed on
         self.result = ChatResult()
         self.group: RequestGroup | None = None
         self.parser: OutputParser | None = None
+        self.plan: ChatPlan | None = None
+        self.prompt = ""  # the rendered prompt, once started
         self.parallel_tool_calls = True
         # Engine parameter -> the request field that set it (for 400s).
         self.field_names: dict[str, str] = {}
+        # An API's own mapping of engine rejections to 400s (None: blame field_names' field).
+        self.engine_error: Callable[[ValueError], APIError] | None = None
 
-    def prepare(
-        self,
-        messages: list[dict[str, Any]],
-        params: SamplingParams,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: str | None = None,
-        parallel_tool_calls: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[str, list[int], ChatPlan]:
-        """Plan tools and reasoning, then render (call in a worker thread): text, ids, plan.
-
-        ``template_kwargs``: the chat template's switches (``enable_thinking``,
-        ``reasoning_effort``...), which templates that do not know them ignore.
-        """
+    def prepare(self, chat: ChatRequest) -> tuple[str, list[int], ChatPlan]:
+        """Plan tools and reasoning, then render (call in a worker thread): text, ids, plan."""
+        assert chat.messages is not None
         try:
-            plan = self.serving.features.plan(
-                messages, tools or [], tool_choice, parallel_tool_calls, params
+            plan = self.model.features.plan(
+                chat.messages,
+                chat.tools or [],
+                chat.tool_choice,
+                chat.parallel_tool_calls,
+                chat.params,
             )
         except ParameterError as e:
             raise self._engine_error(e) from None
-        tok = self.serving.tokenizer
+        tok = self.model.tokenizer
         try:
             text = tok.apply_chat_template(
                 plan.messages,
                 tools=plan.tools,
-                add_generation_prompt=True,
-                **(template_kwargs or {}),
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                **(chat.template_kwargs or {}),
             )
         except ValueError as e:
-            raise bad_request(str(e), self.prompt_param) from None
+            param = getattr(e, "parameter", None) or self.prompt_param
+            raise bad_request(str(e), param) from None
         return text, tok.encode_rendered_chat(text), plan
 
-    async def start(
-        self,
-        raw: Request,
-        params: SamplingParams,
-        messages: list[dict[str, Any]] | None = None,
-        prompt: str | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: str | None = None,
-        parallel_tool_calls: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
-        stream: bool = False,
-    ) -> None:
+    async def start(self, raw: Request, chat: ChatRequest, stream: bool = False) -> None:
         """Render and submit; returns once the engine accepted it (APIError 400 if not):
         at its first output, or for a ``stream`` after streams.KEEPALIVE_S without one (its
         keepalives need the headers sent).
@@ -119,26 +133,21 @@ class ChatRun:
         """
         self.serving.check_accepting()
         starts_after = None
-        if messages is not None:
-            text, ids, plan = await run_in_threadpool(
-                self.prepare,
-                messages,
-                params,
-                tools,
-                tool_choice,
-                parallel_tool_calls,
-                template_kwargs,
-            )
+        params = chat.params
+        if chat.messages is not None:
+            text, ids, plan = await run_in_threadpool(self.prepare, chat)
+            self.plan = plan
             self.parser = plan.output_parser(text)
-            self.parallel_tool_calls = parallel_tool_calls
+            self.parallel_tool_calls = chat.parallel_tool_calls
             starts_after = plan.grammar_starts_after(text, params)
         else:
-            assert prompt is not None
-            text = prompt
-            ids = await run_in_threadpool(self.serving.tokenizer.encode, prompt)
+            assert chat.prompt is not None
+            text = chat.prompt
+            ids = await run_in_threadpool(self.model.tokenizer.encode, chat.prompt)
+        self.prompt = text
         self.result.prompt_tokens = len(ids)
         self.group = RequestGroup(
-            self.serving.llm,
+            self.model.llm,
             [(self.request_id, text, ids, params)],
             self.serving.in_flight,
             grammar_starts_after=starts_after,
@@ -151,16 +160,41 @@ class ChatRun:
             raise self._engine_error(e) from None
 
     def _engine_error(self, e: ValueError) -> APIError:
+        if self.engine_error is not None:
+            return self.engine_error(e)
         if isinstance(e, ParameterError) and e.parameter not in (None, "prompt"):
             param = e.parameter
             name = self.field_names.get(param) or self.field_names.get(param.split(".")[0], param)
             return bad_request(str(e), name)
         return bad_request(str(e), self.prompt_param)
 
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The engine's delta outputs, every sample's, as they come."""
+        assert self.group is not None
+        async for _, out in self.group.outputs():
+            yield out
+
+    async def samples(self, raw: Request) -> PromptResult:
+        """Every sample whole (ClientDisconnected if the client leaves first; an engine
+        rejection meanwhile is a 400)."""
+
+        async def work() -> PromptResult:
+            result = PromptResult()
+            async for out in self.outputs():
+                result.add(out)
+            return result
+
+        try:
+            return await run_unless_disconnected(raw, work())
+        except ValueError as e:
+            raise self._engine_error(e) from None
+        finally:
+            await self.close()
+
     def scheduled(self) -> bool:
         """Whether the engine has scheduled the request (its cached-token count is then
         in ``result``), before any output."""
-        cached = self.serving.llm.num_cached_tokens(self.request_id)
+        cached = self.model.llm.num_cached_tokens(self.request_id)
         if cached is not None:
             self.result.cached_tokens = cached
         return cached is not None

@@ -66,7 +66,7 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 
 async def create_embedding(serving, raw: Request, req: EmbeddingRequest) -> Response:
-    """POST /v1/embeddings over ``serving`` (an OpenAIServing: its checks and engine)."""
+    """POST /v1/embeddings over ``serving`` (server/serving.py's Serving: the models)."""
     serving.check_accepting()
     model = serving.check_model(req.model)
     items = req.inputs()
@@ -76,7 +76,7 @@ async def create_embedding(serving, raw: Request, req: EmbeddingRequest) -> Resp
         raise bad_request(str(e), e.parameter) from None
 
     def encode() -> list[tuple[str | None, list[int]]]:
-        tok = serving.tokenizer
+        tok = model.tokenizer
         return [
             (x, tok.encode(x, add_special_tokens=req.add_special_tokens))
             if isinstance(x, str)
@@ -87,7 +87,7 @@ async def create_embedding(serving, raw: Request, req: EmbeddingRequest) -> Resp
     prompts = await run_in_threadpool(encode)
     rid = f"embd-{uuid.uuid4().hex}"
     requests = [(f"{rid}-{i}", text, ids, None) for i, (text, ids) in enumerate(prompts)]
-    group = RequestGroup(serving.llm, requests, serving.in_flight, pooling_params=pooling)
+    group = RequestGroup(model.llm, requests, serving.in_flight, pooling_params=pooling)
 
     async def work() -> list[list[float]]:
         await group.start()
@@ -114,4 +114,4 @@ async def create_embedding(serving, raw: Request, req: EmbeddingRequest) -> Resp
         for i, v in enumerate(vectors)
     ]
     usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-    return JSONResponse({"object": "list", "data": data, "model": model, "usage": usage})
+    return JSONResponse({"object": "list", "data": data, "model": model.name, "usage": usage})

@@ -139,10 +139,13 @@ def add_error_shape(app: FastAPI, prefix: str, shape: ErrorShape) -> None:
 
 
 def _shape_of(request: Request) -> ErrorShape:
+    """The shape registered for the longest prefix of the path (OpenAI's if none)."""
+    path = request.url.path
+    found, length = error_response, -1
     for prefix, shape in getattr(request.app.state, "error_shapes", []):
-        if request.url.path.startswith(prefix):
-            return shape
-    return error_response
+        if path.startswith(prefix) and len(prefix) > length:
+            found, length = shape, len(prefix)
+    return found
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -19,6 +19,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
+from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,9 +30,17 @@ from mlxserve.parsers import ToolCall
 from mlxserve.pooling_params import PoolingParams
 from mlxserve.sampling_params import SamplingParams
 from mlxserve.server import openapi as doc
-from mlxserve.server.chat_run import ChatResult, ChatRun, NDJSONResponse, framed, started
+from mlxserve.server.api import API
+from mlxserve.server.chat_run import (
+    ChatRequest,
+    ChatResult,
+    ChatRun,
+    NDJSONResponse,
+    framed,
+    started,
+)
 from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
-from mlxserve.server.errors import APIError, add_error_shape, bad_request, closing_headers
+from mlxserve.server.errors import APIError, bad_request, closing_headers
 from mlxserve.server.ollama_models import OllamaModels
 from mlxserve.server.ollama_protocol import (
     OllamaChatRequest,
@@ -43,6 +52,7 @@ from mlxserve.server.ollama_protocol import (
     OllamaShowRequest,
     _Common,
 )
+from mlxserve.server.serving import ServedModel, Serving
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
 from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
 
@@ -73,52 +83,50 @@ def _done_fields(res: ChatResult) -> dict[str, Any]:
 
 
 class OllamaServing:
-    """The /api/* routes over the OpenAI serving object (its engine, checks and limits)."""
+    """The /api/* routes over the server's models (Serving: model checks, in-flight requests)."""
 
-    def __init__(self, serving, engine, model_size: int) -> None:
+    def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        self.engine = engine
-        self.model_size = model_size
-        self.models = OllamaModels(serving.llm, serving.model_names)
+        self.models = OllamaModels(serving.model_names)
 
-    def model_name(self, name: str) -> str:
-        """A served name (Ollama's ":latest" tag allowed); 404 otherwise."""
+    def model_name(self, name: str) -> ServedModel:
+        """The model of a served name (Ollama's ":latest" tag allowed); 404 otherwise."""
         bare = name.removesuffix(":latest")
         return self.serving.check_model(bare if bare in self.serving.model_names else name)
 
-    def details(self) -> dict[str, Any]:
-        cfg = self.engine.loaded.config
-        family = str(cfg.get("model_type", ""))
-        source = self.engine.loaded.source
+    def details(self, model: ServedModel) -> dict[str, Any]:
+        family = model.info.architecture
         return {
             "parent_model": "",
-            "format": "gguf" if source.kind == "gguf" else "safetensors",
+            "format": model.info.file_format,
             "family": family,
             "families": [family],
             "parameter_size": "",
             "quantization_level": "",
         }
 
-    def model_entry(self, name: str) -> dict[str, Any]:
+    def model_entry(self, model: ServedModel) -> dict[str, Any]:
         return {
-            "name": name,
-            "model": name,
+            "name": model.name,
+            "model": model.name,
             "modified_at": now_iso(),
-            "size": self.model_size,
+            "size": model.info.weight_bytes,
             "digest": "",
-            "details": self.details(),
+            "details": self.details(model),
         }
 
     # ------------------------------------------------------------- metadata
     def tags(self) -> dict:
-        return {"models": [self.model_entry(n) for n in self.serving.model_names]}
+        names = self.serving.model_names
+        return {"models": [self.model_entry(self.serving.check_model(n)) for n in names]}
 
     def ps(self) -> dict:
+        served = [self.serving.check_model(n) for n in self.serving.model_names]
         models = [
-            self.model_entry(n)
+            self.model_entry(m)
             | {"size_vram": 0, "expires_at": "2999-01-01T00:00:00Z"}
-            | {"context_length": self.engine.max_model_len}
-            for n in self.serving.model_names
+            | {"context_length": m.max_model_len}
+            for m in served
         ]
         return {"models": models}
 
@@ -126,15 +134,14 @@ class OllamaServing:
         name = body.get("model") or body.get("name")
         if not isinstance(name, str):
             raise bad_request("model is required", "model")
-        self.model_name(name)
-        cfg = self.engine.loaded.config
-        info = {f"general.{k}": v for k, v in cfg.items() if isinstance(v, (int, float, str))}
-        info["general.context_length"] = self.engine.max_model_len
+        model = self.model_name(name)
+        info = {f"general.{k}": v for k, v in model.info.config_facts.items()}
+        info["general.context_length"] = model.max_model_len
         return {
             "modelfile": "",
             "parameters": "",
             "template": "",
-            "details": self.details(),
+            "details": self.details(model),
             "model_info": info,
             "capabilities": ["completion", "embedding"],
             "modified_at": now_iso(),
@@ -150,7 +157,7 @@ class OllamaServing:
             return self._load(req, model, "message", {"role": "assistant", "content": ""})
         if any(m.images for m in req.messages):
             raise bad_request("images are not supported (no vision models here)", "messages")
-        params = req.sampling_params(self.serving.sampling_defaults)
+        params = req.sampling_params(model.sampling_defaults)
         messages = ollama_messages([m.model_dump(exclude_none=True) for m in req.messages])
         if not messages:
             raise bad_request("messages must not be empty", "messages")
@@ -173,17 +180,17 @@ class OllamaServing:
                 raise bad_request(f"{name} is not supported", name)
         if not req.prompt:  # Ollama's way of asking for the model to be (un)loaded
             return self._load(req, model, "response", "")
-        params = req.sampling_params(self.serving.sampling_defaults)
+        params = req.sampling_params(model.sampling_defaults)
         if req.raw:
             return await self._run(raw, req, params, model, "response", prompt=req.prompt)
         messages = [{"role": "system", "content": req.system}] if req.system else []
         messages.append({"role": "user", "content": req.prompt})
         return await self._run(raw, req, params, model, "response", messages=messages)
 
-    def _load(self, req: _Common, model: str, key: str, empty: Any) -> Response:
+    def _load(self, req: _Common, model: ServedModel, key: str, empty: Any) -> Response:
         """Ollama's answer to a request with nothing to generate: the model is (un)loaded."""
         unload = self.models.keep_alive(req.keep_alive, model)
-        body = {"model": model, "created_at": now_iso(), key: empty, "done": True}
+        body = {"model": model.name, "created_at": now_iso(), key: empty, "done": True}
         return JSONResponse(body | {"done_reason": "unload" if unload else "load"})
 
     async def _run(
@@ -191,14 +198,14 @@ class OllamaServing:
         raw: Request,
         req: _Common,
         params: SamplingParams,
-        model: str,
+        model: ServedModel,
         key: str,
         **what,
     ) -> Response:
         stream, keep_alive = req.stream, req.keep_alive
-        run = ChatRun(self.serving, "ollama", "messages" if key == "message" else "prompt")
+        run = ChatRun(self.serving, model, "ollama", "messages" if key == "message" else "prompt")
         run.field_names = {"structured_outputs": "format"}
-        if not await started(run, raw, run.start(raw, params, **what)):
+        if not await started(run, raw, run.start(raw, ChatRequest(params, **what))):
             return Response(status_code=499)
         self.models.keep_alive(keep_alive, model)  # the request runs: acts once it is over
 
@@ -215,7 +222,7 @@ class OllamaServing:
                 ]
             return {"message": message}
 
-        head = {"model": model}
+        head = {"model": model.name}
         if not stream:
             try:
                 res = await run.collect(raw)
@@ -237,7 +244,7 @@ class OllamaServing:
 
     # ------------------------------------------------------------ embeddings
     async def embed(
-        self, raw: Request, texts: list[str], dimensions: int | None
+        self, raw: Request, model: ServedModel, texts: list[str], dimensions: int | None
     ) -> tuple[list, int]:
         """(vectors of ``texts``, their number of tokens), through the engine as
         /v1/embeddings does: as many inputs at most, checked before any is tokenized."""
@@ -251,13 +258,11 @@ class OllamaServing:
         except ParameterError as e:
             raise bad_request(str(e), e.parameter) from None
         self.serving.check_accepting()
-        tok = self.serving.tokenizer
+        tok = model.tokenizer
         ids = await run_in_threadpool(lambda: [tok.encode(t) for t in texts])
         rid = f"ollama-embed-{uuid.uuid4().hex}"
         requests = [(f"{rid}-{i}", t, ids[i], None) for i, t in enumerate(texts)]
-        group = RequestGroup(
-            self.serving.llm, requests, self.serving.in_flight, pooling_params=pooling
-        )
+        group = RequestGroup(model.llm, requests, self.serving.in_flight, pooling_params=pooling)
 
         async def work() -> list:
             await group.start()
@@ -284,11 +289,11 @@ def _line(obj: dict[str, Any]) -> str:
     return json.dumps(obj, ensure_ascii=False) + "\n"
 
 
-def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
-    """Register /api/* on ``app``; every error leaves in Ollama's shape."""
+def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
+    """Register /api/* on ``app`` over ``serving``; every error leaves in Ollama's shape."""
     from mlxserve.server.body import parse_body, parse_json, read_body
 
-    add_error_shape(app, "/api/", error_response)
+    ollama = OllamaServing(serving)
 
     def route(method: str, path: str, body: type | None = None, stream: bool = False):
         documented = doc.other_api_route(body, doc.OllamaError, NDJSON if stream else None)
@@ -358,10 +363,10 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
         model = ollama.model_name(body.model)
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
         start = time.monotonic()
-        vectors, num_tokens = await ollama.embed(request, texts, body.dimensions)
+        vectors, num_tokens = await ollama.embed(request, model, texts, body.dimensions)
         ollama.models.keep_alive(body.keep_alive, model)
         return {
-            "model": model,
+            "model": model.name,
             "embeddings": vectors,
             "total_duration": int((time.monotonic() - start) * 1e9),
             "load_duration": 0,
@@ -371,6 +376,24 @@ def add_ollama_routes(app, ollama: OllamaServing, limit: int) -> None:
     @route("POST", "/api/embeddings", OllamaEmbeddingsRequest)
     async def embeddings(request: Request):
         body = await parse_body(request, OllamaEmbeddingsRequest, limit)
-        ollama.model_name(body.model)
-        (vector,), _ = await ollama.embed(request, [body.prompt], None)
+        model = ollama.model_name(body.model)
+        (vector,), _ = await ollama.embed(request, model, [body.prompt], None)
         return {"embedding": vector}
+
+
+OLLAMA_API = API(
+    name="ollama",
+    add_routes=add_ollama_routes,
+    prefixes=("/api/",),
+    bodies=(
+        OllamaChatRequest,
+        OllamaGenerateRequest,
+        OllamaEmbedRequest,
+        OllamaEmbeddingsRequest,
+        OllamaShowRequest,
+        OllamaPullRequest,
+        OllamaDeleteRequest,
+    ),
+    open_paths=("/api/version",),  # like /version
+    error_response=error_response,
+)

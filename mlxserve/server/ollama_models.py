@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.serving import ServedModel
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -47,8 +48,7 @@ def model_of(body: Any) -> str:
 class OllamaModels:
     """pull / delete / keep_alive for the one model the server runs."""
 
-    def __init__(self, llm, served_names: list[str]) -> None:
-        self.llm = llm  # AsyncLLM
+    def __init__(self, served_names: list[str]) -> None:
         self.served_names = served_names
 
     def _served(self, name: str) -> bool:
@@ -81,16 +81,16 @@ class OllamaModels:
             )
         raise APIError(404, f"model {name!r} not found ({self._one_model()})")
 
-    def keep_alive(self, value: str | int | float | None, model: str) -> bool:
-        """Act on a request's ``keep_alive``; True when it asked to unload (0)."""
+    def keep_alive(self, value: str | int | float | None, model: ServedModel) -> bool:
+        """Act on a request's ``keep_alive`` for ``model``; True when it asked to unload (0)."""
         if not keep_alive_is_zero(value):
             return False
         logger.info(
             "keep_alive 0 for %r: the model stays loaded (one model per server); its prefix "
             "cache is forgotten once no request runs",
-            model,
+            model.name,
         )
-        done = self.llm.forget_cached_prefixes()
+        done = model.llm.forget_cached_prefixes()
         done.add_done_callback(
             lambda f: logger.info("keep_alive 0: forgot %d cached KV blocks", f.result())
         )

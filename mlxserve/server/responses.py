@@ -24,6 +24,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Literal
 
+from fastapi import FastAPI
 from pydantic import ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -39,7 +40,8 @@ from mlxserve.sampling_params import (
 )
 from mlxserve.server import openapi as doc
 from mlxserve.server import streams
-from mlxserve.server.chat_run import ChatResult, ChatRun, framed, started
+from mlxserve.server.api import API
+from mlxserve.server.chat_run import ChatRequest, ChatResult, ChatRun, framed, started
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.protocol import _Strict, model_defaults
 from mlxserve.server.reasoning_effort import effort_template_kwargs
@@ -50,6 +52,7 @@ from mlxserve.server.responses_input import (
     responses_tools,
 )
 from mlxserve.server.responses_output import ResponseOutput
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import TICK, ClientDisconnected, SSEResponse, ticking
 
 # Responses kept for previous_response_id / GET: each holds its conversation's text.
@@ -244,9 +247,9 @@ class ResponseStore:
 
 
 class ResponsesServing:
-    """/v1/responses over the OpenAI serving object (its engine, checks and limits)."""
+    """/v1/responses over the server's models (Serving: model checks, in-flight requests)."""
 
-    def __init__(self, serving, store: ResponseStore | None = None) -> None:
+    def __init__(self, serving: Serving, store: ResponseStore | None = None) -> None:
         self.serving = serving
         self.store = store or ResponseStore()
 
@@ -288,42 +291,42 @@ class ResponsesServing:
 
     async def count_input_tokens(self, raw: Request, req: ResponsesRequest) -> dict:
         """POST /v1/responses/input_tokens: the prompt's length, as a create would render it."""
-        params = req.sampling_params(self.serving.sampling_defaults)
+        model = self.serving.model_or_default(req.model)
+        params = req.sampling_params(model.sampling_defaults)
         messages, _, _ = self._messages(req)
         tools = responses_tools(req.tools)
         choice = responses_tool_choice(req.tool_choice, tools)
-        run = ChatRun(self.serving, "resp", "input")
-        _, ids, _ = await run_in_threadpool(
-            run.prepare,
-            messages,
+        run = ChatRun(self.serving, model, "resp", "input")
+        chat = ChatRequest(
             params,
-            tools.tools,
-            choice,
-            req.parallel_tool_calls is not False,
-            effort_template_kwargs(req.effort, "reasoning.effort"),
+            messages=messages,
+            tools=tools.tools,
+            tool_choice=choice,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            template_kwargs=effort_template_kwargs(req.effort, "reasoning.effort"),
         )
+        _, ids, _ = await run_in_threadpool(run.prepare, chat)
         return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
     async def create(self, raw: Request, req: ResponsesRequest) -> Response:
         model = self.serving.check_model(req.model)
         req.check_refused()
-        params = req.sampling_params(self.serving.sampling_defaults)
+        params = req.sampling_params(model.sampling_defaults)
         template_kwargs = effort_template_kwargs(req.effort, "reasoning.effort")
         messages, conversation, inputs = self._messages(req)
         tools = responses_tools(req.tools)
         choice = responses_tool_choice(req.tool_choice, tools)
-        run = ChatRun(self.serving, "resp", "input")
+        run = ChatRun(self.serving, model, "resp", "input")
         run.field_names = {"structured_outputs": "text.format"}
-        start = run.start(
-            raw,
+        chat = ChatRequest(
             params,
             messages=messages,
             tools=tools.tools,
             tool_choice=choice,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             template_kwargs=template_kwargs,
-            stream=bool(req.stream),
         )
+        start = run.start(raw, chat, stream=bool(req.stream))
         if not await started(run, raw, start):
             return Response(status_code=499)
         resp_id = "resp_" + uuid.uuid4().hex
@@ -333,7 +336,7 @@ class ResponsesServing:
         )
 
         def body(status: str, res: ChatResult | None, reasoning_tokens: int = 0) -> dict:
-            return _response(resp_id, created, model, req, tools, status, out.output, res) | (
+            return _response(resp_id, created, model.name, req, tools, status, out.output, res) | (
                 {"usage": _usage(res, reasoning_tokens)} if res is not None else {}
             )
 
@@ -341,7 +344,7 @@ class ResponsesServing:
             reasoning = out.reasoning_text()
             num = 0
             if reasoning:  # tokenized off the event loop
-                encode = self.serving.tokenizer.encode
+                encode = model.tokenizer.encode
                 num = len(await run_in_threadpool(encode, reasoning, add_special_tokens=False))
             status = "incomplete" if res.finish_reason == "length" else "completed"
             response = body(status, res, min(num, res.completion_tokens))
@@ -475,9 +478,12 @@ def _response(
     }
 
 
-def add_responses_routes(app, responses: ResponsesServing, limit: int) -> None:
-    """Register /v1/responses and its retrieve, delete, input_items and input_tokens routes."""
+def add_responses_routes(app: FastAPI, serving: Serving, limit: int) -> None:
+    """Register /v1/responses and its retrieve, delete, input_items and input_tokens routes
+    over ``serving`` (the server's models)."""
     from mlxserve.server.body import parse_body
+
+    responses = ResponsesServing(serving)
 
     async def create(request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest, limit)
@@ -529,3 +535,11 @@ class InputTokensRequest(ResponsesRequest):
 
     input: str | list[dict[str, Any]] = ""
     personality: str | None = None
+
+
+RESPONSES_API = API(
+    name="responses",
+    add_routes=add_responses_routes,
+    prefixes=("/v1/responses",),
+    bodies=(ResponsesRequest, InputTokensRequest),
+)

@@ -1,93 +1,54 @@
-"""/v1/completions and /v1/chat/completions: request -> engine requests -> OpenAI response.
+"""Which model serves a request: Serving (the server's models) and ServedModel (one).
 
-Handlers tokenize (in a worker thread), then only enqueue and await: AsyncLLM's thread
-runs the engine. Each call first waits until every engine request has its first output,
-so a prompt the engine rejects (too long, ...) is still a 400 even when streaming.
+Every API resolves the request's ``model`` field here, with ``Serving.check_model``, and
+then reads only the ServedModel it got back (its engine, tokenizer, limits, chat features
+and sampling defaults). Today a server runs one model under one or more names; serving
+several models is a change to this module only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-
-from mlxserve.core.request import RequestOutput
 from mlxserve.engine.async_llm import AsyncLLM
-from mlxserve.exceptions import ParameterError
-from mlxserve.sampling_params import SamplingParams
-from mlxserve.server import streams
-from mlxserve.server.chat_tools import ChatFeatures, ChatPlan, ReplyFormatter
-from mlxserve.server.errors import APIError, bad_request, error_body
-from mlxserve.server.formatting import (
-    CompletionLogprobs,
-    PromptResult,
-    TokenText,
-    chat_logprobs,
-    usage,
-)
-from mlxserve.server.protocol import ChatCompletionRequest, CompletionRequest, request_error
-from mlxserve.server.streams import (
-    ClientDisconnected,
-    InFlight,
-    RequestGroup,
-    SSEResponse,
-    run_unless_disconnected,
-    sse,
-)
-
-logger = logging.getLogger("mlxserve.server")
-
-_Request = CompletionRequest | ChatCompletionRequest
-
-# Keys of chat_template_kwargs that would clash with the template's own arguments.
-RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "continue_final_message"}
+from mlxserve.engine.model_info import ModelInfo
+from mlxserve.server.chat_tools import ChatFeatures
+from mlxserve.server.errors import APIError, bad_request
+from mlxserve.server.formatting import TokenText
+from mlxserve.server.streams import InFlight
 
 
-class OpenAIServing:
-    """The generation endpoints, over one AsyncLLM."""
+@dataclass(frozen=True)
+class ServedModel:
+    """One model as the APIs see it, under the name a request asked for (``name``)."""
 
-    def __init__(
-        self,
-        llm: AsyncLLM,
-        model_names: list[str],
-        tokenizer,
-        max_model_len: int,
-        vocab_size: int,
-        features: ChatFeatures | None = None,
-        sampling_defaults: dict[str, float | int] | None = None,
-    ) -> None:
-        self.llm = llm
-        # The model's sampling defaults for fields a request leaves out (generation_config).
-        self.sampling_defaults = dict(sampling_defaults or {})
-        self.features = features or ChatFeatures(tokenizer)
-        self.model_names = model_names
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.token_text = TokenText(tokenizer)
-        self.in_flight = InFlight()
+    name: str  # the served name to report back
+    names: tuple[str, ...]  # every name it is served under
+    llm: AsyncLLM
+    info: ModelInfo  # what the engine says about the model (limits, size, facts)
+    features: ChatFeatures  # its tool-call format and reasoning parser
+    # The model's sampling defaults for fields a request leaves out (generation_config).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    root: str | None = None  # its name or repo id (never a local path), for /v1/models
+    token_text: TokenText | None = field(default=None, compare=False, repr=False)
 
-    # ------------------------------------------------------------------ checks
-    def check_model(self, name: str | None) -> str:
-        """The served name to report; 404 for a model this server does not serve."""
-        if name is None:
-            return self.model_names[0]
-        if name not in self.model_names:
-            raise APIError(
-                404,
-                f"The model {name!r} does not exist; this server serves "
-                f"{', '.join(repr(n) for n in self.model_names)}",
-                param="model",
-                code="model_not_found",
-            )
-        return name
+    @property
+    def tokenizer(self) -> Any:
+        return self.info.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def named(self, name: str) -> ServedModel:
+        """This model, reported under ``name`` (one of ``names``)."""
+        return self if name == self.name else dataclasses.replace(self, name=name)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """400 unless every id is in the model's vocabulary."""
@@ -98,335 +59,80 @@ class OpenAIServing:
                 param,
             )
 
+
+def make_served_model(
+    llm: AsyncLLM,
+    names: tuple[str, ...],
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    sampling_defaults: dict[str, float | int] | None = None,
+    root: str | None = None,
+    prompt_normalization: tuple[str, ...] = (),
+) -> ServedModel:
+    """A running engine's model under ``names`` (the first is the default's report name)."""
+    info = llm.describe()
+    return ServedModel(
+        name=names[0],
+        names=tuple(names),
+        llm=llm,
+        info=info,
+        features=ChatFeatures(
+            info.tokenizer, tool_call_parser, reasoning_parser, prompt_normalization
+        ),
+        sampling_defaults=dict(sampling_defaults or {}),
+        root=root,
+        token_text=TokenText(info.tokenizer),
+    )
+
+
+class Serving:
+    """The server's models and the requests in flight on them (for a graceful shutdown)."""
+
+    def __init__(self, models: list[ServedModel]) -> None:
+        assert models, "a server serves at least one model"
+        self.models = models
+        self.in_flight = InFlight()
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every served name, in order (the first is the default model's)."""
+        return [n for m in self.models for n in m.names]
+
+    @property
+    def default(self) -> ServedModel:
+        """The model a request that names none gets."""
+        return self.models[0]
+
+    def check_model(self, name: str | None) -> ServedModel:
+        """The model serving ``name`` (the default for None), reported under that name;
+        404 for a name this server does not serve."""
+        if name is None:
+            return self.default
+        for model in self.models:
+            if name in model.names:
+                return model.named(name)
+        raise APIError(
+            404,
+            f"The model {name!r} does not exist; this server serves "
+            f"{', '.join(repr(n) for n in self.model_names)}",
+            param="model",
+            code="model_not_found",
+        )
+
+    @property
+    def is_running(self) -> bool:
+        """Whether every model's engine thread runs."""
+        return all(m.llm.is_running for m in self.models)
+
+    def model_or_default(self, name: str | None) -> ServedModel:
+        """The model serving ``name``, or the default model for a name this server does not
+        serve (routes that only count tokens and never refused an unknown name)."""
+        try:
+            return self.check_model(name)
+        except APIError:
+            return self.default
+
     def check_accepting(self) -> None:
         """503 once a graceful shutdown has begun."""
         if self.in_flight.is_draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-
-    # ------------------------------------------------------------- running
-    async def _run(
-        self, raw: Request, group: RequestGroup, req: _Request, prompt_param: str
-    ) -> None:
-        """Start a stream's group; engine rejections become 400s. After KEEPALIVE_S without
-        a first output (a long prefill) the headers go out, keepalives follow."""
-        try:
-            await run_unless_disconnected(raw, group.start(streams.KEEPALIVE_S))
-        except ValueError as e:
-            raise _engine_error(e, req, prompt_param) from None
-
-    async def _collect(
-        self,
-        raw: Request,
-        group: RequestGroup,
-        num_prompts: int,
-        req: _Request,
-        prompt_param: str,
-    ) -> list[PromptResult]:
-        async def work() -> list[PromptResult]:
-            await group.start()
-            results = [PromptResult() for _ in range(num_prompts)]
-            async for i, out in group.outputs():
-                results[i].add(out)
-            return results
-
-        try:
-            return await run_unless_disconnected(raw, work())
-        except ValueError as e:
-            raise _engine_error(e, req, prompt_param) from None
-        finally:
-            await group.close()
-
-    # ------------------------------------------------------------ completions
-    def _encode_prompts(
-        self, prompts: list[str | list[int]], add_special_tokens: bool
-    ) -> list[tuple[str | None, list[int]]]:
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append((p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens)))
-            else:  # the engine checks the ids (and every other prompt rule)
-                out.append((None, list(p)))
-        return out
-
-    async def create_completion(self, raw: Request, req: CompletionRequest) -> Response:
-        """POST /v1/completions: JSON, or an event stream when req.stream."""
-        self.check_accepting()
-        model = self.check_model(req.model)
-        params = req.sampling_params(self.sampling_defaults)
-        req.log_ignored()
-        prompts = await run_in_threadpool(
-            self._encode_prompts, req.prompts(), req.add_special_tokens
-        )
-        # The texts echo puts first, decoded off the event loop for prompts given as ids.
-        echoed = (
-            await run_in_threadpool(lambda: [self._prompt_text(p) for p in prompts])
-            if (req.echo)
-            else [""] * len(prompts)
-        )
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        requests = [(f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
-        group = RequestGroup(self.llm, requests, self.in_flight)
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
-        if req.stream:
-            try:
-                await self._run(raw, group, req, "prompt")
-            except ClientDisconnected:
-                return Response(status_code=499)
-            chunks = self._completion_chunks(group, req, params, head, echoed)
-            return SSEResponse(_event_stream(chunks, group, "completion"), group.close)
-        try:
-            results = await self._collect(raw, group, len(prompts), req, "prompt")
-        except ClientDisconnected:
-            return Response(status_code=499)
-        choices = []
-        for i, res in enumerate(results):
-            prompt_text = echoed[i]
-            for j in sorted(res.samples):
-                s = res.samples[j]
-                text = "".join(s.text)
-                logprobs = None
-                if req.logprobs is not None:
-                    fmt = CompletionLogprobs(self.token_text)
-                    ids, lps = s.token_ids, s.logprobs
-                    if req.echo:
-                        plp = res.prompt_logprobs or [None] * len(res.prompt_token_ids)
-                        ids, lps = res.prompt_token_ids + ids, list(plp) + lps
-                    logprobs = fmt.make(ids, lps)
-                choices.append(
-                    {
-                        "index": i * params.n + j,
-                        "text": prompt_text + text if req.echo else text,
-                        "logprobs": logprobs,
-                        "finish_reason": s.finish_reason,
-                        "stop_reason": s.stop_reason,
-                    }
-                )
-        return JSONResponse(head | {"choices": choices, "usage": _total_usage(results)})
-
-    def _prompt_text(self, prompt: tuple[str | None, list[int]]) -> str:
-        text, ids = prompt
-        return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    async def _completion_chunks(
-        self,
-        group: RequestGroup,
-        req: CompletionRequest,
-        params: SamplingParams,
-        head: dict[str, Any],
-        echoed: list[str],
-    ) -> AsyncIterator[dict]:
-        n = params.n
-        fmts: dict[int, CompletionLogprobs] = {}
-        finished: set[int] = set()
-        totals = _StreamTotals(len(echoed))
-        extra = {"usage": None} if req.include_usage else {}
-        async for i, out in group.outputs():
-            totals.add(i, out)
-            for c in out.outputs:
-                index = i * n + c.index
-                if index in finished:
-                    continue
-                first = index not in fmts
-                if first:
-                    fmts[index] = CompletionLogprobs(self.token_text)
-                text, ids, lps = c.text, c.token_ids, c.logprobs or []
-                if req.echo and first:
-                    text = echoed[i] + text
-                    plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                    ids, lps = out.prompt_token_ids + ids, list(plp) + lps
-                show_logprobs = bool(ids) and req.logprobs is not None
-                if not text and c.finish_reason is None and not show_logprobs:
-                    continue  # tokens whose text is held back (partial UTF-8, stop prefix)
-                if c.finish_reason is not None:
-                    finished.add(index)
-                logprobs = fmts[index].make(ids, lps) if req.logprobs is not None else None
-                choice = {
-                    "index": index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                yield head | {"choices": [choice]} | extra
-        if req.include_usage:
-            yield head | {"choices": [], "usage": totals.usage()}
-
-    # ------------------------------------------------------------------- chat
-    def _render_chat(self, req: ChatCompletionRequest, plan: ChatPlan) -> tuple[str, list[int]]:
-        kwargs = req.template_kwargs()
-        clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-        if clash:
-            raise bad_request(
-                f"chat_template_kwargs must not set {', '.join(clash)}", "chat_template_kwargs"
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                plan.messages,
-                tools=plan.tools,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                **kwargs,
-            )
-        except ValueError as e:
-            raise bad_request(str(e), getattr(e, "parameter", None) or "messages") from None
-        return text, self.tokenizer.encode_rendered_chat(text)
-
-    async def create_chat_completion(self, raw: Request, req: ChatCompletionRequest) -> Response:
-        """POST /v1/chat/completions: JSON, or an event stream when req.stream."""
-        self.check_accepting()
-        model = self.check_model(req.model)
-        params = req.sampling_params(self.sampling_defaults)
-        req.log_ignored(() if req.tools else ("parallel_tool_calls",))
-        try:
-            plan = self.features.plan(
-                req.template_messages(),
-                [t.model_dump(exclude_none=True) for t in req.tools or []],
-                req.tool_choice_name(),
-                req.parallel_tool_calls is not False,
-                params,
-            )
-        except ParameterError as e:
-            raise request_error(e, {}) from None
-        text, ids = await run_in_threadpool(self._render_chat, req, plan)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        starts_after = plan.grammar_starts_after(text, params)
-        group = RequestGroup(
-            self.llm, [(rid, text, ids, params)], self.in_flight, grammar_starts_after=starts_after
-        )
-        created = int(time.time())
-        if req.stream:
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created}
-            try:
-                await self._run(raw, group, req, "messages")
-            except ClientDisconnected:
-                return Response(status_code=499)
-            chunks = self._chat_chunks(group, req, params, head | {"model": model}, plan, text)
-            return SSEResponse(_event_stream(chunks, group, "chat"), group.close)
-        try:
-            (res,) = await self._collect(raw, group, 1, req, "messages")
-        except ClientDisconnected:
-            return Response(status_code=499)
-        choices = []
-        for j in sorted(res.samples):
-            s = res.samples[j]
-            reply = ReplyFormatter(plan, text)
-            message = reply.message("".join(s.text))
-            logprobs = None
-            if req.logprobs:
-                logprobs = {
-                    "content": chat_logprobs(
-                        s.token_ids, s.logprobs, params.num_logprobs, self.token_text
-                    ),
-                    "refusal": None,
-                }
-            choices.append(
-                {
-                    "index": j,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": reply.finish_reason(s.finish_reason),
-                    "stop_reason": s.stop_reason,
-                }
-            )
-        body = {"id": rid, "object": "chat.completion", "created": created, "model": model}
-        return JSONResponse(body | {"choices": choices, "usage": _total_usage([res])})
-
-    async def _chat_chunks(
-        self,
-        group: RequestGroup,
-        req: ChatCompletionRequest,
-        params: SamplingParams,
-        head: dict[str, Any],
-        plan: ChatPlan,
-        prompt: str,
-    ) -> AsyncIterator[dict]:
-        extra = {"usage": None} if req.include_usage else {}
-        totals = _StreamTotals(1)
-        finished: set[int] = set()
-        replies = [ReplyFormatter(plan, prompt) for _ in range(params.n)]
-        for j in range(params.n):
-            role = {"role": "assistant", "content": ""}
-            choice = {"index": j, "delta": role, "logprobs": None, "finish_reason": None}
-            yield head | {"choices": [choice]} | extra
-        async for _, out in group.outputs():
-            totals.add(0, out)
-            for c in out.outputs:
-                if c.index in finished:
-                    continue
-                reply = replies[c.index]
-                deltas = reply.delta(c.text, final=c.finish_reason is not None)
-                logprobs = None
-                if req.logprobs and c.token_ids:
-                    content = chat_logprobs(
-                        c.token_ids, c.logprobs or [], params.num_logprobs, self.token_text
-                    )
-                    logprobs = {"content": content, "refusal": None}
-                if c.finish_reason is None and not deltas and logprobs is None:
-                    continue  # text held back (a marker may be starting, partial UTF-8)
-                deltas = deltas or [{}]
-                for k, delta in enumerate(deltas):
-                    last = k == len(deltas) - 1
-                    choice = {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": logprobs if k == 0 else None,
-                        "finish_reason": reply.finish_reason(c.finish_reason) if last else None,
-                        "stop_reason": c.stop_reason if last else None,
-                    }
-                    yield head | {"choices": [choice]} | extra
-                if c.finish_reason is not None:
-                    finished.add(c.index)
-        if req.include_usage:
-            yield head | {"choices": [], "usage": totals.usage()}
-
-
-async def _event_stream(
-    chunks: AsyncIterator[dict], group: RequestGroup, what: str
-) -> AsyncIterator[str]:
-    """Chunks as server-sent events, an in-stream error if producing them fails, [DONE] last."""
-    try:
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield sse(chunk)
-    except APIError as e:  # e.g. aborted by a shutdown: the client learns why
-        yield sse(e.body())
-    except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-stream
-        logger.exception("%s stream failed", what)
-        yield sse(error_body(f"internal error: {e}", "internal_error"))
-    finally:
-        await group.close()
-    yield sse("[DONE]")
-
-
-class _StreamTotals:
-    """Token counts of a stream, for its usage chunk."""
-
-    def __init__(self, num_prompts: int) -> None:
-        self.prompt_tokens = [0] * num_prompts
-        self.cached_tokens = [0] * num_prompts
-        self.completion_tokens = 0
-
-    def add(self, index: int, out: RequestOutput) -> None:
-        self.prompt_tokens[index] = len(out.prompt_token_ids)
-        self.cached_tokens[index] = out.num_cached_tokens
-        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-
-    def usage(self) -> dict:
-        return usage(sum(self.prompt_tokens), self.completion_tokens, sum(self.cached_tokens))
-
-
-def _total_usage(results: list[PromptResult]) -> dict:
-    return usage(
-        sum(len(r.prompt_token_ids) for r in results),
-        sum(r.num_completion_tokens for r in results),
-        sum(r.num_cached_tokens for r in results),
-    )
-
-
-def _engine_error(e: ValueError, req: _Request, prompt_param: str) -> APIError:
-    """An engine rejection as a 400 naming the request field (None when the engine named none)."""
-    if isinstance(e, ParameterError) and e.parameter is not None:
-        if e.parameter == "prompt":
-            return bad_request(str(e), prompt_param)
-        return request_error(e, req.field_names())
-    return bad_request(str(e), None)
