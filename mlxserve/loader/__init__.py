@@ -109,7 +109,8 @@ def resolve_model(model: str | None, revision: str | None = None) -> ModelSource
     if ref := hub.split_gguf_ref(model):
         return ModelSource("gguf", hub.download(ref[0], ref[1], revision), model)
     if hub.is_repo_id(model):
-        return _source_from_dir(hub.download(model, revision=revision), model)
+        path = hub.download(model, revision=revision)  # a repo of one GGUF: that file
+        return ModelSource("gguf", path, model) if path.is_file() else _source_from_dir(path, model)
     raise ValueError(
         f"model {model!r} is neither an existing file or directory nor a Hugging Face "
         f"repo id (owner/name, or owner/name/file.gguf)"
