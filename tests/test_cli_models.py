@@ -109,13 +109,18 @@ def mlxserve(
     home: Path, *args: str, endpoint: str = "http://127.0.0.1:9", **env: str
 ) -> subprocess.CompletedProcess:
     """`mlxserve ARGS` with a private Hugging Face home and hub."""
+    return python(home, ["-m", "mlxserve.cli", *args], endpoint, **env)
+
+
+def python(home: Path, argv: list[str], endpoint: str, **env: str) -> subprocess.CompletedProcess:
+    """`python ARGV` with a private Hugging Face home and hub."""
     full_env = dict(os.environ, HF_HOME=str(home), HF_ENDPOINT=endpoint, HF_HUB_ETAG_TIMEOUT="5")
     for name in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HUB_DISABLE_PROGRESS_BARS"):
         full_env.pop(name, None)
     full_env |= env
     full_env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
-        [sys.executable, "-m", "mlxserve.cli", *args],
+        [sys.executable, *argv],
         env=full_env,
         capture_output=True,
         text=True,
@@ -248,8 +253,8 @@ def test_list_show_and_rm(hub, repos, tmp_path) -> None:
     out = mlxserve(home, "show", MLX_REPO)
     assert out.returncode == 0, out.stderr
     assert "  affine 4-bit, group 64  2 tensors, 8.19K parameters" in out.stdout
-    assert "  affine 8-bit, group 64  1 tensors, 4.1K parameters" in out.stdout
-    assert "  BF16                    1 tensors, 20.5K parameters" in out.stdout
+    assert "  affine 8-bit, group 64  1 tensor, 4.1K parameters" in out.stdout
+    assert "  BF16                    1 tensor, 20.5K parameters" in out.stdout
     assert "  license         apache-2.0" in out.stdout
     assert "  temperature  0.6" in out.stdout
     assert out.stdout.rstrip().endswith(f"Chat template\n  {TEMPLATE}")
@@ -277,6 +282,46 @@ def test_a_missing_model_is_a_clear_error(tmp_path) -> None:
             "error: model 'acme/absent' is not on this machine (`mlxserve list` shows what "
             "is; `mlxserve pull acme/absent` downloads it)"
         ]
+
+
+def test_run_and_serve_download_through_the_same_resumable_path(hub, tmp_path) -> None:
+    """resolve_model (run, serve, LLM) fetches as pull does; a repo of one GGUF file is
+    that file; offline, the cached copy is used."""
+    hub.repos["acme/one-GGUF"] = {"m.Q8_0.gguf": hub.repos[GGUF_REPO]["tiny.Q8_0.gguf"]}
+    code = (
+        "from mlxserve.loader import resolve_model\n"
+        "for name in ('acme/tiny-4bit', 'acme/one-GGUF'):\n"
+        "    source = resolve_model(name)\n"
+        "    print(source.kind, source.path.name)\n"
+    )
+    for offline in ("0", "1"):
+        out = python(tmp_path, ["-c", code], hub.url, HF_HUB_OFFLINE=offline)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].startswith("dir ") and lines[1] == "gguf m.Q8_0.gguf"
+    assert len(hub.gets_of("m.Q8_0.gguf")) == 1
+
+
+def test_loading_shows_weights_read_of_total(monkeypatch) -> None:
+    import io
+
+    import mlx.nn as nn
+
+    from mlxserve import loader
+    from mlxserve.loader import read_weights_with_progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(loader, "_READ_STEP_BYTES", 100_000)
+    net = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))  # 2 x 263 kB, float32
+    read_weights_with_progress(net, "tiny")
+    shown = terminal.getvalue()
+    assert "Loading tiny:  50%" in shown and "/526k [" in shown  # one layer of two
+    assert "Loading tiny: 100%" in shown and "526k/526k [" in shown
 
 
 @pytest.fixture

@@ -113,7 +113,7 @@ def _show_command(args: argparse.Namespace) -> int:
     _print_section(
         "Tensor types",
         [
-            (label, f"{count} tensors, {human_count(params)} parameters")
+            (label, f"{count} tensor{'' if count == 1 else 's'}, {human_count(params)} parameters")
             for label, (count, params) in info.tensor_types.items()
         ],
     )
