@@ -275,6 +275,7 @@ def read_weights_with_progress(net: nn.Module, name: str) -> None:
         disable=None,
         leave=False,
         mininterval=0,  # one update per step of _READ_STEP_BYTES: each is worth showing
+        miniters=1,
     )
     with bar:
         batch: list[mx.array] = []
