@@ -381,3 +381,27 @@ def test_ps_asks_the_running_server(fake_server, tmp_path) -> None:
     assert out.returncode == 2
     (line,) = out.stderr.splitlines()
     assert line.startswith("error: no mlxserve server answers at http://127.0.0.1:9 (")
+
+
+def test_ps_against_mlxserve_serve(tmp_path) -> None:
+    """The real server's /api/ps, with its API key: the served model, its memory, forever."""
+    from tests.engine_helpers import make_tiny_model_dir
+    from tests.server_harness import start_server
+
+    _, model_dir = make_tiny_model_dir(tmp_path / "tiny", seed=3)
+    args = [str(model_dir), "--served-model-name", "tiny", "--dtype", "float32"]
+    server = start_server([*args, "--api-key", "k", "--max-model-len", "256"], tmp_path / "log")
+    try:
+        out = mlxserve(tmp_path, "ps", "--url", server.url, MLXSERVE_API_KEY="k")
+        refused = mlxserve(tmp_path, "ps", "--url", server.url)
+    finally:
+        server.stop()
+    assert out.returncode == 0, out.stderr
+    name, memory, unit, context, until = out.stdout.splitlines()[1].split()
+    assert (name, unit, context, until) == ("tiny", "kB", "256", "forever")
+    assert float(memory) > 0
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        f"error: {server.url}/api/ps answered HTTP 401: pass the server's API key with "
+        "--api-key (or $MLXSERVE_API_KEY)"
+    ]

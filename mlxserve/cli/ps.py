@@ -29,6 +29,11 @@ def _get(url: str, api_key: str | None) -> dict[str, Any] | None:
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return None
+        if e.code == 401:
+            raise ValueError(
+                f"{url} answered HTTP 401: pass the server's API key with --api-key "
+                f"(or ${API_KEY_ENV_VARS[0]})"
+            ) from None
         raise ValueError(f"{url} answered HTTP {e.code}") from None
 
 
