@@ -169,6 +169,9 @@ def test_pull_one_gguf_file_by_quant_or_by_name(hub, tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"pulled {GGUF_REPO}/tiny.Q4_0.gguf: gguf, Q4_0, ")
     assert out.stdout.rstrip().endswith("llama, context 2048")
+    out = mlxserve(tmp_path, "pull", f"hf.co/{GGUF_REPO}:Q4_0", endpoint=hub.url)  # Ollama's
+    assert out.stdout.startswith(f"pulled {GGUF_REPO}/tiny.Q4_0.gguf: gguf, Q4_0, ")
+    assert len(hub.gets_of("tiny.Q4_0.gguf")) == 1  # already there
     # several GGUF files and no choice: the choices, in one line
     out = mlxserve(tmp_path, "pull", GGUF_REPO, endpoint=hub.url)
     assert out.returncode == 2
@@ -247,6 +250,11 @@ def test_list_show_and_rm(hub, repos, tmp_path) -> None:
     assert (gguf_row["FORMAT"], gguf_row["QUANT"], gguf_row["ARCH"]) == ("gguf", "Q8_0", "llama")
     assert gguf_row["CONTEXT"] == "2048"
     assert rows[str(folder / "local.gguf")]["QUANT"] == "Q4_0"
+    (folder / "broken.gguf").write_bytes(b"GGUF" + bytes(8))  # a truncated copy
+    out = mlxserve(home, "list", "--models-dir", str(folder))
+    assert table(out.stdout) == rows  # the others still listed
+    (warning,) = out.stderr.splitlines()
+    assert warning.startswith(f"WARNING mlxserve: skipping {folder / 'broken.gguf'}: ")
     in_cache = {name: row for name, row in rows.items() if not name.startswith(str(folder))}
     assert table(mlxserve(home, "ls").stdout) == in_cache  # the alias; no folder: the cache
 

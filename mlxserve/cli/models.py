@@ -3,6 +3,7 @@
     mlxserve pull owner/name                 a repo's model files (config, safetensors, tokenizer)
     mlxserve pull owner/name:FILE.gguf       one GGUF file of a repo
     mlxserve pull owner/name --quant Q4_K_M  the GGUF file of a repo with that quantization
+    mlxserve pull hf.co/owner/name:Q4_K_M    the same, in Ollama's words
     mlxserve list [--models-dir DIR]         every model in the Hugging Face cache (and DIR)
     mlxserve show MODEL                      architecture, parameters, tensor types, template
     mlxserve rm MODEL ...                    delete from the cache
@@ -40,14 +41,21 @@ def human_count(n: int) -> str:
 
 
 def _pull_command(args: argparse.Namespace) -> int:
-    ref = hub.split_gguf_ref(args.model)
-    if ref is None and not hub.is_repo_id(args.model):
+    # Ollama's spelling of a hub GGUF: hf.co/owner/name:QUANT
+    model = args.model.removeprefix("hf.co/").removeprefix("huggingface.co/")
+    repo, colon, tail = model.partition(":")
+    quant = args.quant
+    if colon and hub.is_repo_id(repo) and not tail.endswith(".gguf"):
+        model, quant = repo, quant or tail
+    ref = hub.split_gguf_ref(model)
+    if ref is None and not hub.is_repo_id(model):
         raise ValueError(
-            f"{args.model!r} is not a hub model: give owner/name, or owner/name:FILE.gguf"
+            f"{args.model!r} is not a hub model: give owner/name, owner/name:FILE.gguf or "
+            f"owner/name:QUANT"
         )
-    repo_id, filename = ref or (args.model, None)
+    repo_id, filename = ref or (model, None)
     try:
-        path = hub.pull(repo_id, filename, args.quant, args.revision)
+        path = hub.pull(repo_id, filename, quant, args.revision)
     except KeyboardInterrupt:
         print(
             f"error: the pull of {args.model} was interrupted; run the same command again "

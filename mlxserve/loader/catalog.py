@@ -10,6 +10,7 @@ GGUF metadata and tensor directory; no weights are read.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import struct
@@ -23,6 +24,8 @@ from mlxserve.loader import generation_config, hub
 from mlxserve.loader.local import read_json
 from mlxserve.tokenizer.gguf_vocab import chat_templates
 from mlxserve.tokenizer.hf_dir import chat_template_from_dir
+
+logger = logging.getLogger("mlxserve")
 
 _MAX_HEADER_BYTES = 100 << 20  # a safetensors JSON header; real ones are a few MB at most
 
@@ -57,15 +60,26 @@ def list_models(models_dir: Path | None = None) -> list[LocalModel]:
     """Every model in the hub cache, then every GGUF file under ``models_dir``."""
     from huggingface_hub import constants
 
-    found = []
+    found: list[LocalModel | None] = []
     for repo_dir in sorted(Path(constants.HF_HUB_CACHE).glob("models--*")):
         repo_id = repo_dir.name.removeprefix("models--").replace("--", "/")
         snapshot = _snapshot(repo_dir)
         if snapshot is not None:
             found += _snapshot_models(repo_id, snapshot)
     if models_dir is not None:
-        found += [describe(p, str(p)) for p in sorted(models_dir.rglob("*.gguf")) if p.is_file()]
-    return found
+        files = sorted(p for p in models_dir.rglob("*.gguf") if p.is_file())
+        found += [_readable(p, str(p)) for p in files]
+    return [m for m in found if m is not None]
+
+
+def _readable(path: Path, name: str, size: int | None = None) -> LocalModel | None:
+    """:func:`describe`, or None with a warning for a file that cannot be read (a
+    truncated copy, a foreign file), so one bad file does not hide the others."""
+    try:
+        return describe(path, name, size)
+    except ValueError as e:
+        logger.warning("skipping %s: %s", name, e)
+        return None
 
 
 def find_model(name: str, models_dir: Path | None = None) -> LocalModel:
@@ -185,16 +199,16 @@ def _snapshot(repo_dir: Path) -> Path | None:
     return max(snapshots, key=lambda s: s.stat().st_mtime) if snapshots else None
 
 
-def _snapshot_models(repo_id: str, snapshot: Path) -> list[LocalModel]:
+def _snapshot_models(repo_id: str, snapshot: Path) -> list[LocalModel | None]:
     """The model directory (when config.json is there) and each GGUF file of a snapshot."""
     files = [f for f in sorted(snapshot.rglob("*")) if f.is_file()]
-    ggufs = [f for f in files if f.suffix == ".gguf"]
     found = []
     if (snapshot / "config.json").is_file():
         size = sum(f.stat().st_size for f in files if f.suffix != ".gguf")
-        found.append(describe(snapshot, repo_id, size))
-    for f in ggufs:
-        found.append(describe(f, f"{repo_id}/{f.relative_to(snapshot).as_posix()}"))
+        found.append(_readable(snapshot, repo_id, size))
+    for f in files:
+        if f.suffix == ".gguf":
+            found.append(_readable(f, f"{repo_id}/{f.relative_to(snapshot).as_posix()}"))
     return found
 
 
