@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -382,6 +383,10 @@ def test_ps_asks_the_running_server(fake_server, tmp_path) -> None:
         "NAME            MEMORY  CONTEXT  UNTIL",
         "acme/tiny-4bit  1.5 MB  4096     forever",
     ]
+    soon = datetime.now(timezone.utc) + timedelta(minutes=5, seconds=20)
+    state["ps"]["models"][0]["expires_at"] = soon.isoformat().replace("+00:00", "Z")
+    out = mlxserve(tmp_path, "ps", "--url", url)
+    assert out.stdout.splitlines()[1].endswith("  5 minutes from now")
     state["ps"] = None  # a server without Ollama's API: names only
     out = mlxserve(tmp_path, "ps", "--url", url)
     assert out.stdout.splitlines()[1].split() == ["acme/tiny-4bit", "?", "?", "?"]

@@ -9,6 +9,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+from datetime import datetime, timezone
 from typing import Any
 
 from mlxserve.cli.models import human_bytes
@@ -70,10 +71,25 @@ def _ps_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _until(expires_at: str) -> str:
-    """Ollama's expires_at; a far-future one (the model is served for the server's life)
-    reads "forever", as `ollama ps` prints it."""
-    return "forever" if not expires_at or expires_at >= "2100" else expires_at
+def _until(expires_at: str, now: datetime | None = None) -> str:
+    """Ollama's expires_at as `ollama ps` words it: "4 minutes from now"; a far-future one
+    (the model is served for the server's life) reads "forever"."""
+    try:
+        when = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    except ValueError:
+        return expires_at or "forever"
+    if when.year >= 2100:
+        return "forever"
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    seconds = (when - (now or datetime.now(timezone.utc))).total_seconds()
+    if seconds <= 0:
+        return "now"
+    for unit, size in (("hour", 3600), ("minute", 60), ("second", 1)):
+        if seconds >= size or unit == "second":
+            count = round(seconds / size)
+            return f"{count} {unit}{'' if count == 1 else 's'} from now"
+    raise AssertionError("unreachable")
 
 
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
