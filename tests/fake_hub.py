@@ -5,8 +5,10 @@ mlxserve's downloader use, over files held in memory.
     HEAD /OWNER/NAME/resolve/REV/FILE                X-Repo-Commit, ETag, Content-Length
     GET  /OWNER/NAME/resolve/REV/FILE                the bytes; "Range: bytes=N-" gives a 206
 
-Every request is recorded (method, path, Range header, bytes sent), and ``cut_after``
-makes the next GET of a file stop after that many bytes, as a dropped connection does.
+Every request is recorded (method, path, Range header, bytes sent). Misbehaviours, each for
+the next GET of a file: ``cut_after`` stops after that many bytes, as a dropped connection
+does; ``stall_after`` sends that many bytes and then waits for ``release``; and
+``ignore_range`` (all files) answers a Range request with the whole file (a 200).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class FakeHub:
     repos: dict[str, dict[str, bytes]] = field(default_factory=dict)
     requests: list[Served] = field(default_factory=list)
     cut_after: dict[str, int] = field(default_factory=dict)  # file name -> bytes, once
+    stall_after: dict[str, int] = field(default_factory=dict)  # file name -> bytes, once
+    release: threading.Event = field(default_factory=threading.Event)
+    ignore_range: bool = False
     url: str = ""
 
     def commit(self, repo_id: str) -> str:
@@ -115,7 +120,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             data = files[m[2]]
             start = 0
             ranged = self.headers.get("Range")
-            if ranged and (r := re.match(r"bytes=(\d+)-$", ranged)):
+            if ranged and not hub.ignore_range and (r := re.match(r"bytes=(\d+)-$", ranged)):
                 start = int(r[1])
             self.send_response(206 if start else 200)
             self.send_header("X-Repo-Commit", hub.commit(m[1]))
@@ -133,6 +138,14 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if cut is not None:  # drop the connection part way
                 chunk = chunk[:cut]
                 self.close_connection = True
+            stall = hub.stall_after.pop(m[2], None)
+            if stall is not None:  # send a part, then hang until released
+                self.wfile.write(chunk[:stall])
+                self.wfile.flush()
+                hub.release.wait(60)
+                hub.requests.append(Served(self.command, self.path, ranged, stall))
+                self.close_connection = True
+                return None
             self.wfile.write(chunk)
             self.wfile.flush()
             hub.requests.append(Served(self.command, self.path, ranged, len(chunk)))

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -202,6 +204,73 @@ def test_an_interrupted_pull_resumes_where_it_stopped(hub, tmp_path) -> None:
     assert (second.range, second.num_bytes) == ("bytes=3000-", len(data) - 3000)
     blob = tmp_path / "hub" / f"models--{MLX_REPO.replace('/', '--')}" / "blobs"
     assert (blob / hashlib.sha256(data).hexdigest()).read_bytes() == data
+
+
+def test_ctrl_c_keeps_what_came_and_the_next_pull_resumes(hub, tmp_path) -> None:
+    data = hub.repos[MLX_REPO]["model.safetensors"]
+    hub.stall_after["model.safetensors"] = 5000
+    blobs = tmp_path / "hub" / f"models--{MLX_REPO.replace('/', '--')}" / "blobs"
+    partial = blobs / f"{hashlib.sha256(data).hexdigest()}.incomplete"
+    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT=hub.url, PYTHONPATH=str(ROOT))
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxserve.cli", "pull", MLX_REPO],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (partial.exists() and partial.stat().st_size == 5000):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        hub.release.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert stderr.splitlines()[-1] == (
+        f"error: the pull of {MLX_REPO} was interrupted; run the same command again to resume"
+    )
+    assert partial.stat().st_size == 5000
+    out = mlxserve(tmp_path, "pull", MLX_REPO, endpoint=hub.url)
+    assert out.returncode == 0, out.stderr
+    assert hub.gets_of("model.safetensors")[-1].range == "bytes=5000-"
+    assert (blobs / partial.stem).read_bytes() == data
+
+
+def test_a_hub_that_ignores_range_restarts_the_file(hub, tmp_path) -> None:
+    data = hub.repos[MLX_REPO]["model.safetensors"]
+    hub.cut_after["model.safetensors"] = 3000
+    assert mlxserve(tmp_path, "pull", MLX_REPO, endpoint=hub.url).returncode == 2
+    hub.ignore_range = True
+    out = mlxserve(tmp_path, "pull", MLX_REPO, endpoint=hub.url)
+    assert out.returncode == 0, out.stderr
+    last = hub.gets_of("model.safetensors")[-1]
+    assert (last.range, last.num_bytes) == ("bytes=3000-", len(data))  # a 200: all of it
+    blob = tmp_path / "hub" / f"models--{MLX_REPO.replace('/', '--')}" / "blobs"
+    assert (blob / hashlib.sha256(data).hexdigest()).read_bytes() == data
+
+
+def test_a_resumed_file_that_does_not_match_its_sha256_is_removed(hub, tmp_path) -> None:
+    data = hub.repos[MLX_REPO]["model.safetensors"]
+    blobs = tmp_path / "hub" / f"models--{MLX_REPO.replace('/', '--')}" / "blobs"
+    blobs.mkdir(parents=True)
+    partial = blobs / f"{hashlib.sha256(data).hexdigest()}.incomplete"
+    partial.write_bytes(b"\xff" * 3000)  # a partial download gone bad
+    out = mlxserve(tmp_path, "pull", MLX_REPO, endpoint=hub.url)
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == (
+        "error: the download of model.safetensors does not match the hub's sha256 and was "
+        "removed; run the same command again"
+    )
+    assert not partial.exists()
+    assert mlxserve(tmp_path, "pull", MLX_REPO, endpoint=hub.url).returncode == 0
+    assert (blobs / partial.stem).read_bytes() == data
 
 
 def test_offline_or_no_hub_is_one_error_line(tmp_path) -> None:
