@@ -249,6 +249,8 @@ def fetch(
 ) -> Path:
     """Download :func:`select_files` into the cache: the snapshot directory, or the one
     GGUF file when the selection is one."""
+    if not info.sha:
+        raise ValueError(f"{repo_id}: the hub did not say which commit it serves")
     files = select_files(info, repo_id, filename, quant)
     repo_dir = repo_cache_dir(repo_id)
     snapshot = repo_dir / "snapshots" / str(info.sha)
@@ -308,6 +310,7 @@ def _download_blob(url: str, blob: Path, size: int | None, sha256: str | None, l
         headers = build_hf_headers() | {"Accept-Encoding": "identity"}
         if start:
             headers["Range"] = f"bytes={start}-"
+        digest = _sha256(partial, start)  # of what is there; the rest is hashed as it comes
         bar = progress_bar(total=size, initial=start, unit="B", unit_scale=True, desc=label)
         with bar:
             try:
@@ -321,10 +324,12 @@ def _download_blob(url: str, blob: Path, size: int | None, sha256: str | None, l
                     hf_raise_for_status(response)
                     if start and response.status_code != 206:  # the server ignored the Range
                         start = 0
+                        digest = hashlib.sha256()
                         bar.reset(total=size)
                     with partial.open("ab" if start else "wb") as f:
                         for chunk in response.iter_bytes():
                             f.write(chunk)
+                            digest.update(chunk)
                             bar.update(len(chunk))
             except HfHubHTTPError:
                 raise
@@ -340,7 +345,7 @@ def _download_blob(url: str, blob: Path, size: int | None, sha256: str | None, l
                 f"the download of {label} stopped at {done} of {size} bytes; "
                 f"run the same command again to resume"
             )
-        if sha256 is not None and _sha256(partial) != sha256:
+        if sha256 is not None and digest.hexdigest() != sha256:
             partial.unlink()
             raise ValueError(
                 f"the download of {label} does not match the hub's sha256 and was removed; "
@@ -349,12 +354,15 @@ def _download_blob(url: str, blob: Path, size: int | None, sha256: str | None, l
         partial.replace(blob)
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, num_bytes: int) -> hashlib._Hash:
+    """A sha256 of the first ``num_bytes`` of ``path``, to be continued."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+    if num_bytes:
+        with path.open("rb") as f:
+            while num_bytes > 0 and (chunk := f.read(min(_CHUNK_BYTES, num_bytes))):
+                digest.update(chunk)
+                num_bytes -= len(chunk)
+    return digest
 
 
 def _from_cache(repo_id: str, filename: str | None, revision: str | None) -> Path:
