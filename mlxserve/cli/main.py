@@ -1,5 +1,5 @@
 """Command line: `mlxserve run` (chat in the terminal), `serve`, `launch`, `bench`, `convert`,
-`doctor`.
+`doctor`, and the model commands `pull`, `list`, `show`, `rm`, `ps`.
 
 Each sub-command lives in its own module and registers itself here; they share the
 engine flags through :mod:`mlxserve.cli.engine_args` and never import this module.
@@ -19,11 +19,13 @@ from mlxserve.cli.chat import add_run_command
 from mlxserve.cli.convert import add_convert_command
 from mlxserve.cli.doctor import add_doctor_command
 from mlxserve.cli.launch import add_launch_command
+from mlxserve.cli.models import add_models_commands
+from mlxserve.cli.ps import add_ps_command
 from mlxserve.cli.serve import add_serve_command
 
 DESCRIPTION = (
     "Run, serve and benchmark LLMs on MLX: `mlxserve run`, `serve`, `launch`, `convert`, "
-    "`bench`, `doctor`."
+    "`bench`, `doctor`; manage models: `pull`, `list`, `show`, `rm`, `ps`."
 )
 SUB_COMMANDS = (
     add_run_command,
@@ -32,6 +34,8 @@ SUB_COMMANDS = (
     add_bench_command,
     add_doctor_command,
     add_launch_command,
+    add_models_commands,
+    add_ps_command,
 )
 
 

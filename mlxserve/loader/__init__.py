@@ -109,7 +109,8 @@ def resolve_model(model: str | None, revision: str | None = None) -> ModelSource
     if ref := hub.split_gguf_ref(model):
         return ModelSource("gguf", hub.download(ref[0], ref[1], revision), model)
     if hub.is_repo_id(model):
-        return _source_from_dir(hub.download(model, revision=revision), model)
+        path = hub.download(model, revision=revision)  # a repo of one GGUF: that file
+        return ModelSource("gguf", path, model) if path.is_file() else _source_from_dir(path, model)
     raise ValueError(
         f"model {model!r} is neither an existing file or directory nor a Hugging Face "
         f"repo id (owner/name, or owner/name/file.gguf)"
@@ -238,7 +239,7 @@ def load_model(
         net = build_model(config, cast_weights(weights, act_dtype, keep_scales=kernels))
     except ValueError as e:
         raise ValueError(f"{source.path}: {e}") from None
-    mx.eval(net.parameters())
+    read_weights_with_progress(net, source.name)
     if kernels:
         count = cpu_backend.install(net, act_dtype)
         logger.info("%d quantized layers run in %s", count, cpu_kernels.status())
@@ -251,6 +252,43 @@ def load_model(
             fast_blas(),
         )
     return LoadedModel(net, tok, config, source, act_dtype, defaults, pooling)
+
+
+# Weights are read (mx.load is lazy) and cast in evaluations of about this many bytes, so
+# the progress bar moves and no more than this is in flight at once.
+_READ_STEP_BYTES = 256 << 20
+
+
+def read_weights_with_progress(net: nn.Module, name: str) -> None:
+    """Evaluate the model's weights (reading them from disk), with a "weights read / total"
+    progress bar on a terminal (none when stderr is not one)."""
+    from mlx.utils import tree_flatten
+    from tqdm import tqdm
+
+    arrays = [a for _, a in tree_flatten(net.parameters())]
+    total = sum(a.nbytes for a in arrays)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"Loading {name}",
+        disable=None,
+        leave=False,
+        mininterval=0,  # one update per step of _READ_STEP_BYTES: each is worth showing
+        miniters=1,
+    )
+    with bar:
+        batch: list[mx.array] = []
+        num_bytes = 0
+        for array in arrays:
+            batch.append(array)
+            num_bytes += array.nbytes
+            if num_bytes >= _READ_STEP_BYTES:
+                mx.eval(batch)
+                bar.update(num_bytes)
+                batch, num_bytes = [], 0
+        mx.eval(batch)
+        bar.update(num_bytes)
 
 
 def should_dequantize(model: nn.Module, dtype: mx.Dtype) -> bool:

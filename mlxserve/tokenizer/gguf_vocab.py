@@ -168,7 +168,8 @@ def _token_id(meta: Mapping[str, Any], key: str, default: int | None, n: int) ->
     return value
 
 
-def _chat_templates(meta: Mapping[str, Any]) -> str | dict[str, str] | None:
+def chat_templates(meta: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """tokenizer.chat_template, with the named ones (tokenizer.chat_template.NAME) as a dict."""
     default = _get(meta, "tokenizer.chat_template")
     named = {
         key.removeprefix("tokenizer.chat_template."): _get(meta, key)
@@ -244,7 +245,7 @@ def build_gguf_vocab(meta: Mapping[str, Any], source: str = "GGUF metadata") -> 
         unk_token_id=unk_id,
         add_bos_token=add_bos,
         add_eos_token=add_eos,
-        chat_template=_chat_templates(meta),
+        chat_template=chat_templates(meta),
     )
 
 

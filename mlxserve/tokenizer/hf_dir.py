@@ -55,7 +55,7 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
-def _chat_template_from_dir(path: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+def chat_template_from_dir(path: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
     """chat_template.jinja (+ additional_chat_templates/), else tokenizer_config, else .json."""
     templates: dict[str, str] = {}
     jinja_file = path / "chat_template.jinja"
@@ -144,7 +144,7 @@ def read_hf_dir(path: str | Path) -> HFTokenizerFiles:
         # directory and its GGUF agreeing (transformers 4.x did the same for Llama-like models)
         add_bos_token=_flag(config.get("add_bos_token")),
         add_eos_token=_flag(config.get("add_eos_token")),
-        chat_template=_chat_template_from_dir(path, config),
+        chat_template=chat_template_from_dir(path, config),
     )
 
 
