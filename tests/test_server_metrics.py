@@ -23,6 +23,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     )
     log = tmp_path_factory.mktemp("log") / "server.log"
     args = [str(model_dir), "--served-model-name", MODEL, "--log-stats-interval", "0.3"]
+    args += ["--log-level", "debug"]
     s = start_server(args + ["--allowed-origins", json.dumps([ORIGIN])], log)
     yield s
     s.stop()
@@ -160,6 +161,21 @@ def test_prefix_cache_hits_are_counted_and_reported_in_usage(server, http) -> No
     assert second["prompt_tokens_details"]["cached_tokens"] == 32
     assert delta(before, after, "vllm:prefix_cache_hits_total") == 32
     assert delta(before, after, "vllm:prefix_cache_queries_total") == 80
+    assert delta(before, after, "mlxserve:prefix_cache_requests_total") == 2
+    assert delta(before, after, "mlxserve:prefix_cache_requests_hit_total") == 1
+    # --log-level debug: where the second prompt left the cache.
+    assert "32 of 40 prompt tokens cached (pool); the cache ends at token 32" in server.log()
+    # /cache/stats: the same counters since start, and the blocks the gauges show.
+    (stats,) = http.get("/cache/stats").json()["data"]
+    assert stats["model"] == MODEL and stats["enabled"] and stats["block_size"] == 16
+    assert stats["hit_tokens"] == m(after, "vllm:prefix_cache_hits_total")
+    assert stats["query_tokens"] == m(after, "vllm:prefix_cache_queries_total")
+    assert stats["hit_rate"] == stats["hit_tokens"] / stats["query_tokens"]
+    (pool,) = stats["tiers"]
+    assert pool["name"] == "pool" and pool["num_cached_blocks"] >= 2  # the prompt's 2 blocks
+    assert pool["cached_bytes"] == pool["num_cached_blocks"] * pool["bytes_per_block"] > 0
+    assert m(after, "mlxserve:prefix_cache_blocks", tier="pool") == pool["num_cached_blocks"]
+    assert m(after, "mlxserve:prefix_cache_bytes", tier="pool") == pool["cached_bytes"]
 
 
 def test_streaming_client_disconnect_aborts_and_frees_blocks(server, http) -> None:
@@ -232,6 +248,7 @@ def test_a_step_longer_than_the_log_interval_is_named(monkeypatch) -> None:
     from types import SimpleNamespace
 
     from mlxserve.core.scheduler_output import SchedulerStats
+    from mlxserve.engine.cache_stats import CacheStats
     from mlxserve.server import metrics as metrics_module
 
     clock = [1000.0]
@@ -239,7 +256,10 @@ def test_a_step_longer_than_the_log_interval_is_named(monkeypatch) -> None:
     m = metrics_module.ServerMetrics("tiny")
     assert m.log_line() is None  # idle; the next window starts on this clock
     stats = SchedulerStats(1, 0, 0.1, 0, 0, 0)  # one request running
-    engine = SimpleNamespace(get_stats=lambda: stats, num_prompt_tokens_computed=2048)
+    cache = CacheStats(True, 16, (), 0, 0, 0, 0)
+    engine = SimpleNamespace(
+        get_stats=lambda: stats, cache_stats=lambda: cache, num_prompt_tokens_computed=2048
+    )
     clock[0] += 5
     m.on_step(engine, [])  # a 2048-token chunk ends
     clock[0] += 5

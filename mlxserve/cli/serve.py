@@ -122,6 +122,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     )
     g = p.add_argument_group("logging")
     g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["error", "warning", "info", "debug"],
+        help="mlxserve's own log (debug: each request's prefix-cache hit and where its "
+        "prompt left the cache)",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -202,6 +209,8 @@ def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) ->
 def serve_command(args: argparse.Namespace) -> int:
     """Load the engine, start its thread, serve the app until a signal, then exit the process."""
     import uvicorn
+
+    logging.getLogger("mlxserve").setLevel(args.log_level.upper())
 
     from mlxserve.engine.async_llm import AsyncLLM
     from mlxserve.engine.llm_engine import LLMEngine

@@ -3,7 +3,7 @@
 Each API (server/api.py's API record) brings its routes, request bodies, paths and error
 shape; ``APIS`` lists them. The app itself adds:
 
-GET  /health /version /metrics
+GET  /health /version /metrics /cache/stats
 GET  / (the chat page), /docs, /redoc (mlxserve.server.webui)
 """
 
@@ -135,6 +135,12 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
     @app.get("/metrics", response_class=Response, responses=_METRICS_RESPONSES)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/cache/stats", response_model=None, responses={200: doc.ok(doc.CacheStats)})
+    async def cache_stats() -> dict:
+        """Each model's prefix cache: blocks and bytes per tier, hits since start."""
+        data = [{"model": m.name} | m.llm.cache_stats().as_dict() for m in serving.models]
+        return {"data": data}
 
     for api in APIS:
         for prefix in api.prefixes:  # framework errors (404, 405...) in the API's shape too

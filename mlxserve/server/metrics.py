@@ -107,6 +107,22 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of tokens."
         )
+        self.prefix_cache_requests = counter(
+            "mlxserve:prefix_cache_requests", "Requests looked up in the prefix cache."
+        )
+        self.prefix_cache_requests_hit = counter(
+            "mlxserve:prefix_cache_requests_hit", "Requests that found part of their prompt."
+        )
+        tier_labels = ["model_name", "tier"]
+        self.prefix_cache_blocks = Gauge(
+            "mlxserve:prefix_cache_blocks", "Blocks held by the prefix cache.", tier_labels,
+            registry=r,
+        )  # fmt: skip
+        self.prefix_cache_bytes = Gauge(
+            "mlxserve:prefix_cache_bytes", "Bytes of K/V held by the prefix cache.", tier_labels,
+            registry=r,
+        )  # fmt: skip
+        self._requests = (0, 0)
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         # Never silently off: 1 when on, else 0 with the reason as a label.
         Gauge(
@@ -219,6 +235,14 @@ class ServerMetrics:
         last_q, last_h = self._cumulative
         self.prefix_cache_queries.inc(max(0, queries - last_q))
         self.prefix_cache_hits.inc(max(0, hits - last_h))
+        cache = engine.cache_stats()
+        requests = (cache.num_requests, cache.num_requests_hit)
+        self.prefix_cache_requests.inc(max(0, requests[0] - self._requests[0]))
+        self.prefix_cache_requests_hit.inc(max(0, requests[1] - self._requests[1]))
+        self._requests = requests
+        for tier in cache.tiers:
+            self.prefix_cache_blocks.labels(self.model_name, tier.name).set(tier.num_cached_blocks)
+            self.prefix_cache_bytes.labels(self.model_name, tier.name).set(tier.cached_bytes)
         self.num_preemptions.inc(max(0, stats.num_preemptions - self._num_preemptions))
         self._num_preemptions = stats.num_preemptions
         spec = (

@@ -182,6 +182,31 @@ class Version(_Doc):
     version: str
 
 
+class CacheTier(_Doc):
+    name: str
+    num_blocks: int
+    num_blocks_in_use: int
+    num_cached_blocks: int
+    bytes_per_block: int
+    cached_bytes: int
+
+
+class ModelCacheStats(_Doc):
+    model: str
+    enabled: bool
+    block_size: int
+    tiers: list[CacheTier]
+    query_tokens: int
+    hit_tokens: int
+    num_requests: int
+    num_requests_hit: int
+    hit_rate: float
+
+
+class CacheStats(_Doc):
+    data: list[ModelCacheStats]
+
+
 def ok(model: type[BaseModel]) -> dict[str, Any]:
     """A documented 200 JSON response (the route builds its body itself)."""
     return {"description": "Successful response", "model": model}
