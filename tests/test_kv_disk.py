@@ -161,3 +161,60 @@ def test_serve_keeps_blocks_in_the_users_cache_unless_told_not_to(monkeypatch, t
     assert (elsewhere.kv_cache_disk_dir, elsewhere.kv_cache_disk_bytes) == ("/x", 4 * 2**30)
     run = engine_config(parse(["run"]), None)  # a chat in the terminal keeps nothing
     assert run.kv_cache_disk_bytes == 0
+
+
+def test_a_full_disk_stops_the_writes_with_one_warning(tiny, tmp_path, monkeypatch, caplog) -> None:
+    import errno
+
+    from mlxserve.engine import kv_disk
+
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and ".tmp" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(kv_disk, "open", full_disk, raising=False)
+    llm = engine(tiny, tmp_path / "kv")
+    run(llm, prompt(100, seed=5))
+    llm.shutdown()
+    run(llm, prompt(100, seed=6))  # the engine goes on serving
+    llm.shutdown()
+    warnings = [r for r in caplog.records if "stopped writing" in r.message]
+    assert len(warnings) == 1 and "No space left" in warnings[0].message
+    assert files(tmp_path / "kv") == [] and not list((tmp_path / "kv").glob("*/*/*.tmp*"))
+
+
+WRITER = """
+import sys
+import numpy as np
+from pathlib import Path
+from mlxserve.engine.kv_disk import DiskBlockStore
+from mlxserve.worker.kv_transfer import StoredBlock
+store = DiskBlockStore(Path(sys.argv[1]), "shared-model", 1 << 30)
+for i in range(60):  # both processes write the same blocks at the same time
+    data = np.full((16, 2, 8), i, dtype=np.float32)
+    store.put(bytes([i]) * 32, (i,) * 16, StoredBlock((data, data), ("float32", "float32")))
+store.flush()
+"""
+
+
+def test_two_servers_sharing_a_folder_never_leave_a_spoiled_file(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from mlxserve.engine.kv_disk import DiskBlockStore
+    from tests.paths import ROOT
+
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], env=env, cwd=ROOT)
+        for _ in range(2)
+    ]
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    reader = DiskBlockStore(tmp_path, "shared-model", 1 << 30)
+    for i in range(60):
+        block = reader.load(bytes([i]) * 32, (i,) * 16)
+        assert block is not None and float(block.arrays[1][0, 0, 0]) == i
+    assert reader.num_invalid == 0 and not list(tmp_path.glob("*/*/*.tmp*"))

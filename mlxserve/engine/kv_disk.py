@@ -28,6 +28,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -41,6 +42,7 @@ logger = logging.getLogger("mlxserve")
 MAGIC = b"MLXSKV01"
 _LEN = struct.Struct("<I")
 _CRC = struct.Struct("<I")
+STALE_TMP_S = 600  # a temporary file this old was left by a crash, not a write under way
 QUEUE_BLOCKS = 4096  # blocks waiting to be written; more are dropped (counted), not queued
 
 
@@ -79,6 +81,7 @@ class DiskBlockStore:
         self.num_written = 0
         self.num_dropped = 0  # the writer's queue was full
         self.num_invalid = 0  # files ignored: torn, corrupt, another model's or tokens
+        self.stopped: str | None = None  # why writing stopped (a full disk), if it did
         self._scan(Path(root))
         self._queue: queue.Queue = queue.Queue(QUEUE_BLOCKS)
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk", daemon=True)
@@ -97,8 +100,13 @@ class DiskBlockStore:
         for _, path, size in sorted(found):
             self._files[path] = size
             self._bytes += size
-        for path in root.glob("*/*/*.tmp*"):  # a write a crash cut short
-            path.unlink(missing_ok=True)
+        stale = time.time() - STALE_TMP_S
+        for path in root.glob("*/*/*.tmp*"):  # a write a crash cut short (not one under way)
+            try:
+                if path.stat().st_mtime < stale:
+                    path.unlink(missing_ok=True)
+            except OSError:
+                pass
         self._evict_over_budget()
 
     def _path(self, block_hash: bytes) -> Path:
@@ -130,6 +138,8 @@ class DiskBlockStore:
         """Queue a block for writing (returns at once; a full queue drops it). A block
         computed again replaces its file: the chain that led to computing it broke
         earlier, and this file may be what broke a later one."""
+        if self.stopped:
+            return
         try:
             self._queue.put_nowait((block_hash, token_ids, block))
         except queue.Full:
@@ -143,9 +153,16 @@ class DiskBlockStore:
         while True:
             block_hash, token_ids, block = self._queue.get()
             try:
-                self._write(block_hash, token_ids, block)
-            except OSError as e:  # a full disk or a removed folder: the cache just misses
-                logger.warning("KV disk cache: could not write a block: %s", e)
+                if not self.stopped:
+                    self._write(block_hash, token_ids, block)
+            except FileNotFoundError:  # another server sharing the folder removed a folder
+                pass
+            except OSError as e:  # a full disk, a removed folder: stop, once, and say so
+                self.stopped = f"could not write a block ({e})"
+                logger.warning(
+                    "KV disk cache: stopped writing (blocks already kept are still read): %s",
+                    self.stopped,
+                )
             finally:
                 self._queue.task_done()
 
@@ -164,10 +181,16 @@ class DiskBlockStore:
         body = MAGIC + _LEN.pack(len(header)) + header + b"".join(a.tobytes() for a in block.arrays)
         data = body + _CRC.pack(zlib.crc32(body))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{threading.get_ident()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        # Unique per process and thread: servers sharing the folder never share a file
+        # half-written; the rename makes a whole file appear at once.
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             self._bytes += len(data) - self._files.pop(path, 0)
             self._files[path] = len(data)
@@ -185,6 +208,10 @@ class DiskBlockStore:
             self._files.move_to_end(path)  # recently used
         try:
             data = path.read_bytes()
+        except FileNotFoundError:  # another server sharing the folder evicted it
+            with self._lock:
+                self._bytes -= self._files.pop(path, 0)
+            return None
         except OSError:
             data = b""
         block = self._decode(data, block_hash, token_ids)
