@@ -265,9 +265,10 @@ class Scheduler:
             new_blocks = kv.allocate_slots(request, num_stored + num_new, hit, num_stored)
             if new_blocks is None:
                 break  # the head does not fit; later ones wait behind it (FCFS)
-            for block, kept in zip(new_blocks[0], stored, strict=False):
-                block.from_store = True
-                loads.append((block.block_id, kept))
+            if stored:  # one full-attention group (the store is off otherwise)
+                for block, kept in zip(new_blocks[0], stored, strict=False):
+                    block.from_store = True
+                    loads.append((block.block_id, kept))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens + num_stored
