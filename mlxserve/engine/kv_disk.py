@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import struct
@@ -251,7 +252,7 @@ class DiskBlockStore:
         offset, arrays, dtypes = start + size, [], []
         for dtype, shape in header["arrays"]:
             np_dtype = np.dtype("uint16" if dtype == "bfloat16" else dtype)
-            count = int(np.prod(shape))
+            count = math.prod(shape)
             end = offset + count * np_dtype.itemsize
             if end > len(body):
                 return None
