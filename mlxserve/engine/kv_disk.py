@@ -79,6 +79,7 @@ class DiskBlockStore:
         # the budget: other models' folders count and are evicted too).
         self._files: OrderedDict[Path, int] = OrderedDict()
         self._bytes = 0
+        self._own = [0, 0]  # this model's files and bytes (for stats, read every step)
         self.num_written = 0
         self.num_dropped = 0  # the writer's queue was full
         self.num_invalid = 0  # files ignored: torn, corrupt, another model's or tokens
@@ -99,8 +100,7 @@ class DiskBlockStore:
                 continue
             found.append((st.st_mtime_ns, path, st.st_size))
         for _, path, size in sorted(found):
-            self._files[path] = size
-            self._bytes += size
+            self._add(path, size)
         stale = time.time() - STALE_TMP_S
         for path in root.glob("*/*/*.tmp*"):  # a write a crash cut short (not one under way)
             try:
@@ -116,19 +116,38 @@ class DiskBlockStore:
 
     def _evict_over_budget(self) -> None:
         while self._bytes > self.budget and self._files:
-            path, size = self._files.popitem(last=False)
-            self._bytes -= size
+            path = next(iter(self._files))
+            self._drop(path)
             path.unlink(missing_ok=True)
+
+    def _add(self, path: Path, size: int) -> None:
+        """Index a file as the most recently used (replacing its old entry); lock held."""
+        self._drop(path)
+        self._files[path] = size
+        self._bytes += size
+        if path.parent.parent == self.folder:
+            self._own[0] += 1
+            self._own[1] += size
+
+    def _drop(self, path: Path) -> None:
+        """Forget a file's entry (not the file); lock held."""
+        size = self._files.pop(path, None)
+        if size is None:
+            return
+        self._bytes -= size
+        if path.parent.parent == self.folder:
+            self._own[0] -= 1
+            self._own[1] -= size
 
     @property
     def num_blocks(self) -> int:
-        with self._lock:
-            return sum(1 for p in self._files if p.parent.parent == self.folder)
+        """This model's files."""
+        return self._own[0]
 
     @property
     def num_bytes(self) -> int:
-        with self._lock:
-            return sum(s for p, s in self._files.items() if p.parent.parent == self.folder)
+        """This model's files' bytes."""
+        return self._own[1]
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
@@ -193,8 +212,7 @@ class DiskBlockStore:
             tmp.unlink(missing_ok=True)
             raise
         with self._lock:
-            self._bytes += len(data) - self._files.pop(path, 0)
-            self._files[path] = len(data)
+            self._add(path, len(data))
             self._evict_over_budget()
         self.num_written += 1
 
@@ -211,7 +229,7 @@ class DiskBlockStore:
             data = path.read_bytes()
         except FileNotFoundError:  # another server sharing the folder evicted it
             with self._lock:
-                self._bytes -= self._files.pop(path, 0)
+                self._drop(path)
             return None
         except OSError:
             data = b""
@@ -220,7 +238,7 @@ class DiskBlockStore:
             self.num_invalid += 1
             logger.warning("KV disk cache: ignored the invalid block file %s", path)
             with self._lock:
-                self._bytes -= self._files.pop(path, 0)
+                self._drop(path)
             path.unlink(missing_ok=True)
             return None
         try:

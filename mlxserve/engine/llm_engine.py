@@ -72,6 +72,14 @@ logger = logging.getLogger("mlxserve")
 INITIAL_KV_BLOCKS = 256
 
 
+def _version() -> str:
+    """mlxserve's version (for the disk tier's fingerprint)."""
+    try:
+        return importlib.metadata.version("mlxserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a clone, not installed
+        return "unknown"
+
+
 def finish_embedding(vector: list[float], pooling: PoolingParams) -> list[float]:
     """A pooled hidden state as the user asked: its first ``dimensions`` values, unit norm."""
     v = np.asarray(vector, dtype=np.float64)[: pooling.dimensions]
@@ -305,7 +313,7 @@ class LLMEngine:
         source = loaded.source
         facts = {
             "format": 1,
-            "mlxserve": importlib.metadata.version("mlxserve"),
+            "mlxserve": _version(),
             "model": [source.kind, str(source.path.resolve()), model_file_facts(source.path)],
             "dtype": str(loaded.dtype),
             "kv_dtype": str(self.runner.kv_dtype),
