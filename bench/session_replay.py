@@ -111,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-words", type=int, default=900)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--settings", default="all,none", help="--prompt-normalization values")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     bodies = session(args.turns, args.system_words, args.result_words)
     results = {"uptime_start": os.getloadavg(), "model": args.model, "runs": {}}
-    for normalization in ("all", "none"):
+    for normalization in args.settings.split(","):
         log = Path(f"/tmp/session-replay-{normalization}.log")
         proc, url = serve(args.model, args.port, normalization, args.max_model_len, log)
         try:

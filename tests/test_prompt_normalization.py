@@ -31,6 +31,19 @@ def test_the_billing_header_line_leaves_system_messages_only() -> None:
     ]
 
 
+def test_only_the_headers_fields_leave_when_the_next_block_follows_on_its_line() -> None:
+    # Anthropic's system blocks are joined with no separator: Claude Code's first sentence
+    # comes right after the header's last ';'.
+    joined = {"role": "system", "content": HEADER + "You are a coding agent.\nBe brief."}
+    assert normalize([joined], ("billing-header",)) == [
+        {"role": "system", "content": "You are a coding agent.\nBe brief."}
+    ]
+    odd = {"role": "system", "content": "x-anthropic-billing-header: not fields\nKeep."}
+    assert normalize([odd], ("billing-header",)) == [
+        {"role": "system", "content": "not fields\nKeep."}
+    ]
+
+
 def test_two_turns_with_different_hashes_render_the_same_prefix() -> None:
     def turn(cch: str, left: int) -> list[dict]:
         marker = f"<total_tokens>{left} tokens left</total_tokens>"

@@ -198,6 +198,10 @@ def test_a_session_hits_the_cache_though_the_hash_and_budget_change_each_turn(
     """Claude Code recomputes the billing header's cch and the token budget in its system
     prompt on every request: both sit before the whole conversation, and every later turn
     would recompute it all. Neutralized by default (--prompt-normalization)."""
+    # The header leaves, and only the header: the same prompt as without its block (the
+    # API joins system blocks with no separator, so the next block's text shares its line).
+    without = [block for block in SYSTEM if block["text"] != BILLING]
+    assert count(client) == count(client, system=without)
     messages: list[dict] = [{"role": "user", "content": "List the files."}]
     previous = 0
     for turn in range(3):

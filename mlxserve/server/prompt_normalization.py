@@ -33,7 +33,11 @@ from typing import Any
 PARTS = ("billing-header", "token-markers")
 DEFAULT = PARTS
 
-_BILLING_HEADER = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)
+# The header's `key=value;` fields and nothing after them: the API joins system blocks with
+# no separator, so the system prompt's first sentence may follow on the same line.
+_BILLING_HEADER = re.compile(
+    r"^x-anthropic-billing-header:(?:[ \t]*[\w.-]+=[^;\n]*;)*[ \t]*\n?", re.MULTILINE
+)
 _TOKEN_MARKER = re.compile(r"\n?<total_tokens>[^<\n]*</total_tokens>")
 _SYSTEM_ROLES = ("system", "developer")
 
