@@ -83,7 +83,7 @@ class ChatRun:
         self, serving: Serving, model: ServedModel, prefix: str, prompt_param: str = "messages"
     ) -> None:
         self.serving = serving  # shutdown state, in-flight requests
-        self.model = model  # the model that runs it (Serving.check_model's answer)
+        self.model = model  # the model that runs it (Serving.resolve's answer)
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_param = prompt_param  # the request field a rejected prompt is blamed on
         self.result = ChatResult()

@@ -4,7 +4,10 @@
     POST /api/embed /api/embeddings   the embedding requests of /v1/embeddings
     POST /api/show   GET /api/tags /api/ps /api/version
 
-    POST /api/pull   DELETE /api/delete   (one model per server: ollama_models.py)
+    POST /api/pull   DELETE /api/delete   (ollama_models.py)
+
+A request's ``model`` picks one of the server's models, loaded on first use; its
+``keep_alive`` says how long the model stays loaded afterwards (server/serving.py).
 
 Errors are Ollama's shape, ``{"error": "<message>"}``, with the same status codes as the
 OpenAI routes. The request bodies and their options are in ollama_protocol.py.
@@ -41,7 +44,7 @@ from mlxserve.server.chat_run import (
 )
 from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
 from mlxserve.server.errors import APIError, bad_request, closing_headers
-from mlxserve.server.ollama_models import OllamaModels
+from mlxserve.server.ollama_models import OllamaModels, describe_spec
 from mlxserve.server.ollama_protocol import (
     OllamaChatRequest,
     OllamaDeleteRequest,
@@ -87,12 +90,16 @@ class OllamaServing:
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        self.models = OllamaModels(serving.model_names)
+        self.models = OllamaModels(serving)
 
-    def model_name(self, name: str) -> ServedModel:
-        """The model of a served name (Ollama's ":latest" tag allowed); 404 otherwise."""
+    def served_name(self, name: str) -> str:
+        """A served name for ``name``, Ollama's ":latest" tag allowed."""
         bare = name.removesuffix(":latest")
-        return self.serving.check_model(bare if bare in self.serving.model_names else name)
+        return bare if bare in self.serving.model_names else name
+
+    async def model_name(self, name: str) -> ServedModel:
+        """The model of a served name (loaded first if need be); 404 otherwise."""
+        return await self.serving.resolve(self.served_name(name))
 
     def details(self, model: ServedModel) -> dict[str, Any]:
         family = model.info.architecture
@@ -115,26 +122,42 @@ class OllamaServing:
             "details": self.details(model),
         }
 
+    def unloaded_entry(self, name: str) -> dict[str, Any]:
+        """A model that is not loaded: what its files say (headers only), when local."""
+        entry: dict[str, Any] = {"name": name, "model": name, "modified_at": now_iso()}
+        local = describe_spec(self.serving.spec_of(name))
+        details = {"parent_model": "", "format": "", "family": "", "families": []}
+        details |= {"parameter_size": "", "quantization_level": ""}
+        if local is not None:
+            details |= {"format": local.format, "family": local.architecture}
+            details |= {"families": [local.architecture], "quantization_level": local.quantization}
+        return entry | {"size": local.size if local else 0, "digest": "", "details": details}
+
     # ------------------------------------------------------------- metadata
-    def tags(self) -> dict:
-        names = self.serving.model_names
-        return {"models": [self.model_entry(self.serving.check_model(n)) for n in names]}
+    async def tags(self) -> dict:
+        entries = []
+        for name in self.serving.model_names:
+            model = self.serving.loaded(name)
+            if model is not None:
+                entries.append(self.model_entry(model))
+            else:
+                entries.append(await run_in_threadpool(self.unloaded_entry, name))
+        return {"models": entries}
 
     def ps(self) -> dict:
-        served = [self.serving.check_model(n) for n in self.serving.model_names]
         models = [
             self.model_entry(m)
-            | {"size_vram": 0, "expires_at": "2999-01-01T00:00:00Z"}
+            | {"size_vram": m.info.weight_bytes, "expires_at": self.serving.expires_at(m)}
             | {"context_length": m.max_model_len}
-            for m in served
+            for m in self.serving.models
         ]
         return {"models": models}
 
-    def show(self, body: dict[str, Any]) -> dict:
+    async def show(self, body: dict[str, Any]) -> dict:
         name = body.get("model") or body.get("name")
         if not isinstance(name, str):
             raise bad_request("model is required", "model")
-        model = self.model_name(name)
+        model = await self.model_name(name)
         info = {f"general.{k}": v for k, v in model.info.config_facts.items()}
         info["general.context_length"] = model.max_model_len
         return {
@@ -152,7 +175,8 @@ class OllamaServing:
 
     # ------------------------------------------------------------ generation
     async def chat(self, raw: Request, req: OllamaChatRequest) -> Response:
-        model = self.model_name(req.model)
+        self.models.check_keep_alive(req.keep_alive)
+        model = await self.model_name(req.model)
         if not req.messages:  # Ollama's way of asking for the model to be (un)loaded
             return self._load(req, model, "message", {"role": "assistant", "content": ""})
         if any(m.images for m in req.messages):
@@ -174,7 +198,8 @@ class OllamaServing:
         )
 
     async def generate(self, raw: Request, req: OllamaGenerateRequest) -> Response:
-        model = self.model_name(req.model)
+        self.models.check_keep_alive(req.keep_alive)
+        model = await self.model_name(req.model)
         for name in ("suffix", "context", "images"):
             if getattr(req, name):
                 raise bad_request(f"{name} is not supported", name)
@@ -319,7 +344,7 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
 
     @route("GET", "/api/tags")
     async def tags(request: Request):
-        return ollama.tags()
+        return await ollama.tags()
 
     @route("GET", "/api/ps")
     async def ps(request: Request):
@@ -334,7 +359,7 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
         body = parse_json(await read_body(request, limit))
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object")
-        return ollama.show(body)
+        return await ollama.show(body)
 
     @route("POST", "/api/pull", OllamaPullRequest, stream=True)
     async def pull(request: Request):
@@ -360,7 +385,8 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     @route("POST", "/api/embed", OllamaEmbedRequest)
     async def embed(request: Request):
         body = await parse_body(request, OllamaEmbedRequest, limit)
-        model = ollama.model_name(body.model)
+        ollama.models.check_keep_alive(body.keep_alive)
+        model = await ollama.model_name(body.model)
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
         start = time.monotonic()
         vectors, num_tokens = await ollama.embed(request, model, texts, body.dimensions)
@@ -376,7 +402,7 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     @route("POST", "/api/embeddings", OllamaEmbeddingsRequest)
     async def embeddings(request: Request):
         body = await parse_body(request, OllamaEmbeddingsRequest, limit)
-        model = ollama.model_name(body.model)
+        model = await ollama.model_name(body.model)
         (vector,), _ = await ollama.embed(request, model, [body.prompt], None)
         return {"embedding": vector}
 

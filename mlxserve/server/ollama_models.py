@@ -1,7 +1,10 @@
-"""Ollama's model management on a server that serves one model: pull, delete, keep_alive.
+"""Ollama's model management: pull, delete, keep_alive.
 
-``mlxserve serve MODEL`` loads one model for the server's life, so there is nothing to pull
-or delete, and nothing to unload:
+A server of several models (server/serving.py) unloads a model ``keep_alive`` after its
+last request (0: at once, negative: never), as Ollama does.
+
+``mlxserve serve MODEL`` with one model and no --keep-alive keeps it for the server's life,
+so there is nothing to pull or delete, and nothing to unload:
 
 - ``POST /api/pull`` of the served model succeeds at once (Ollama's last status line,
   ``{"status": "success"}``, streamed or not); of any other model it is a 404 that says
@@ -19,8 +22,10 @@ import logging
 import re
 from typing import Any
 
+from mlxserve.loader.catalog import LocalModel
 from mlxserve.server.errors import APIError, bad_request
-from mlxserve.server.serving import ServedModel
+from mlxserve.server.keep_alive import parse_keep_alive
+from mlxserve.server.serving import ServedModel, Serving
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -45,17 +50,39 @@ def model_of(body: Any) -> str:
     return name
 
 
-class OllamaModels:
-    """pull / delete / keep_alive for the one model the server runs."""
+def describe_spec(spec) -> LocalModel | None:
+    """A servable model's files as `mlxserve list` describes them (headers only), when it
+    is a local directory or .gguf file; None otherwise or when they cannot be read."""
+    from pathlib import Path
 
-    def __init__(self, served_names: list[str]) -> None:
-        self.served_names = served_names
+    from mlxserve.loader import catalog
+
+    path = spec.config.model if spec.config is not None else None
+    if not path or not Path(path).expanduser().exists():
+        return None
+    try:
+        return catalog.describe(Path(path).expanduser(), spec.names[0])
+    except (ValueError, OSError):
+        return None
+
+
+class OllamaModels:
+    """pull / delete / keep_alive over the server's models."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    @property
+    def served_names(self) -> list[str]:
+        return self.serving.model_names
 
     def _served(self, name: str) -> bool:
         return name in self.served_names or name.removesuffix(":latest") in self.served_names
 
     def _one_model(self) -> str:
         names = " / ".join(repr(n) for n in self.served_names)
+        if len(self.serving.specs) > 1:
+            return f"this mlxserve server serves the models {names}"
         return f"this mlxserve server serves one model, {names}"
 
     def pull(self, body: Any) -> dict[str, str]:
@@ -81,8 +108,25 @@ class OllamaModels:
             )
         raise APIError(404, f"model {name!r} not found ({self._one_model()})")
 
+    def check_keep_alive(self, value: str | int | float | None) -> None:
+        """400 for a keep_alive that is not a duration (before anything runs)."""
+        if value is not None:
+            try:
+                parse_keep_alive(value)
+            except ValueError as e:
+                raise bad_request(str(e), "keep_alive") from None
+
     def keep_alive(self, value: str | int | float | None, model: ServedModel) -> bool:
         """Act on a request's ``keep_alive`` for ``model``; True when it asked to unload (0)."""
+        if self.serving.policy.unloads:
+            if value is None:
+                return False
+            try:
+                seconds = parse_keep_alive(value)
+            except ValueError as e:
+                raise bad_request(str(e), "keep_alive") from None
+            self.serving.set_keep_alive(model, seconds)
+            return seconds == 0
         if not keep_alive_is_zero(value):
             return False
         logger.info(

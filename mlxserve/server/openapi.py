@@ -150,7 +150,7 @@ class ModelCard(_Doc):
     owned_by: str
     root: str
     parent: None
-    max_model_len: int
+    max_model_len: int | None = None  # absent for a model not loaded yet
 
 
 class ModelList(_Doc):
