@@ -7,6 +7,7 @@ the least recently used. Loads and unloads are counted from the server's log.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -192,3 +193,60 @@ def test_models_in_dir(tmp_path) -> None:
     (tmp_path / "x" / "w.gguf").write_bytes(b"")  # part of model x
     names = [name for name, _ in models_in_dir(tmp_path)]
     assert names == ["nested/y", "nested/z", "x"]
+
+
+def test_pull_show_copy_and_delete_are_real(models, tmp_path) -> None:
+    """A server of several models pulls from the (fake) hub with progress, serves what it
+    pulled, shows a model without loading it, copies (one more name) and deletes."""
+    from tests.fake_hub import serve_fake_hub
+
+    _, tiny = make_tiny_model_dir(tmp_path / "hubmodel", seed=9)
+    files = {f.name: f.read_bytes() for f in tiny.iterdir() if f.is_file()}
+    home = tmp_path / "home"
+    with serve_fake_hub({"acme/tiny": files}) as hub:
+        env = {"HF_HOME": str(home), "HF_ENDPOINT": hub.url, "HF_HUB_ETAG_TIMEOUT": "5"}
+        env |= {"HF_HUB_OFFLINE": "0"}
+        args = [str(models["a"]), str(models["b"]), *COMMON]
+        s = start_server(args, tmp_path / "server.log", env=env)
+        try:
+            url = s.url
+            with httpx.stream("POST", url + "/api/pull", json={"model": "acme/tiny"}) as r:
+                assert r.status_code == 200
+                lines = [json.loads(line) for line in r.iter_lines() if line]
+            assert lines[0] == {"status": "pulling manifest"} and lines[-1] == {"status": "success"}
+            weights = [x for x in lines if x["status"] == "pulling model.safetensors"]
+            assert weights[-1]["completed"] == weights[-1]["total"] > 0
+            assert "acme/tiny" in [m["name"] for m in httpx.get(url + "/api/tags").json()["models"]]
+            assert chat(url, "acme/tiny").status_code == 200
+            # Pulled already: at once.
+            again = httpx.post(url + "/api/pull", json={"model": "acme/tiny", "stream": False})
+            assert again.json() == {"status": "success"}
+            bad = httpx.post(url + "/api/pull", json={"model": "acme/nope", "stream": False})
+            assert bad.status_code == 500 and "acme/nope" in bad.json()["error"]
+
+            shown = httpx.post(url + "/api/show", json={"model": "b"}).json()
+            assert shown["details"]["family"] == "llama" and shown["template"]
+            assert shown["model_info"]["general.parameter_count"] > 0
+            assert "loading model 'b'" not in s.log()  # shown from its files
+
+            r = httpx.post(url + "/api/copy", json={"source": "acme/tiny", "destination": "mine"})
+            assert r.status_code == 200
+            assert chat(url, "mine").json()["model"] == "mine"
+            assert s.log().count("loading model 'acme/tiny'") == 1  # the same model
+            r = httpx.post(url + "/api/copy", json={"source": "nope", "destination": "x"})
+            assert r.status_code == 404
+
+            assert (
+                httpx.request("DELETE", url + "/api/delete", json={"model": "a"}).status_code == 400
+            )
+            assert (
+                httpx.request("DELETE", url + "/api/delete", json={"model": "x"}).status_code == 404
+            )
+            r = httpx.request("DELETE", url + "/api/delete", json={"model": "acme/tiny"})
+            assert r.status_code == 200, r.text
+            names = [m["name"] for m in httpx.get(url + "/api/tags").json()["models"]]
+            assert names == ["a", "b"]  # "mine" named the same model: gone too
+            assert chat(url, "acme/tiny").status_code == 404
+            assert not (home / "hub" / "models--acme--tiny").exists()
+        finally:
+            s.stop()

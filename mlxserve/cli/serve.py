@@ -265,8 +265,8 @@ def model_name_of(model: str) -> str:
 
 
 def more_models(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
-    """(name, what to load, root) of every model besides the first: the other MODELs, then
-    --models-dir's, then the Hugging Face cache's with --serve-cached."""
+    """(name, what to load, its Hugging Face cache name or None) of every model besides the
+    first: the other MODELs, then --models-dir's, then the cache's with --serve-cached."""
     from mlxserve.loader import catalog
 
     out = [(model_name_of(m), m, None) for m in args.more_models]
@@ -358,13 +358,18 @@ def serve_command(args: argparse.Namespace) -> int:
     specs = [first]
     taken = set(names)
     other_defaults = {} if defaults == {} else None  # 'vllm' for all; a DIR: the first only
-    for name, what, root in others:
+
+    def make_spec(name: str, what: str, cache_name: str | None) -> ModelSpec:
+        """How the server serves a model besides the first (one given, found or pulled)."""
+        other = dataclasses.replace(config, model=what, served_model_name=None)
+        return ModelSpec((name,), other, cache_name, other_defaults, cache_name=cache_name, **chat)
+
+    for name, what, cache_name in others:
         if name in taken:
             logger.warning("not serving %s as %r: the name is taken", what, name)
             continue
         taken.add(name)
-        other = dataclasses.replace(config, model=what, served_model_name=None)
-        specs.append(ModelSpec((name,), other, root, other_defaults, **chat))
+        specs.append(make_spec(name, what, cache_name))
     unknown = [n for n in args.pin if n not in taken]
     if unknown:
         sock.close()
@@ -375,7 +380,7 @@ def serve_command(args: argparse.Namespace) -> int:
         on_step = metrics.on_step if spec is first else None  # the metrics: the first model's
         return serve_engine(start_engine(spec), spec, on_step=on_step)
 
-    serving = Serving([served], specs, load, policy)
+    serving = Serving([served], specs, load, policy, make_spec if several else None)
     llm = served.llm
     server_config = ServerConfig(
         model_names=names,

@@ -4,7 +4,7 @@
     POST /api/embed /api/embeddings   the embedding requests of /v1/embeddings
     POST /api/show   GET /api/tags /api/ps /api/version
 
-    POST /api/pull   DELETE /api/delete   (ollama_models.py)
+    POST /api/pull /api/copy   DELETE /api/delete   (ollama_models.py)
 
 A request's ``model`` picks one of the server's models, loaded on first use; its
 ``keep_alive`` says how long the model stays loaded afterwards (server/serving.py).
@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlxserve import __version__
 from mlxserve.exceptions import ParameterError
@@ -44,9 +44,10 @@ from mlxserve.server.chat_run import (
 )
 from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
 from mlxserve.server.errors import APIError, bad_request, closing_headers
-from mlxserve.server.ollama_models import OllamaModels, describe_spec
+from mlxserve.server.ollama_models import OllamaModels, describe_spec, details_of_spec
 from mlxserve.server.ollama_protocol import (
     OllamaChatRequest,
+    OllamaCopyRequest,
     OllamaDeleteRequest,
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
@@ -154,17 +155,40 @@ class OllamaServing:
         return {"models": models}
 
     async def show(self, body: dict[str, Any]) -> dict:
+        """A model's details, facts, chat template and sampling defaults: from its files
+        when they are local (without loading it), else from the loaded model."""
         name = body.get("model") or body.get("name")
         if not isinstance(name, str):
             raise bad_request("model is required", "model")
-        model = await self.model_name(name)
-        info = {f"general.{k}": v for k, v in model.info.config_facts.items()}
-        info["general.context_length"] = model.max_model_len
-        return {
-            "modelfile": "",
-            "parameters": "",
-            "template": "",
-            "details": self.details(model),
+        served = self.served_name(name)
+        model = self.serving.loaded(served)  # 404 for a name this server does not serve
+        local = await run_in_threadpool(details_of_spec, self.serving.spec_of(served))
+        if model is None and local is None:
+            model = await self.model_name(name)
+        out: dict[str, Any] = {"modelfile": "", "parameters": "", "template": ""}
+        if local is not None:
+            template = local.chat_template
+            if isinstance(template, dict):
+                template = template.get("default") or next(iter(template.values()), "")
+            out["template"] = template or ""
+            defaults = local.generation_defaults
+            out["parameters"] = "\n".join(f"{k} {v}" for k, v in sorted(defaults.items()))
+            if license_ := local.license:
+                out["license"] = license_
+        if model is not None:
+            info = {f"general.{k}": v for k, v in model.info.config_facts.items()}
+            info["general.context_length"] = model.max_model_len
+            details = self.details(model)
+        else:
+            assert local is not None
+            arch = local.model.architecture
+            info = {"general.architecture": arch, "general.parameter_count": local.parameters}
+            info["general.context_length"] = local.model.context_length
+            details = {"parent_model": "", "format": local.model.format, "family": arch}
+            details |= {"families": [arch], "parameter_size": "", "quantization_level": ""}
+            details["quantization_level"] = local.model.quantization
+        return out | {
+            "details": details,
             "model_info": info,
             "capabilities": ["completion", "embedding"],
             "modified_at": now_iso(),
@@ -364,14 +388,28 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     @route("POST", "/api/pull", OllamaPullRequest, stream=True)
     async def pull(request: Request):
         body = parse_json(await read_body(request, limit))
-        status = ollama.models.pull(body)
+        statuses = ollama.models.pull(body)
+        first = await anext(statuses)  # a refusal (404, 400) is an error response
         if isinstance(body, dict) and body.get("stream") is False:
-            return status
-        return Response(_line(status), media_type=NDJSON)
+            return [first, *[status async for status in statuses]][-1]
+
+        async def lines():
+            yield _line(first)
+            try:
+                async for status in statuses:
+                    yield _line(status)
+            except APIError as e:  # the stream has begun: Ollama's error line
+                yield _line({"error": e.message})
+
+        return StreamingResponse(lines(), media_type=NDJSON)
 
     @route("DELETE", "/api/delete", OllamaDeleteRequest)
     async def delete(request: Request):
-        ollama.models.delete(parse_json(await read_body(request, limit)))
+        await ollama.models.delete(parse_json(await read_body(request, limit)))
+
+    @route("POST", "/api/copy", OllamaCopyRequest)
+    async def copy(request: Request):
+        ollama.models.copy(parse_json(await read_body(request, limit)))
 
     @route("POST", "/api/chat", OllamaChatRequest, stream=True)
     async def chat(request: Request):
@@ -419,6 +457,7 @@ OLLAMA_API = API(
         OllamaShowRequest,
         OllamaPullRequest,
         OllamaDeleteRequest,
+        OllamaCopyRequest,
     ),
     open_paths=("/api/version",),  # like /version
     error_response=error_response,

@@ -119,6 +119,9 @@ class ModelSpec:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     prompt_normalization: tuple[str, ...] = ()
+    # Its name in the Hugging Face cache (`mlxserve list`), when its files are there:
+    # Ollama's /api/delete deletes them.
+    cache_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,9 @@ class ModelPolicy:
 
 # What Serving calls (in a worker thread) to load a model: the spec in, a running model out.
 Loader = Callable[[ModelSpec], ServedModel]
+# A spec for a model added while serving (a pull): (served name, what to load, its name in
+# the Hugging Face cache) -> how to serve it, as the server's flags say.
+SpecMaker = Callable[[str, str, str | None], ModelSpec]
 
 # The leases of the HTTP request being handled (set by ModelLeases, one list per request).
 _LEASES: contextvars.ContextVar[list[_Lease] | None] = contextvars.ContextVar(
@@ -181,12 +187,15 @@ class Serving:
         specs: list[ModelSpec] | None = None,
         loader: Loader | None = None,
         policy: ModelPolicy | None = None,
+        make_spec: SpecMaker | None = None,
     ) -> None:
         """``models``: those loaded at start-up, the first ``len(models)`` of ``specs``
-        (default: one spec per model, nothing else to load)."""
+        (default: one spec per model, nothing else to load). ``make_spec``: models can be
+        added while serving (Ollama's pull), served as it says."""
         assert models, "a server starts with at least one model loaded"
         self.policy = policy or ModelPolicy()
         self.loader = loader
+        self.make_spec = make_spec
         specs = specs or [ModelSpec(m.names, root=m.root) for m in models]
         self._slots: list[_Slot] = []
         self._by_name: dict[str, _Slot] = {}
@@ -237,6 +246,29 @@ class Serving:
         self._slots.append(slot)
         for name in spec.names:
             self._by_name[name] = slot
+
+    def alias(self, name: str, new_name: str) -> None:
+        """Serve the model serving ``name`` under ``new_name`` too (Ollama's copy); 404 for
+        an unknown ``name``, ValueError for a ``new_name`` served already."""
+        slot = self._slot(name)
+        if new_name in self._by_name:
+            raise ValueError(f"model name {new_name!r} is served already")
+        slot.spec = dataclasses.replace(slot.spec, names=(*slot.spec.names, new_name))
+        self._by_name[new_name] = slot
+
+    async def remove(self, name: str) -> ModelSpec:
+        """Stop serving the model serving ``name`` (unloaded first); its spec. ValueError
+        when it is the default model or a request uses it."""
+        slot = self._slot(name)
+        if slot is self._slots[0]:
+            raise ValueError(f"{name!r} is the server's default model (its first)")
+        await self._unload(slot, "removed")
+        if slot.model is not None or slot.num_users:
+            raise ValueError(f"{name!r} is in use; try again when its requests are over")
+        self._slots.remove(slot)
+        for n in slot.spec.names:
+            del self._by_name[n]
+        return slot.spec
 
     def _slot(self, name: str | None) -> _Slot:
         if name is None:
