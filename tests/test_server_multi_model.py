@@ -21,7 +21,7 @@ from mlxserve.loader.catalog import models_in_dir
 from mlxserve.server.keep_alive import parse_keep_alive
 from tests.engine_helpers import make_tiny_model_dir
 from tests.paths import ROOT
-from tests.server_harness import start_server, wait_until
+from tests.server_harness import metric, read_metrics, start_server, wait_until
 
 COMMON = ["--dtype", "float32", "--max-model-len", "256", "--disable-log-stats"]
 CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}
@@ -96,6 +96,10 @@ def test_each_model_answers_by_name_and_lists(server) -> None:
         assert reply["model"] == f"{name}:latest" or reply["model"] == name
         assert reply["done"] and reply["eval_count"] > 0
     assert len(set(texts.values())) > 1  # three models with their own weights
+    values = read_metrics(server.url)  # each model under its own label
+    for name in ("alpha", "b", "c"):
+        assert metric(values, "vllm:generation_tokens_total", model_name=name) >= 8
+        assert metric(values, "mlxserve:prefix_caching_enabled", model_name=name, reason="") == 1
     r = chat(server.url, "nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(server.url + "/api/chat", json={"model": "nope", "messages": []})

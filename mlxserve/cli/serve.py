@@ -377,8 +377,10 @@ def serve_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--pin {unknown[0]!r}: no model is served under that name")
 
     def load(spec: ModelSpec):  # worker thread: a request asked for a model not loaded
-        on_step = metrics.on_step if spec is first else None  # the metrics: the first model's
-        return serve_engine(start_engine(spec), spec, on_step=on_step)
+        engine = start_engine(spec)
+        speculative = engine.speculative_config is not None
+        model_metrics = metrics.for_model(spec.names[0], engine.prefix_caching_off, speculative)
+        return serve_engine(engine, spec, on_step=model_metrics.on_step)
 
     serving = Serving([served], specs, load, policy, make_spec if several else None)
     llm = served.llm

@@ -1,7 +1,7 @@
 """Start a model for the server: an LLMEngine, its AsyncLLM thread, the ServedModel.
 
-`mlxserve serve` starts its first model with this at start-up, and Serving (server/
-serving.py) starts every other one on its first request, the same way.
+`mlxserve serve` starts its first model with this at start-up, and every other one on its
+first request (Serving's loader, server/serving.py), the same way.
 """
 
 from __future__ import annotations
@@ -38,8 +38,3 @@ def serve_engine(
         root=spec.root or engine.loaded.source.name,
         prompt_normalization=spec.prompt_normalization,
     )
-
-
-def start_model(spec: ModelSpec, on_step: Callable | None = None) -> ServedModel:
-    """A loaded, running model for ``spec`` (Serving's loader; call in a worker thread)."""
-    return serve_engine(start_engine(spec), spec, on_step=on_step)
