@@ -254,3 +254,103 @@ def test_pull_show_copy_and_delete_are_real(models, tmp_path) -> None:
             assert not (home / "hub" / "models--acme--tiny").exists()
         finally:
             s.stop()
+
+
+# ---- Serving alone, with stand-in models (no engine): loads, leases, unloads -----------
+class _StubLLM:
+    is_running = True
+
+    def __init__(self) -> None:
+        self.is_stopped = False
+
+    def shutdown(self) -> None:
+        self.is_stopped = True
+
+
+def _stub_serving(num_models: int = 3, **policy):
+    import threading
+    import time
+
+    from mlxserve.server.served_model import ModelSpec, ServedModel
+    from mlxserve.server.serving import ModelPolicy, Serving
+
+    loads: list[str] = []
+    lock = threading.Lock()
+
+    def load(spec: ModelSpec) -> ServedModel:  # a worker thread, as a real load
+        time.sleep(0.05)
+        with lock:
+            loads.append(spec.names[0])
+        return ServedModel(spec.names[0], spec.names, _StubLLM(), None, None)  # type: ignore[arg-type]
+
+    specs = [ModelSpec((f"m{i}",)) for i in range(num_models)]
+    first = ServedModel("m0", ("m0",), _StubLLM(), None, None)  # type: ignore[arg-type]
+    serving = Serving([first], specs, load, ModelPolicy(unloads=True, **policy))
+    return serving, loads
+
+
+async def _request(serving, name: str, hold: float = 0.0, keep_alive: float | None = -1.0):
+    """One HTTP request's use of a model, as ModelLeases scopes it."""
+    import asyncio
+
+    from mlxserve.server import serving as serving_module
+
+    leases: list = []
+    token = serving_module._LEASES.set(leases)
+    try:
+        model = await serving.resolve(name)
+        if keep_alive != -1.0:
+            serving.set_keep_alive(model, keep_alive)
+        await asyncio.sleep(hold)
+        return model
+    finally:
+        serving_module._LEASES.reset(token)
+        for lease in leases:
+            serving.release(lease)
+
+
+def test_serving_loads_once_per_race_and_never_unloads_under_a_request() -> None:
+    import asyncio
+
+    async def main() -> None:
+        serving, loads = _stub_serving(keep_alive=60.0)
+        serving.start()
+        models = await asyncio.gather(*(_request(serving, "m1") for _ in range(20)))
+        assert loads == ["m1"] and len({id(m.llm) for m in models}) == 1
+        # A request holds m1 while another asks for it to unload at once: it waits.
+        holder = asyncio.create_task(_request(serving, "m1", hold=0.3))
+        await asyncio.sleep(0.05)
+        await _request(serving, "m1", keep_alive=0.0)
+        await asyncio.sleep(0.1)
+        assert serving.loaded("m1") is not None  # still in use
+        await holder
+        for _ in range(50):
+            if serving.loaded("m1") is None:
+                break
+            await asyncio.sleep(0.02)
+        assert serving.loaded("m1") is None and models[0].llm.is_stopped
+        await serving.stop()
+
+    asyncio.run(main())
+
+
+def test_serving_evicts_the_least_recently_used_idle_model_never_a_pinned_one() -> None:
+    import asyncio
+
+    from mlxserve.server.errors import APIError
+
+    async def main() -> None:
+        serving, loads = _stub_serving(4, max_loaded_models=2, pinned=frozenset({"m0"}))
+        await _request(serving, "m1")
+        await _request(serving, "m2")  # m0 is pinned: m1 goes
+        assert [m.name for m in serving.models] == ["m0", "m2"]
+        busy = asyncio.create_task(_request(serving, "m2", hold=0.3))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as e:  # m0 pinned, m2 in use: no room
+            await _request(serving, "m3")
+        assert e.value.status == 503
+        await busy
+        await _request(serving, "m3")
+        assert [m.name for m in serving.models] == ["m0", "m3"] and loads == ["m1", "m2", "m3"]
+
+    asyncio.run(main())

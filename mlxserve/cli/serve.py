@@ -292,7 +292,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from mlxserve.server.keep_alive import parse_keep_alive
     from mlxserve.server.metrics import ServerMetrics
     from mlxserve.server.model_loading import serve_engine, start_engine
-    from mlxserve.server.serving import ModelPolicy, ModelSpec, Serving
+    from mlxserve.server.served_model import ModelSpec
+    from mlxserve.server.serving import ModelPolicy, Serving
     from mlxserve.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT, GracefulServer, bind_socket
     from mlxserve.worker.launch import launched_rank
 

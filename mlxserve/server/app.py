@@ -38,7 +38,8 @@ from mlxserve.server.metrics import ServerMetrics
 from mlxserve.server.ollama import OLLAMA_API
 from mlxserve.server.openai_api import OPENAI_API
 from mlxserve.server.responses import RESPONSES_API
-from mlxserve.server.serving import ModelLeases, Serving, make_served_model
+from mlxserve.server.served_model import make_served_model
+from mlxserve.server.serving import ModelLeases, Serving
 from mlxserve.server.webui import add_webui_routes
 
 logger = logging.getLogger("mlxserve")

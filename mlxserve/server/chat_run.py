@@ -29,7 +29,8 @@ from mlxserve.server import streams
 from mlxserve.server.chat_tools import ChatPlan
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.formatting import PromptResult
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ServedModel
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import (
     ClientDisconnected,
     RequestGroup,

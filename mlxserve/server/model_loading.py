@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from mlxserve.engine.async_llm import AsyncLLM
 from mlxserve.engine.llm_engine import LLMEngine
-from mlxserve.server.serving import ModelSpec, ServedModel, make_served_model
+from mlxserve.server.served_model import ModelSpec, ServedModel, make_served_model
 
 
 def start_engine(spec: ModelSpec) -> LLMEngine:

@@ -56,7 +56,8 @@ from mlxserve.server.ollama_protocol import (
     OllamaShowRequest,
     _Common,
 )
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ServedModel
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
 from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
 

@@ -35,7 +35,8 @@ from mlxserve.loader import catalog, hub
 from mlxserve.loader.catalog import LocalModel
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.keep_alive import parse_keep_alive
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ModelSpec, ServedModel
+from mlxserve.server.serving import Serving
 
 logger = logging.getLogger("mlxserve.server")
 
@@ -60,7 +61,7 @@ def model_of(body: Any) -> str:
     return name
 
 
-def describe_spec(spec) -> LocalModel | None:
+def describe_spec(spec: ModelSpec) -> LocalModel | None:
     """A servable model's files as `mlxserve list` describes them (headers only), when it
     is a local directory or .gguf file; None otherwise or when they cannot be read."""
     path = spec.config.model if spec.config is not None else None
@@ -72,7 +73,7 @@ def describe_spec(spec) -> LocalModel | None:
         return None
 
 
-def details_of_spec(spec) -> catalog.ModelDetails | None:
+def details_of_spec(spec: ModelSpec) -> catalog.ModelDetails | None:
     """:func:`describe_spec`'s model with its details (parameters, template, defaults)."""
     local = describe_spec(spec)
     if local is None:

@@ -27,7 +27,8 @@ from mlxserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ServedModel
+from mlxserve.server.serving import Serving
 
 
 def add_openai_routes(app: FastAPI, serving: Serving, limit: int) -> None:

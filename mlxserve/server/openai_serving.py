@@ -35,7 +35,8 @@ from mlxserve.server.formatting import (
     usage,
 )
 from mlxserve.server.protocol import ChatCompletionRequest, CompletionRequest, request_error
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ServedModel
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import (
     ClientDisconnected,
     RequestGroup,

@@ -1,4 +1,5 @@
-"""Which model serves a request: Serving (the server's models) and ServedModel (one).
+"""Which model serves a request: Serving, the server's models (server/served_model.py's
+ServedModel and ModelSpec: one model loaded, one model servable).
 
 Every API resolves the request's ``model`` field here, with ``await Serving.resolve``, and
 then reads only the ServedModel it got back (its engine, tokenizer, limits, chat features
@@ -26,102 +27,16 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.async_llm import AsyncLLM
-from mlxserve.engine.model_info import ModelInfo
-from mlxserve.server.chat_tools import ChatFeatures
-from mlxserve.server.errors import APIError, bad_request
-from mlxserve.server.formatting import TokenText
+from mlxserve.server.errors import APIError
 from mlxserve.server.keep_alive import describe_keep_alive
+from mlxserve.server.served_model import ModelSpec, ServedModel
 from mlxserve.server.streams import InFlight
 
 logger = logging.getLogger("mlxserve")
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """One model as the APIs see it, under the name a request asked for (``name``)."""
-
-    name: str  # the served name to report back
-    names: tuple[str, ...]  # every name it is served under
-    llm: AsyncLLM
-    info: ModelInfo  # what the engine says about the model (limits, size, facts)
-    features: ChatFeatures  # its tool-call format and reasoning parser
-    # The model's sampling defaults for fields a request leaves out (generation_config).
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-    root: str | None = None  # its name or repo id (never a local path), for /v1/models
-    token_text: TokenText | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.info.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
-
-    def named(self, name: str) -> ServedModel:
-        """This model, reported under ``name`` (one of ``names``)."""
-        return self if name == self.name else dataclasses.replace(self, name=name)
-
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        """400 unless every id is in the model's vocabulary."""
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(
-                f"{param} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                param,
-            )
-
-
-def make_served_model(
-    llm: AsyncLLM,
-    names: tuple[str, ...],
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
-    sampling_defaults: dict[str, float | int] | None = None,
-    root: str | None = None,
-    prompt_normalization: tuple[str, ...] = (),
-) -> ServedModel:
-    """A running engine's model under ``names`` (the first is the default's report name)."""
-    info = llm.describe()
-    return ServedModel(
-        name=names[0],
-        names=tuple(names),
-        llm=llm,
-        info=info,
-        features=ChatFeatures(
-            info.tokenizer, tool_call_parser, reasoning_parser, prompt_normalization
-        ),
-        sampling_defaults=dict(sampling_defaults or {}),
-        root=root,
-        token_text=TokenText(info.tokenizer),
-    )
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model the server can serve: the names clients use and what the loader loads."""
-
-    names: tuple[str, ...]  # the first is the name it reports
-    config: EngineConfig | None = None  # config.model: a repo id, directory or .gguf
-    root: str | None = None  # its name or repo id (never a local path), for /v1/models
-    # The model's sampling defaults (None: the model's own generation config).
-    sampling_defaults: dict[str, float | int] | None = None
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    prompt_normalization: tuple[str, ...] = ()
-    # Its name in the Hugging Face cache (`mlxserve list`), when its files are there:
-    # Ollama's /api/delete deletes them.
-    cache_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -175,7 +90,6 @@ class _Lease:
     """A request's use of a model, from its resolve until its response is sent."""
 
     slot: _Slot
-    keep_alive: float | None
 
 
 class Serving:
@@ -299,7 +213,10 @@ class Serving:
         if leases is not None:
             slot.num_users += 1
             slot.expires_at = None
-            leases.append(_Lease(slot, self.policy.keep_alive))
+            # The latest request says how long the model stays (Ollama's rule): the
+            # server's keep_alive unless it sets its own (set_keep_alive).
+            slot.keep_alive = self.policy.keep_alive
+            leases.append(_Lease(slot))
         model = slot.model
         if model is None:
             model = await self._load(slot)
@@ -380,13 +297,13 @@ class Serving:
         the request is over (0: unload then; None: for ever)."""
         for lease in _LEASES.get() or ():
             if model.name in lease.slot.spec.names:
-                lease.keep_alive = keep_alive
+                lease.slot.keep_alive = keep_alive
 
     def release(self, lease: _Lease) -> None:
-        """A request is over with a model: it expires after the lease's keep_alive."""
+        """A request is over with a model: once none uses it, it expires after its
+        keep_alive (the latest request's)."""
         slot = lease.slot
         slot.num_users -= 1
-        slot.keep_alive = lease.keep_alive
         if not slot.num_users:
             self._touch(slot)
             if self._wake is not None:
