@@ -441,8 +441,10 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     @route("POST", "/api/embeddings", OllamaEmbeddingsRequest)
     async def embeddings(request: Request):
         body = await parse_body(request, OllamaEmbeddingsRequest, limit)
+        ollama.models.check_keep_alive(body.keep_alive)
         model = await ollama.model_name(body.model)
         (vector,), _ = await ollama.embed(request, model, [body.prompt], None)
+        ollama.models.keep_alive(body.keep_alive, model)
         return {"embedding": vector}
 
 
