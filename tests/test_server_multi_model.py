@@ -354,3 +354,18 @@ def test_serving_evicts_the_least_recently_used_idle_model_never_a_pinned_one() 
         assert [m.name for m in serving.models] == ["m0", "m3"] and loads == ["m1", "m2", "m3"]
 
     asyncio.run(main())
+
+
+def test_a_model_that_fails_to_load_is_an_error_and_the_server_goes_on(models, tmp_path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')  # no weights
+    s = start_server([str(models["a"]), str(broken), *COMMON], tmp_path / "server.log")
+    try:
+        r = chat(s.url, "broken")
+        assert r.status_code == 500 and "loading the model 'broken' failed" in r.text
+        assert chat(s.url, "a").status_code == 200
+        assert chat(s.url, "broken").status_code == 500  # tried again, not stuck
+        assert loaded(s.url) == {"a"}
+    finally:
+        s.stop()

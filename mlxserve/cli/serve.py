@@ -311,8 +311,11 @@ def serve_command(args: argparse.Namespace) -> int:
             config, max_num_batched_tokens=default_max_num_batched_tokens(serving=True)
         )
     others = more_models(args)
-    if others and config.world_size > 1:
-        raise ValueError("several models are served on one machine only (no tensor parallel)")
+    if (others or args.keep_alive is not None) and config.world_size > 1:
+        raise ValueError(
+            "several models, and --keep-alive, are for one machine: a tensor or pipeline "
+            "parallel model stays loaded for the server's life"
+        )
     several = bool(others or args.models_dir or args.serve_cached)
     keep_alive = parse_keep_alive(args.keep_alive or DEFAULT_KEEP_ALIVE, "--keep-alive")
     policy = ModelPolicy(
