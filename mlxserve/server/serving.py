@@ -65,6 +65,9 @@ _LEASES: contextvars.ContextVar[list[_Lease] | None] = contextvars.ContextVar(
     "mlxserve_model_leases", default=None
 )
 FOREVER_ISO = "2999-01-01T00:00:00Z"  # Ollama's expires_at of a model that never unloads
+# How long a load waits for a loaded model to become idle (unloadable) when every one is in
+# use, loading or pinned; then the request is a 503.
+ROOM_WAIT_S = 60.0
 
 
 class _Slot:
@@ -121,6 +124,7 @@ class Serving:
             self._touch(slot)
         self.in_flight = InFlight()
         self._num_loading = 0
+        self._idle = asyncio.Event()  # set when a model may have become unloadable
         self._wake: asyncio.Event | None = None  # the reaper's, made in its event loop
         self._reaper: asyncio.Task | None = None
 
@@ -235,17 +239,20 @@ class Serving:
                 return slot.model
             if self.loader is None:
                 raise APIError(503, f"the model {slot.name!r} is not loaded", code="not_loaded")
-            await self._make_room(slot)
-            logger.info("loading model %r (%s) ...", slot.name, _what(slot.spec))
-            start = time.monotonic()
-            self._num_loading += 1
+            self._num_loading += 1  # counted before making room: racing loads see it
             try:
+                await self._make_room(slot)
+                logger.info("loading model %r (%s) ...", slot.name, _what(slot.spec))
+                start = time.monotonic()
                 model = await asyncio.to_thread(self.loader, slot.spec)
+            except APIError:  # no room (503)
+                raise
             except Exception as e:  # noqa: BLE001 -- the request that asked hears why
                 logger.exception("loading model %r failed", slot.name)
                 raise APIError(500, f"loading the model {slot.name!r} failed: {e}") from None
             finally:
                 self._num_loading -= 1
+                self._idle.set()
             slot.model = model
             slot.num_loads += 1
             logger.info("loaded model %r in %.1f s", slot.name, time.monotonic() - start)
@@ -253,8 +260,12 @@ class Serving:
             return model
 
     async def _make_room(self, slot: _Slot) -> None:
-        """Unload least recently used idle models until one more fits max_loaded_models."""
-        while len(self.models) + self._num_loading >= self.policy.max_loaded_models:
+        """Unload least recently used idle models until the loading ones (``slot``'s among
+        them) fit max_loaded_models beside the loaded ones; wait ROOM_WAIT_S at most for
+        one to become idle."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ROOM_WAIT_S
+        while len(self.models) + self._num_loading > self.policy.max_loaded_models:
             idle = [
                 s
                 for s in self._slots
@@ -263,6 +274,13 @@ class Serving:
                 and not s.num_users
                 and not self.is_pinned(s.spec)
             ]
+            if not idle and loop.time() < deadline:
+                self._idle.clear()
+                try:
+                    await asyncio.wait_for(self._idle.wait(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    pass
+                continue
             if not idle:
                 raise APIError(
                     503,
@@ -306,6 +324,7 @@ class Serving:
         slot.num_users -= 1
         if not slot.num_users:
             self._touch(slot)
+            self._idle.set()
             if self._wake is not None:
                 self._wake.set()
 
