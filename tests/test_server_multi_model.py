@@ -383,3 +383,14 @@ def test_racing_loads_of_different_models_keep_within_max_loaded_models() -> Non
         assert len(serving.models) <= 2
 
     asyncio.run(main())
+
+
+def test_a_pin_that_names_no_model_is_refused_before_anything_loads(models) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    argv = [sys.executable, "-m", "mlxserve.cli", "serve", str(models["a"]), "--pin", "nope"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: --pin 'nope': no model is served under that name"
+    )
+    assert "loading" not in out.stderr

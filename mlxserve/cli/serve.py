@@ -287,6 +287,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from mlxserve.engine.llm_engine import LLMEngine
     from mlxserve.engine.startup import default_max_num_batched_tokens
+    from mlxserve.loader import DEFAULT_MODEL_NAME
     from mlxserve.server.app import ServerConfig, build_app
     from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES
     from mlxserve.server.keep_alive import parse_keep_alive
@@ -317,6 +318,10 @@ def serve_command(args: argparse.Namespace) -> int:
             "parallel model stays loaded for the server's life"
         )
     several = bool(others or args.models_dir or args.serve_cached)
+    first_names = set(names) or {model_name_of(model) if model else DEFAULT_MODEL_NAME}
+    unknown = [n for n in args.pin if n not in first_names | {name for name, _, _ in others}]
+    if unknown:  # before anything loads
+        raise ValueError(f"--pin {unknown[0]!r}: no model is served under that name")
     keep_alive = parse_keep_alive(args.keep_alive or DEFAULT_KEEP_ALIVE, "--keep-alive")
     policy = ModelPolicy(
         unloads=several or args.keep_alive is not None,
@@ -374,11 +379,6 @@ def serve_command(args: argparse.Namespace) -> int:
             continue
         taken.add(name)
         specs.append(make_spec(name, what, cache_name))
-    unknown = [n for n in args.pin if n not in taken]
-    if unknown:
-        sock.close()
-        served.llm.shutdown()
-        raise ValueError(f"--pin {unknown[0]!r}: no model is served under that name")
 
     def load(spec: ModelSpec):  # worker thread: a request asked for a model not loaded
         engine = start_engine(spec)
