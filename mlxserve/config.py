@@ -263,6 +263,10 @@ class EngineConfig:
     # The KV pool's size in bytes, instead of what memory_fraction leaves (vLLM's knob).
     kv_cache_memory_bytes: int | None = field(default_factory=default_kv_cache_memory_bytes)
     enable_prefix_caching: bool = True
+    # The prefix cache's disk tier (engine/kv_disk.py): a folder and a byte budget
+    # shared by every model's blocks there; 0 bytes or no folder: off.
+    kv_cache_disk_dir: str | None = None
+    kv_cache_disk_bytes: int = 0
     chat_template: str | None = None
     served_model_name: str | None = None
     enforce_eager: bool = False
@@ -328,6 +332,9 @@ class EngineConfig:
                 self.kv_cache_memory_bytes,
                 ">= 1",
             )
+        _require(
+            self.kv_cache_disk_bytes >= 0, "kv_cache_disk_bytes", self.kv_cache_disk_bytes, ">= 0"
+        )
         _require(
             self.data_parallel_size == 1,
             "data_parallel_size",

@@ -29,8 +29,8 @@ class LLM:
         self._counter = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (they are also killed when this process
-        exits); nothing to do in one process."""
+        """Write what the KV disk tier has still to keep, and stop the other tensor-parallel
+        ranks (they are also killed when this process exits)."""
         self.engine.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:

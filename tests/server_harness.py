@@ -35,6 +35,10 @@ class ServerProcess:
         full_env.pop("VLLM_API_KEY", None)
         full_env.update(env or {})
         self._log = open(log_path, "w")  # noqa: SIM115 -- closed in stop()
+        if not any(a.startswith("--kv-cache-disk") for a in args):
+            # serve keeps KV blocks in the user's cache by default: a test's server starts
+            # without them (another test's blocks of the same model would be hits).
+            args = [*args, "--kv-cache-disk-bytes", "0"]
         cmd = [sys.executable, "-m", "mlxserve.cli", "serve", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT

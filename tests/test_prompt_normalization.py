@@ -106,3 +106,50 @@ def test_the_flags_value(spec: str, parts: tuple[str, ...]) -> None:
 def test_an_unknown_part_is_named() -> None:
     with pytest.raises(ValueError, match="'headers'.*billing-header, token-markers"):
         parse_parts("headers")
+
+
+def test_a_template_that_drops_earlier_reasoning_is_detected() -> None:
+    from mlxserve.server.prompt_normalization import dropped_reasoning
+
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "reasoning_content": "think about a"},
+        {"role": "user", "content": "c"},
+    ]
+    kept = "<|im_start|>assistant\n<think>\nthink about a\n</think>\nb<|im_end|>"
+    assert dropped_reasoning(messages, kept) == 0
+    assert dropped_reasoning(messages, "<|im_start|>assistant\nb<|im_end|>") == 1
+    # The last message's reasoning is the one a continuation renders: not counted.
+    assert dropped_reasoning(messages[:2], "") == 0
+
+
+def test_the_server_says_once_that_its_template_drops_reasoning(tmp_path) -> None:
+    import httpx
+
+    from tests.engine_helpers import make_tiny_model_dir
+    from tests.server_harness import start_server
+
+    # Qwen3's habit, in short: reasoning shown only for assistant turns after the last user.
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and "
+        "m.reasoning_content is defined and loop.index0 > ns_last %}<think>{{ "
+        "m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ).replace("ns_last", "(messages | map(attribute='role') | list | length) - 1")
+    (tmp_path / "t.jinja").write_text(template)
+    _, model_dir = make_tiny_model_dir(tmp_path / "tiny", seed=4)
+    args = [str(model_dir), "--served-model-name", "tiny", "--chat-template"]
+    server = start_server(args + [str(tmp_path / "t.jinja")], tmp_path / "log")
+    try:
+        history = [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b", "reasoning_content": "I think so"},
+            {"role": "user", "content": "c"},
+        ]
+        body = {"model": "tiny", "messages": history, "max_tokens": 1}
+        for _ in range(2):
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+    assert server.log().count("leaves out the reasoning of earlier assistant turns") == 1

@@ -71,6 +71,7 @@ def mlxserve_spec(
     cmd += ["--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME]
     cmd += ["--max-num-batched-tokens", "2048", "--max-num-seqs", "4"]
     cmd += ["--generation-config", str(config_dir), *extra]
+    cmd += ["--kv-cache-disk-dir", str(work / "kv-cache")]  # this run's own disk tier
     return ServerSpec("mlxserve", cmd)
 
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import fields
+from pathlib import Path
 
 from mlxserve.cli.vllm_compat import ENGINE_FLAGS, add_no_effect_flags, human_int, warn_no_effect
 from mlxserve.config import DTYPES, KV_CACHE_DTYPES, KV_CACHE_SPACE_ENV, EngineConfig
+
+DEFAULT_DISK_BYTES = 4 * 2**30  # `serve`'s KV disk tier: a few long agent sessions
+
+
+def user_cache_dir() -> Path:
+    """mlxserve's folder in the user's cache ($XDG_CACHE_HOME or ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlxserve"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +58,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="size the KV cache pool to BYTES (e.g. 4G), instead of what "
         f"--gpu-memory-utilization leaves (default: ${KV_CACHE_SPACE_ENV} GiB if set)",
+    )
+    g.add_argument(
+        "--kv-cache-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="keep computed KV blocks in files in DIR, across evictions and restarts "
+        "(`serve`'s default: ~/.cache/mlxserve/kv-cache; elsewhere off)",
+    )
+    g.add_argument(
+        "--kv-cache-disk-bytes",
+        type=human_int,
+        default=None,
+        metavar="BYTES",
+        help=f"the disk tier's size, every model's blocks together (`serve`'s default: "
+        f"{DEFAULT_DISK_BYTES // 2**30}G); 0: off",
     )
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     g.add_argument(
@@ -124,8 +148,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_no_effect_flags(parser, ENGINE_FLAGS)
 
 
-def engine_config(args: argparse.Namespace, model: str | None) -> EngineConfig:
-    """EngineConfig from parsed flags; vLLM flags with no effect here are warned about."""
+def engine_config(
+    args: argparse.Namespace, model: str | None, disk_default: bool = False
+) -> EngineConfig:
+    """EngineConfig from parsed flags; vLLM flags with no effect here are warned about.
+    ``disk_default``: the KV disk tier is on unless the flags say otherwise (`serve`)."""
     warn_no_effect(args, ENGINE_FLAGS)
     names = {f.name for f in fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names and k != "model"}
@@ -133,6 +160,15 @@ def engine_config(args: argparse.Namespace, model: str | None) -> EngineConfig:
         values.pop("kv_cache_memory_bytes", None)
     if values.get("seed") is None:
         values.pop("seed", None)
+    disk_dir, disk_bytes = (
+        values.pop("kv_cache_disk_dir", None),
+        values.pop("kv_cache_disk_bytes", None),
+    )
+    if disk_default and disk_bytes is None:
+        disk_bytes = DEFAULT_DISK_BYTES
+    if disk_bytes and disk_dir is None:
+        disk_dir = str(user_cache_dir() / "kv-cache")
+    values["kv_cache_disk_dir"], values["kv_cache_disk_bytes"] = disk_dir, disk_bytes or 0
     if args.chat_template and os.path.isfile(args.chat_template):
         with open(args.chat_template, encoding="utf-8") as f:
             values["chat_template"] = f.read()

@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxserve.cli.engine_args import user_cache_dir
+
 AGENTS = ("claude", "codex", "aider", "opencode")
 INSTALL = {
     "claude": "npm install -g @anthropic-ai/claude-code",
@@ -278,5 +280,4 @@ def _write_files(run: AgentRun) -> None:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlxserve" / "launch"
+    return user_cache_dir() / "launch"

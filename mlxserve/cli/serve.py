@@ -306,7 +306,7 @@ def serve_command(args: argparse.Namespace) -> int:
     origins = parse_origins(args.allowed_origins)
     warn_no_effect(args, SERVER_FLAGS)
     defaults = generation_config_choice(args.generation_config)
-    config = engine_config(args, model)
+    config = engine_config(args, model, disk_default=True)
     if config.max_num_batched_tokens is None:  # a server favours smooth streams
         config = dataclasses.replace(
             config, max_num_batched_tokens=default_max_num_batched_tokens(serving=True)

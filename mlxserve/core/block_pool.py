@@ -33,6 +33,8 @@ class KVCacheBlock:
     # The block's token ids, kept to verify a hash hit against the real content.
     token_ids: tuple[int, ...] | None = None
     is_null: bool = False
+    # Filled from the store (the disk tier) rather than computed: nothing to save.
+    from_store: bool = False
     # Links of the free queue; both None when the block is not in it.
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
@@ -41,6 +43,7 @@ class KVCacheBlock:
         """Forget the content (the block is about to be overwritten)."""
         self.block_hash = None
         self.token_ids = None
+        self.from_store = False
 
 
 class FreeKVCacheBlockQueue:
@@ -135,6 +138,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(start)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # With a disk tier: blocks registered since the engine last copied them out
+        # (block id -> hash, tokens); a block reused before that is dropped from here.
+        self.pending_saves: dict[int, tuple[BlockHash, tuple[int, ...]]] | None = None
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
@@ -150,6 +156,7 @@ class BlockPool:
         for block in blocks:
             assert block.ref_cnt == 0, block
             self._evict(block)
+            block.from_store = False
             block.ref_cnt = 1
         return blocks
 
@@ -169,6 +176,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
+        if self.pending_saves:
+            self.pending_saves.pop(block.block_id, None)
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
         block.reset_hash()
@@ -197,6 +206,17 @@ class BlockPool:
             block.block_hash = block_hash
             block.token_ids = tuple(token_ids)
             self.cached_block_hash_to_block[block_hash] = block
+            if self.pending_saves is not None and not block.from_store:
+                self.pending_saves[block.block_id] = (block_hash, block.token_ids)
+
+    def take_pending_saves(self) -> list[tuple[int, BlockHash, tuple[int, ...]]]:
+        """(block id, hash, token ids) of the blocks registered since the last call, whose
+        contents are still theirs."""
+        if not self.pending_saves:
+            return []
+        out = [(block_id, h, tokens) for block_id, (h, tokens) in self.pending_saves.items()]
+        self.pending_saves.clear()
+        return out
 
     def get_cached_block(
         self, block_hash: BlockHash, token_ids: Sequence[int]
@@ -231,6 +251,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.reset_hash()
         self.cached_block_hash_to_block.clear()
+        if self.pending_saves:
+            self.pending_saves.clear()
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, cached-but-unused, not yet grown)."""

@@ -24,6 +24,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from mlxserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from mlxserve.core.kv_cache_groups import GroupManager
@@ -76,6 +77,13 @@ class StateSlots:
 FULL_GROUP = (KVCacheGroupSpec(FULL_ATTENTION, None, ()),)
 
 
+class BlockStore(Protocol):
+    """Where full blocks are kept beyond the pool (the engine's disk tier)."""
+
+    def load(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> object | None:
+        """The block's K/V if it is kept for exactly these tokens (None: compute it)."""
+
+
 class KVCacheManager:
     """Allocates blocks (and state slots) per request, finds cached prefixes, frees them.
 
@@ -118,6 +126,10 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         self.prefix_cache_requests = 0
         self.prefix_cache_requests_hit = 0
+        self.prefix_cache_hits_stored = 0  # of prefix_cache_hits, tokens loaded from store
+        # Full blocks kept beyond the pool (set by the engine for one full-attention group
+        # without recurrent state; None: no such tier).
+        self.store: BlockStore | None = None
         # A hit stops a block short (MTP: the scheduler sets it).
         self.drop_last_hit_block = False
 
@@ -208,6 +220,22 @@ class KVCacheManager:
             return self._empty(), 0
         return CachedPrefix(tuple(hits), num_blocks * bs, state_slot), num_blocks * bs
 
+    def load_stored_blocks(self, request: Request, num_hit_tokens: int) -> list[object]:
+        """The blocks right after a pool hit of ``num_hit_tokens`` that the store keeps,
+        consecutive, read now (the request's last token always left to compute)."""
+        bs = self.block_size
+        if self.store is None or self.drop_last_hit_block or not self._use_prefix_cache(request):
+            return []
+        self.update_block_hashes(request)
+        found: list[object] = []
+        for i in range(num_hit_tokens // bs, (request.num_tokens - 1) // bs):
+            token_ids = tuple(request.get_token_ids(i * bs, (i + 1) * bs))
+            block = self.store.load(request.block_hashes[i], token_ids)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
     def _find_snapshot(self, hashes: Sequence[BlockHash], max_blocks: int) -> tuple[int, int]:
         """(slot, blocks) of the longest snapshot of at most max_blocks blocks; with no
         recurrent layers any length is fine."""
@@ -220,15 +248,21 @@ class KVCacheManager:
         return 0, 0
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: CachedPrefix | None = None,
+        num_stored_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Make room for num_new_tokens more tokens; return the newly allocated blocks
         (per group).
 
         ``cached`` is the hit from get_computed_blocks (only at admission); its blocks are
-        shared (ref_cnt + 1), not copied. Blocks a window no longer needs are released
-        first. Returns None, changing nothing else (but those releases), when the free
-        blocks (or, for recurrent layers, a state slot at admission) do not suffice.
+        shared (ref_cnt + 1), not copied. ``num_stored_tokens`` (at admission, counted in
+        ``num_new_tokens``): the first new blocks are filled from the store, not computed.
+        Blocks a window no longer needs are released first. Returns None, changing nothing
+        else (but those releases), when the free blocks (or, for recurrent layers, a state
+        slot at admission) do not suffice.
         """
         assert num_new_tokens >= 1, num_new_tokens
         rid = request.request_id
@@ -268,9 +302,10 @@ class KVCacheManager:
 
         if is_first_allocation and self._use_prefix_cache(request) and not request.num_preemptions:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += cached.num_tokens
+            self.prefix_cache_hits += cached.num_tokens + num_stored_tokens
+            self.prefix_cache_hits_stored += num_stored_tokens
             self.prefix_cache_requests += 1
-            self.prefix_cache_requests_hit += cached.num_tokens > 0
+            self.prefix_cache_requests_hit += cached.num_tokens + num_stored_tokens > 0
         if is_first_allocation:
             for m, hit in zip(self.managers, cached.blocks, strict=True):
                 m.take_hits(rid, hit)

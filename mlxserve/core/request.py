@@ -58,6 +58,7 @@ class Request:
         "output_token_ids",
         "num_computed_tokens",
         "num_cached_tokens",
+        "num_stored_tokens",
         "num_preemptions",
         "status",
         "stop_reason",
@@ -94,6 +95,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # -1 until first scheduled (prefix cache lookup)
+        self.num_stored_tokens = 0  # of those, loaded from the store (the disk tier)
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -216,6 +216,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}
         preempted: list[str] = []
+        loads: list[tuple[int, object]] = []  # (block id, K/V from the store)
         speculate = self.spec is not None and self._begin_spec_step(budget)
 
         # 1. Running requests, oldest first: a decode token or the next prompt chunk.
@@ -256,21 +257,32 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with its token in flight: readmitted once it is known
-            hit, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, prefill_budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit) is None:
+            kv = self.kv_cache_manager
+            hit, num_hit_tokens = kv.get_computed_blocks(request)
+            stored = kv.load_stored_blocks(request, num_hit_tokens)
+            num_stored = len(stored) * kv.block_size
+            num_new = min(request.num_tokens - num_hit_tokens - num_stored, prefill_budget)
+            new_blocks = kv.allocate_slots(request, num_stored + num_new, hit, num_stored)
+            if new_blocks is None:
                 break  # the head does not fit; later ones wait behind it (FCFS)
+            if stored:  # one full-attention group (the store is off otherwise)
+                for block, kept in zip(new_blocks[0], stored, strict=False):
+                    block.from_store = True
+                    loads.append((block.block_id, kept))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens + num_stored
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_hit_tokens + num_stored
+                request.num_stored_tokens = num_stored
             self.running.append(request)
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
             prefill_budget -= num_new
 
-        return self._make_output(scheduled, num_scheduled, preempted, drafts)
+        so = self._make_output(scheduled, num_scheduled, preempted, drafts)
+        so.kv_loads = loads
+        return so
 
     @staticmethod
     def _num_left(request: Request) -> int:

@@ -62,6 +62,9 @@ class SchedulerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
     drafter_feeds: dict[str, tuple[int, int]] = field(default_factory=dict)  # draft model
     placeholder_request_ids: set[str] = field(default_factory=set)  # async scheduling
+    # Prefix blocks found in the store (the disk tier): (block id, its K/V), written into
+    # the pool before the step; their tokens count as computed.
+    kv_loads: list[tuple[int, object]] = field(default_factory=list)
 
     def token_ids(self, request: Request) -> list[int]:
         """The tokens the runner feeds for request this step (its drafts last)."""

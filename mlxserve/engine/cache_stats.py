@@ -1,8 +1,9 @@
 """What the prefix cache holds and how often it is hit, for `GET /cache/stats` and `/metrics`.
 
-The engine's one tier today is the KV pool in memory ("pool"); a block there is either in
-use by a running request, or free and still registered in the prefix cache (a later prompt
-with the same prefix takes it back), or free and empty.
+Two tiers: the KV pool in memory ("pool"), where a block is in use by a running request,
+or free and still registered in the prefix cache (a later prompt with the same prefix takes
+it back), or free and empty; and, where it is on, the disk tier ("disk", engine/kv_disk.py),
+where every block computed is kept in a file, across evictions and restarts.
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ class CacheTier:
     """One place blocks are kept."""
 
     name: str
-    num_blocks: int  # usable blocks (the pool's null block left out)
+    num_blocks: int  # blocks it can hold (the pool's null block left out)
     num_blocks_in_use: int  # held by running requests
-    num_cached_blocks: int  # registered in the prefix cache (in use or free)
+    num_cached_blocks: int  # held for the prefix cache (in use or free)
     bytes_per_block: int  # of every layer's K and V together
-
-    @property
-    def cached_bytes(self) -> int:
-        return self.num_cached_blocks * self.bytes_per_block
+    cached_bytes: int  # of the cached blocks (on disk: the files' sizes)
+    hit_tokens: int  # prompt tokens found here since start
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,4 @@ class CacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def as_dict(self) -> dict:
-        out = asdict(self)
-        for tier, fields in zip(self.tiers, out["tiers"], strict=True):
-            fields["cached_bytes"] = tier.cached_bytes
-        return out | {"hit_rate": self.hit_rate}
+        return asdict(self) | {"hit_rate": self.hit_rate}

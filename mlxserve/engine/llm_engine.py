@@ -29,8 +29,10 @@ KV arrays, every evaluation). A request whose step fails ends alone with finish_
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -40,6 +42,7 @@ from mlxserve.core.request import Request, RequestOutput, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 from mlxserve.engine import admission
 from mlxserve.engine.cache_stats import CacheStats, CacheTier
+from mlxserve.engine.kv_disk import DiskBlockStore, fingerprint, model_file_facts
 from mlxserve.engine.model_info import ModelInfo, config_facts
 from mlxserve.engine.output_processor import OutputProcessor
 from mlxserve.engine.parallel_sampling import ParallelSampling
@@ -140,6 +143,7 @@ class LLMEngine:
         self.state_pool = self.scheduler.kv_cache_manager.state_pool
         # Why prefix caching is off (None: on); the start-up log and /metrics say so.
         self.prefix_caching_off = prefix_caching_off(config.enable_prefix_caching)
+        self.kv_store = self._open_disk_tier(config, loaded)
         log_prefix_caching(self.prefix_caching_off, layout.has_state)
         self.fanout = ParallelSampling()
         self.outputs = OutputProcessor(self.tokenizer, self.fanout)
@@ -281,18 +285,87 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
         return num_cached
 
+    def _open_disk_tier(self, config: EngineConfig, loaded: LoadedModel) -> DiskBlockStore | None:
+        """The prefix cache's disk tier, where this engine can use one (logged either way)."""
+        if not (config.kv_cache_disk_bytes and config.kv_cache_disk_dir):
+            return None
+        layout = self.runner.layout
+        why = None
+        if self.prefix_caching_off is not None:
+            why = "prefix caching is off"
+        elif self.ranks is not None:
+            why = "tensor and pipeline parallel keep their pools on several ranks"
+        elif layout.has_state or layout.num_groups != 1 or layout.groups[0].window is not None:
+            why = "only models whose layers all attend fully (no windows, no recurrent state)"
+        elif self.runner.drafter is not None:
+            why = "a draft model or MTP layer keeps a second pool"
+        if why is not None:
+            logger.info("KV disk cache: off (%s)", why)
+            return None
+        source = loaded.source
+        facts = {
+            "format": 1,
+            "mlxserve": importlib.metadata.version("mlxserve"),
+            "model": [source.kind, str(source.path.resolve()), model_file_facts(source.path)],
+            "dtype": str(loaded.dtype),
+            "kv_dtype": str(self.runner.kv_dtype),
+            "block_size": config.block_size,
+            "tensors": layout.tensor_shapes,
+            "settings": settings.describe(),
+        }
+        store = DiskBlockStore(
+            Path(config.kv_cache_disk_dir), fingerprint(facts), config.kv_cache_disk_bytes
+        )
+        kv = self.scheduler.kv_cache_manager
+        kv.store = store
+        kv.block_pool.pending_saves = {}
+        logger.info(
+            "KV disk cache: %s (%d blocks kept; %.1f GiB for every model in %s)",
+            store.folder.name, store.num_blocks, store.budget / 2**30, config.kv_cache_disk_dir,
+        )  # fmt: skip
+        return store
+
+    def _save_blocks(self) -> None:
+        """Copy the blocks registered since the last call to the disk tier (with no step in
+        flight: the pool holds their final values; the writes happen on another thread)."""
+        if self.kv_store is None:
+            return
+        pending = self.block_pool.take_pending_saves()
+        if not pending:
+            return
+        blocks = self.runner.read_blocks([block_id for block_id, _, _ in pending])
+        for (_, block_hash, token_ids), block in zip(pending, blocks, strict=True):
+            self.kv_store.put(block_hash, token_ids, block)
+
     def cache_stats(self) -> CacheStats:
         """The prefix cache's blocks and counters. Safe from any thread (integer reads;
         the counts of one call may be a step apart)."""
         kv = self.scheduler.kv_cache_manager
         pool = kv.block_pool
         usable = self.plan.num_blocks - 1
-        in_use = usable - pool.get_num_free_blocks()
-        tier = CacheTier("pool", usable, in_use, pool.num_cached_blocks, self.plan.bytes_per_block)
+        per_block = self.plan.bytes_per_block
+        cached = pool.num_cached_blocks
+        in_pool = kv.prefix_cache_hits - kv.prefix_cache_hits_stored
+        tiers = [
+            CacheTier(
+                "pool", usable, usable - pool.get_num_free_blocks(), cached, per_block,
+                cached * per_block, in_pool,
+            )
+        ]  # fmt: skip
+        if self.kv_store is not None:
+            store = self.kv_store
+            files, size = store.num_blocks, store.num_bytes
+            per_file = size // files if files else per_block
+            tiers.append(
+                CacheTier(
+                    "disk", store.budget // max(per_file, 1), 0, files, per_file, size,
+                    kv.prefix_cache_hits_stored,
+                )
+            )  # fmt: skip
         return CacheStats(
             enabled=self.prefix_caching_off is None,
             block_size=self.plan.block_size,
-            tiers=(tier,),
+            tiers=tuple(tiers),
             query_tokens=kv.prefix_cache_queries,
             hit_tokens=kv.prefix_cache_hits,
             num_requests=kv.prefix_cache_requests,
@@ -326,8 +399,11 @@ class LLMEngine:
             self.ranks.progress.end()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing in one process). Call it on the
-        thread that steps; the engine cannot step afterwards."""
+        """Write what the disk tier has still to keep, and stop the other tensor-parallel
+        ranks. Call it on the thread that steps; the engine cannot step afterwards."""
+        if self.kv_store is not None and self._in_flight is None:
+            self._save_blocks()
+            self.kv_store.flush()
         if self.ranks is None:
             return
         ranks, self.ranks = self.ranks, None
@@ -369,6 +445,8 @@ class LLMEngine:
         outputs = self._process(*collected, delta=delta)
         if self._in_flight is None:
             self._flush_finished()
+            if not self.has_unfinished_requests():
+                self._save_blocks()  # idle: what the last requests computed goes to disk
         return outputs
 
     def _may_schedule_ahead(self) -> bool:
@@ -387,6 +465,8 @@ class LLMEngine:
     ) -> tuple[SchedulerOutput, StepHandle] | None:
         """Schedule a step and launch it (None: nothing to compute). ``previous``: the step
         in flight, when this one is scheduled ahead of its collection."""
+        if previous is None:
+            self._save_blocks()
         so = self.scheduler.schedule()
         if not so.scheduled_requests:
             if so.finished_request_ids:  # only finished requests: the runner drops them
@@ -472,10 +552,12 @@ class LLMEngine:
         ids = req.prompt_token_ids
         before = self.tokenizer.decode(ids[max(0, hit - 12) : hit], False)
         after = self.tokenizer.decode(ids[hit : hit + self.plan.block_size], False)
+        stored = req.num_stored_tokens
+        tiers = f"pool {hit - stored}, disk {stored}" if stored else "pool"
         logger.debug(
-            "request %s: %d of %d prompt tokens cached (pool); the cache ends at token %d, "
+            "request %s: %d of %d prompt tokens cached (%s); the cache ends at token %d, "
             "between %r and the block %r",
-            req.request_id, hit, total, hit, before, after,
+            req.request_id, hit, total, tiers, hit, before, after,
         )  # fmt: skip
 
     def _process(

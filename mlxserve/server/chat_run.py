@@ -29,6 +29,7 @@ from mlxserve.server import streams
 from mlxserve.server.chat_tools import ChatPlan
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.formatting import PromptResult
+from mlxserve.server.prompt_normalization import dropped_reasoning
 from mlxserve.server.served_model import ServedModel
 from mlxserve.server.serving import Serving
 from mlxserve.server.streams import (
@@ -123,6 +124,7 @@ class ChatRun:
         except ValueError as e:
             param = getattr(e, "parameter", None) or self.prompt_param
             raise bad_request(str(e), param) from None
+        self.model.features.note_dropped_reasoning(dropped_reasoning(plan.messages, text))
         return text, tok.encode_rendered_chat(text), plan
 
     async def start(self, raw: Request, chat: ChatRequest, stream: bool = False) -> None:

@@ -82,6 +82,7 @@ class ChatFeatures:
         prompt_normalization: tuple[str, ...] = (),
     ) -> None:
         self.prompt_normalization = prompt_normalization  # server/prompt_normalization.PARTS
+        self.num_dropped_reasoning = 0  # earlier turns whose reasoning the template left out
         template = None
         try:
             compiled = tokenizer.compiled_chat_template(None, tools=[])
@@ -122,6 +123,17 @@ class ChatFeatures:
         """Whether a reply in ``parser``'s format must be decoded with special tokens kept."""
         cls = TOOL_PARSERS[parser]
         return cls.needs_special_tokens or any(m in self._special_markers for m in cls.markers)
+
+    def note_dropped_reasoning(self, count: int) -> None:
+        """Count turns whose reasoning the template left out; the first time, say what it
+        costs (thread-safe enough: a count for the log, not an exact figure)."""
+        if count and not self.num_dropped_reasoning:
+            logger.info(
+                "the chat template leaves out the reasoning of earlier assistant turns: "
+                "each turn's prompt matches the cache up to the start of the previous "
+                "reply, which is computed again"
+            )
+        self.num_dropped_reasoning += count
 
     def template_inputs(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]

@@ -189,6 +189,7 @@ class CacheTier(_Doc):
     num_cached_blocks: int
     bytes_per_block: int
     cached_bytes: int
+    hit_tokens: int
 
 
 class ModelCacheStats(_Doc):

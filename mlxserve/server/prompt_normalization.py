@@ -16,6 +16,12 @@ cache for everything after it:
 
 Mid-conversation system messages stay where the client put them. The parts are applied to
 the chat messages every API translates into, before the template renders them.
+
+A template can also render an earlier turn differently from how the model produced it:
+Qwen3's leaves out the reasoning of assistant turns before the last user message, so the
+tokens the engine generated (and cached) for a reply stop matching at that reply's start
+on the next turn. That is the template's choice, not the client's; ``dropped_reasoning``
+detects it, and the server says so once in its log.
 """
 
 from __future__ import annotations
@@ -67,6 +73,18 @@ def normalize(messages: list[dict[str, Any]], parts: tuple[str, ...]) -> list[di
         if moved and not any(_TOKEN_MARKER.search(t) for t in _texts(out[-1])):
             out[-1] = _append_text(out[-1], "\n" + moved[-1])
     return out
+
+
+def dropped_reasoning(messages: list[dict[str, Any]], rendered: str) -> int:
+    """How many earlier assistant turns' reasoning the rendered prompt leaves out."""
+    return sum(
+        1
+        for m in messages[:-1]
+        if m.get("role") == "assistant"
+        and isinstance(m.get("reasoning_content"), str)
+        and m["reasoning_content"].strip()
+        and m["reasoning_content"].strip() not in rendered
+    )
 
 
 def _texts(message: dict[str, Any]) -> list[str]:

@@ -42,6 +42,7 @@ from mlxserve.ops.kv_quant import kv_pool_dtype
 from mlxserve.worker.drafter import Drafter
 from mlxserve.worker.isolation import KVCacheLostError, PoolSnapshot, bisect, describe
 from mlxserve.worker.kv_inputs import probe_arguments
+from mlxserve.worker.kv_transfer import StoredBlock, read_blocks, write_blocks
 from mlxserve.worker.memory import (
     PROBE_TOKENS,
     KVPlan,
@@ -209,6 +210,11 @@ class ModelRunner:
     def _probe_args(self, md: AttentionMetadata) -> dict[str, object]:
         return probe_arguments(self.layout, md) if self._takes_layout else {}
 
+    def read_blocks(self, block_ids: list[int]) -> list[StoredBlock]:
+        """Copies of pool blocks (for the disk tier); call it with no step in flight."""
+        assert self.kv_cache is not None
+        return read_blocks(self.kv_cache, block_ids)
+
     def ensure_blocks(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """Make the K/V arrays hold at least ``num_blocks`` blocks and the state arrays
         ``num_state_slots`` slots (new ones zeroed).
@@ -313,6 +319,8 @@ class ModelRunner:
             assert previous is not None, "a decode scheduled ahead needs the previous step"
             tokens = previous.previous_tokens()
             assert tokens is not None, "the previous step cannot feed a step launched ahead"
+        if so.kv_loads:  # prefix blocks from the disk tier, before the step reads them
+            write_blocks(self.kv_cache, so.kv_loads)
         if not start:
             handle.before = self._snapshot()
         handle.parts = self._build_isolating(so, handle.failed, tokens)

@@ -54,6 +54,8 @@ def server_specs(args, gguf: Path, parallel: int, ctx_per_slot: int) -> dict[str
         "warning",
         "--max-num-seqs",
         "64",
+        "--kv-cache-disk-bytes",  # an earlier run's blocks of the same prompts are no hits
+        "0",
     ]
     if args.max_num_batched_tokens:
         mlxserve_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
