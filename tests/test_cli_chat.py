@@ -293,3 +293,25 @@ def test_a_hub_id_read_as_the_prompt_says_so(hub_cache, capsys) -> None:
         "note: 'Qwen/Qwen3-0.6B' is not a local or downloaded model, so it is read as the "
         "prompt; to download it from the hub: mlxserve run --model Qwen/Qwen3-0.6B\n"
     )
+
+
+def test_load_goes_on_with_another_model_and_show_describes_it(tmp_path) -> None:
+    _, first_dir = make_tiny_model_dir(tmp_path / "first", seed=5)
+    _, other_dir = make_tiny_model_dir(tmp_path / "other", seed=6)
+    session = ChatSession.load(EngineConfig(model=str(first_dir), num_blocks=128), GREEDY)
+    session.sampling_for = lambda defaults: (SamplingParams(max_tokens=7), {"max_tokens": "flag"})
+    out = run_repl(
+        session,
+        "hello\n/set temperature 0\n/show\n/load\n/load /no/such/model\n"
+        f"/load {other_dir}\nagain\n/show\n/show template\n/show nope\n",
+    )
+    assert session.engine.model_name == "other" and session.config.model == str(other_dir)
+    assert "  model            first\n" in out and "  architecture     llama\n" in out
+    assert "error: /load needs a model" in out
+    assert "error: model '/no/such/model' is neither" in out
+    assert "loaded other\n" in out
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2  # kept
+    assert session.params.temperature == 0.0 and session.params.max_tokens == 7
+    assert session.sources["temperature"] == "/set"
+    assert "<|im_start|>" in out  # the chat template
+    assert "error: /show nope: expected info, template" in out

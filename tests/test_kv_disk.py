@@ -218,3 +218,14 @@ def test_two_servers_sharing_a_folder_never_leave_a_spoiled_file(tmp_path) -> No
         block = reader.load(bytes([i]) * 32, (i,) * 16)
         assert block is not None and float(block.arrays[1][0, 0, 0]) == i
     assert reader.num_invalid == 0 and not list(tmp_path.glob("*/*/*.tmp*"))
+
+
+def test_shutdown_writes_what_is_queued_and_ends_the_writer_thread(tiny, tmp_path) -> None:
+    """A server that unloads a model shuts its engine down: the disk tier's thread ends."""
+    llm = engine(tiny, tmp_path / "kv", dtype="float32")
+    run(llm, prompt(100))
+    store = llm.engine.kv_store
+    assert store is not None and store._writer.is_alive()
+    llm.shutdown()
+    assert not store._writer.is_alive() and len(files(tmp_path / "kv")) == 6
+    llm.shutdown()  # twice is harmless

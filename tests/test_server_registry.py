@@ -22,7 +22,8 @@ from mlxserve.engine.model_info import ModelInfo
 from mlxserve.server import ServerConfig, ServerMetrics, build_app
 from mlxserve.server.api import owner
 from mlxserve.server.app import APIS
-from mlxserve.server.serving import Serving, make_served_model
+from mlxserve.server.served_model import make_served_model
+from mlxserve.server.serving import Serving
 from tests.engine_helpers import make_tiny_model_dir
 
 KEY = "sk-registry-key"

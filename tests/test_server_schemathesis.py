@@ -36,6 +36,7 @@ OTHER_API_ROUTES = {
     "POST /api/embeddings",
     "POST /api/show",
     "POST /api/pull",
+    "POST /api/copy",
     "DELETE /api/delete",
     "GET /api/tags",
     "GET /api/ps",

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 from mlxserve.cli.engine_args import add_engine_args, engine_config
@@ -24,6 +25,7 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine.llm_engine import LLMEngine
 from mlxserve.repetition import LoopDetector
 from mlxserve.sampling_params import SamplingParams
+from mlxserve.utils import release_free_memory
 
 # Defaults for a chat answer when neither the model nor a flag says otherwise: Ollama's
 # sampling (temperature 0.8, top_k 40, top_p 0.9), and a cap on an answer's length.
@@ -71,7 +73,12 @@ class ChatSession:
         self.system = system
         self.use_chat_template = use_chat_template and engine.tokenizer.chat_template is not None
         self.stop_on_loop = stop_on_loop
+        self.wants_chat_template = use_chat_template
         self.sources = dict(sources or {})  # setting -> where its value came from
+        # /load: the engine config to load another model with (set by load()), and how the
+        # sampling follows a model's defaults (flags over them; run_command sets it).
+        self.config: EngineConfig | None = None
+        self.sampling_for: Callable[[dict], tuple[SamplingParams, dict[str, str]]] | None = None
         # One answer, then exit: notes name flags, not REPL commands the user cannot type.
         self.is_one_shot = is_one_shot
         self.messages: list[dict[str, str]] = []
@@ -80,7 +87,68 @@ class ChatSession:
     @classmethod
     def load(cls, config: EngineConfig, params: SamplingParams, **kw) -> ChatSession:
         print(f"Loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
-        return cls(LLMEngine(config), params, **kw)
+        session = cls(LLMEngine(config), params, **kw)
+        session.config = config
+        return session
+
+    def load_model(self, model: str) -> str:
+        """/load MODEL: go on with another model (the conversation and /set values stay);
+        what happened, or ValueError (the current model stays)."""
+        if self.config is None:
+            raise ValueError("this session cannot load another model")
+        if not model:
+            raise ValueError("/load needs a model: a hub id, a directory or a .gguf file")
+        config = dataclasses.replace(self.config, model=model, served_model_name=None)
+        print(f"Loading {model} ...", file=sys.stderr, flush=True)
+        engine = LLMEngine(config)
+        self.engine, self.config = engine, config
+        release_free_memory()  # the last model's weights and pool are garbage now
+        self.use_chat_template = (
+            self.wants_chat_template and engine.tokenizer.chat_template is not None
+        )
+        if self.sampling_for is not None:  # the new model's defaults, under flags and /set
+            params, sources = self.sampling_for(engine.loaded.generation_defaults)
+            kept = {n: getattr(self.params, n) for n, s in self.sources.items() if s == "/set"}
+            self.params = dataclasses.replace(params, **kept)
+            self.sources = sources | {n: "/set" for n in kept}
+        return f"loaded {engine.model_name}"
+
+    def show(self, what: str = "") -> str:
+        """/show [info|template|parameters|system|license]: the model and the session."""
+        from mlxserve.loader import catalog
+
+        loaded = self.engine.loaded
+        what = what or "info"
+        if what == "parameters":
+            return self.describe_settings()
+        if what == "system":
+            return self.system or "(no system prompt)"
+        if what not in ("info", "template", "license"):
+            raise ValueError(
+                f"/show {what}: expected info, template, parameters, system or license"
+            )
+        try:
+            details = catalog.details(catalog.describe(loaded.source.path, loaded.source.name))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"cannot read the model's files: {e}") from None
+        if what == "template":
+            template = details.chat_template
+            if isinstance(template, dict):
+                template = "\n".join(f"# template {k!r}\n{v}" for k, v in template.items())
+            return template or "(no chat template)"
+        if what == "license":
+            return details.license or "(no license given)"
+        model = details.model
+        rows = [
+            ("model", self.engine.model_name),
+            ("architecture", model.architecture),
+            ("parameters", f"{details.parameters:,}"),
+            ("quantization", model.quantization),
+            ("format", model.format),
+            ("context length", str(model.context_length or "-")),
+            ("max_model_len", str(self.engine.describe().max_model_len)),
+        ]
+        return "\n".join(f"  {key:<16} {value}" for key, value in rows)
 
     def clear(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -366,6 +434,7 @@ def run_command(args: argparse.Namespace) -> int:
     )
     loaded = session.engine.loaded
     check_quantization(args, loaded.source.kind, loaded.config)
+    session.sampling_for = lambda defaults: chat_sampling(args, defaults)
     session.params, session.sources = chat_sampling(args, loaded.generation_defaults)
     if prompt is not None:
         session.answer(prompt, sys.stdout, notes=sys.stderr)

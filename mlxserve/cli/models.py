@@ -41,19 +41,7 @@ def human_count(n: int) -> str:
 
 
 def _pull_command(args: argparse.Namespace) -> int:
-    # Ollama's spelling of a hub GGUF: hf.co/owner/name:QUANT
-    model = args.model.removeprefix("hf.co/").removeprefix("huggingface.co/")
-    repo, colon, tail = model.partition(":")
-    quant = args.quant
-    if colon and hub.is_repo_id(repo) and not tail.endswith(".gguf"):
-        model, quant = repo, quant or tail
-    ref = hub.split_gguf_ref(model)
-    if ref is None and not hub.is_repo_id(model):
-        raise ValueError(
-            f"{args.model!r} is not a hub model: give owner/name, owner/name:FILE.gguf or "
-            f"owner/name:QUANT"
-        )
-    repo_id, filename = ref or (model, None)
+    repo_id, filename, quant = hub.parse_pull_name(args.model, args.quant)
     try:
         path = hub.pull(repo_id, filename, quant, args.revision)
     except KeyboardInterrupt:
@@ -63,11 +51,7 @@ def _pull_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    if path.is_file():  # .../snapshots/<commit>/<file>
-        snapshots = hub.repo_cache_dir(repo_id) / "snapshots"
-        name = f"{repo_id}/{Path(*path.relative_to(snapshots).parts[1:]).as_posix()}"
-    else:
-        name = repo_id
+    name = hub.cache_name(repo_id, path)
     model = catalog.describe(path, name)
     print(f"pulled {name}: {_summary(model)}")
     return 0

@@ -22,6 +22,10 @@ class ChatSession(Protocol):
 
     def set(self, name: str, value: str) -> str: ...
 
+    def load_model(self, model: str) -> str: ...
+
+    def show(self, what: str) -> str: ...
+
 
 MULTILINE = '"""'
 WELCOME = 'Send a message (/help for commands, """ for several lines, Ctrl-D to quit).'
@@ -32,6 +36,8 @@ Commands:
                         presence_penalty, frequency_penalty, seed, max_tokens (none: up
                         to the context), stop_on_loop (on/off), system (rest of the line)
   /clear                forget the conversation
+  /load MODEL           go on with another model (hub id, directory, .gguf)
+  /show [WHAT]          the model: info (default), template, parameters, system, license
   /help                 this help
   /exit                 quit (also /bye, or Ctrl-D)
 \"\"\" starts a message of several lines and \"\"\" ends it. Ctrl-C stops an answer.
@@ -120,6 +126,8 @@ class Repl:
             "/help": lambda _: self.say(HELP),
             "/?": lambda _: self.say(HELP),
             "/set": self._set,
+            "/load": lambda rest: self._try(self.session.load_model, rest),
+            "/show": lambda rest: self._try(self.session.show, rest),
         }
         if name in EXIT_COMMANDS:
             return True
@@ -136,6 +144,12 @@ class Repl:
     def _clear(self) -> None:
         self.session.clear()
         self.say("(conversation cleared)")
+
+    def _try(self, command: Callable[[str], str], args: str) -> None:
+        try:
+            self.say(command(args))
+        except ValueError as e:
+            self.say(f"error: {e}")
 
     def _set(self, args: str) -> None:
         if not args:

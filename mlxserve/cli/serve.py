@@ -1,4 +1,7 @@
-"""`mlxserve serve [MODEL]`: vLLM's flag names, then uvicorn over the app."""
+"""`mlxserve serve [MODEL ...]`: vLLM's flag names, then uvicorn over the app.
+
+The first model loads at start-up; the others (more MODELs, --models-dir, --serve-cached)
+load on their first request and unload after --keep-alive (server/serving.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ logger = logging.getLogger("mlxserve")
 
 # The API key can come from the environment (vLLM's variable is honoured too).
 API_KEY_ENV_VARS = ("MLXSERVE_API_KEY", "VLLM_API_KEY")
+DEFAULT_MAX_LOADED_MODELS = 3
+DEFAULT_KEEP_ALIVE = "5m"  # Ollama's
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -33,9 +38,14 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         description="Serve MODEL (hub id, directory, .gguf; default: the embedded SmolLM2) "
         "over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, "
         "/v1/embeddings, /v1/models, /tokenize, /detokenize, /health, /version, /metrics; "
-        "also Anthropic's /v1/messages and Ollama's /api/* (see docs/serving.md).",
+        "also Anthropic's /v1/messages and Ollama's /api/* (see docs/serving.md). With "
+        "several models, a request's `model` picks one; the first loads at start-up, the "
+        "others on their first request.",
     )
     p.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    p.add_argument(
+        "more_models", nargs="*", default=[], metavar="MODEL", help="more models to serve"
+    )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
@@ -52,7 +62,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         help="the model name(s) clients use (default: the model's name); the first one "
-        "labels the metrics",
+        "labels the metrics. With several models: the first model's names",
     )
     g.add_argument(
         "--allowed-origins",
@@ -81,6 +91,43 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, how long requests in flight may still run before they are "
         "aborted with an error; a second signal exits at once (default: 5)",
+    )
+    g = p.add_argument_group("several models (Ollama's habits)")
+    g.add_argument(
+        "--models-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also serve every model in DIR (model directories and .gguf files), by its "
+        "path in DIR (a .gguf without its suffix)",
+    )
+    g.add_argument(
+        "--serve-cached",
+        action="store_true",
+        help="also serve every model in the Hugging Face cache (what `mlxserve list` shows)",
+    )
+    g.add_argument(
+        "--keep-alive",
+        default=None,
+        metavar="DURATION",
+        help="how long a model stays loaded after its last request ('5m', '30s', '1h'; '-1' "
+        "for ever, '0' unload at once); a request's Ollama keep_alive overrides it "
+        "(default: 5m with several models; one model stays loaded)",
+    )
+    g.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="a model (by served name) that never unloads (repeatable)",
+    )
+    g.add_argument(
+        "--max-loaded-models",
+        type=_positive_int,
+        default=DEFAULT_MAX_LOADED_MODELS,
+        metavar="N",
+        help="the most models loaded at once: loading one more unloads the least recently "
+        f"used idle one (default: {DEFAULT_MAX_LOADED_MODELS})",
     )
     g = p.add_argument_group("tools and reasoning (vLLM's flags)")
     g.add_argument(
@@ -206,18 +253,48 @@ def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) ->
     return ()
 
 
+def model_name_of(model: str) -> str:
+    """The name a model is served under by default, known before it loads (as the loader
+    names it: a .gguf file's stem, a directory's name, else the repo id as given)."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.stem
+    if path.is_dir():
+        return path.name
+    return model
+
+
+def more_models(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
+    """(name, what to load, its Hugging Face cache name or None) of every model besides the
+    first: the other MODELs, then --models-dir's, then the cache's with --serve-cached."""
+    from mlxserve.loader import catalog
+
+    out = [(model_name_of(m), m, None) for m in args.more_models]
+    if args.models_dir is not None:
+        if not args.models_dir.is_dir():
+            raise ValueError(f"--models-dir {str(args.models_dir)!r} is not a directory")
+        out += [(name, str(path), None) for name, path in catalog.models_in_dir(args.models_dir)]
+    if args.serve_cached:
+        out += [(m.name, str(m.path), m.name) for m in catalog.list_models()]
+    return out
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """Load the engine, start its thread, serve the app until a signal, then exit the process."""
     import uvicorn
 
     logging.getLogger("mlxserve").setLevel(args.log_level.upper())
 
-    from mlxserve.engine.async_llm import AsyncLLM
     from mlxserve.engine.llm_engine import LLMEngine
     from mlxserve.engine.startup import default_max_num_batched_tokens
+    from mlxserve.loader import DEFAULT_MODEL_NAME
     from mlxserve.server.app import ServerConfig, build_app
     from mlxserve.server.body import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from mlxserve.server.keep_alive import parse_keep_alive
     from mlxserve.server.metrics import ServerMetrics
+    from mlxserve.server.model_loading import serve_engine, start_engine
+    from mlxserve.server.served_model import ModelSpec
+    from mlxserve.server.serving import ModelPolicy, Serving
     from mlxserve.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT, GracefulServer, bind_socket
     from mlxserve.worker.launch import launched_rank
 
@@ -234,22 +311,46 @@ def serve_command(args: argparse.Namespace) -> int:
         config = dataclasses.replace(
             config, max_num_batched_tokens=default_max_num_batched_tokens(serving=True)
         )
-    if names:
-        config = dataclasses.replace(config, served_model_name=names[0])
+    others = more_models(args)
+    if (others or args.keep_alive is not None) and config.world_size > 1:
+        raise ValueError(
+            "several models, and --keep-alive, are for one machine: a tensor or pipeline "
+            "parallel model stays loaded for the server's life"
+        )
+    several = bool(others or args.models_dir or args.serve_cached)
+    first_names = set(names) or {model_name_of(model) if model else DEFAULT_MODEL_NAME}
+    unknown = [n for n in args.pin if n not in first_names | {name for name, _, _ in others}]
+    if unknown:  # before anything loads
+        raise ValueError(f"--pin {unknown[0]!r}: no model is served under that name")
+    keep_alive = parse_keep_alive(args.keep_alive or DEFAULT_KEEP_ALIVE, "--keep-alive")
+    policy = ModelPolicy(
+        unloads=several or args.keep_alive is not None,
+        keep_alive=keep_alive,
+        pinned=frozenset(args.pin),
+        max_loaded_models=args.max_loaded_models,
+    )
+    first_config = dataclasses.replace(config, served_model_name=names[0]) if names else config
     if config.world_size > 1 and launched_rank() not in (None, 0):
         # Started by mlx.launch on every rank: the others only run rank 0's forwards
         # (LLMEngine exits the process when rank 0 stops); rank 0 serves HTTP.
-        LLMEngine(config)
+        LLMEngine(first_config)
     # Bind first: a port in use is an error now, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
     logger.info("loading %s ...", model or "the default model")
+    chat = {
+        "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
+        "prompt_normalization": args.prompt_normalization,
+    }
+    first = ModelSpec(names, first_config, sampling_defaults=defaults, **chat)
     try:
-        engine = LLMEngine(config)
+        engine = start_engine(first)
         check_quantization(args, engine.loaded.source.kind, engine.loaded.config)
     except BaseException:
         sock.close()
         raise
     names = names or (engine.model_name,)
+    first = dataclasses.replace(first, names=names, root=engine.loaded.source.name)
     metrics = ServerMetrics(
         names[0],
         prefix_caching_off=engine.prefix_caching_off,
@@ -262,7 +363,31 @@ def serve_command(args: argparse.Namespace) -> int:
             server.in_flight.start_draining()
             server.should_exit = True
 
-    llm = AsyncLLM(engine, on_step=metrics.on_step, on_dead=engine_dead)
+    served = serve_engine(engine, first, on_step=metrics.on_step, on_dead=engine_dead)
+    specs = [first]
+    taken = set(names)
+    other_defaults = {} if defaults == {} else None  # 'vllm' for all; a DIR: the first only
+
+    def make_spec(name: str, what: str, cache_name: str | None) -> ModelSpec:
+        """How the server serves a model besides the first (one given, found or pulled)."""
+        other = dataclasses.replace(config, model=what, served_model_name=None)
+        return ModelSpec((name,), other, cache_name, other_defaults, cache_name=cache_name, **chat)
+
+    for name, what, cache_name in others:
+        if name in taken:
+            logger.warning("not serving %s as %r: the name is taken", what, name)
+            continue
+        taken.add(name)
+        specs.append(make_spec(name, what, cache_name))
+
+    def load(spec: ModelSpec):  # worker thread: a request asked for a model not loaded
+        engine = start_engine(spec)
+        speculative = engine.speculative_config is not None
+        model_metrics = metrics.for_model(spec.names[0], engine.prefix_caching_off, speculative)
+        return serve_engine(engine, spec, on_step=model_metrics.on_step)
+
+    serving = Serving([served], specs, load, policy, make_spec if several else None)
+    llm = served.llm
     server_config = ServerConfig(
         model_names=names,
         api_keys=keys,
@@ -273,14 +398,14 @@ def serve_command(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         prompt_normalization=args.prompt_normalization,
-        sampling_defaults=engine.loaded.generation_defaults if defaults is None else defaults,
+        sampling_defaults=served.sampling_defaults,
     )
     if server_config.sampling_defaults:
         logger.info(
             "default sampling from the model's generation config (requests override): %s",
             ", ".join(f"{k}={v}" for k, v in sorted(server_config.sampling_defaults.items())),
         )
-    app = build_app(llm, metrics, server_config)
+    app = build_app(None, metrics, server_config, serving)
     logger.info(
         "serving %s on http://%s:%d/v1 (API key %s)",
         ", ".join(names),
@@ -288,6 +413,15 @@ def serve_command(args: argparse.Namespace) -> int:
         args.port,
         "required" if keys else "not required",
     )
+    if len(specs) > 1:
+        logger.info(
+            "and %d more models, loaded on their first request (at most %d loaded; "
+            "keep-alive %s): %s",
+            len(specs) - 1,
+            policy.max_loaded_models,
+            args.keep_alive or DEFAULT_KEEP_ALIVE,
+            ", ".join(s.names[0] for s in specs[1:]),
+        )
     logger.info("chat page: http://%s:%d/ (API docs: /docs)", args.host, args.port)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level
@@ -298,7 +432,7 @@ def serve_command(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
-        llm.shutdown()
+        serving.shutdown()
     if llm.dead_reason is not None:
         logger.error("exiting: %s", llm.dead_reason)
         return 1

@@ -86,6 +86,7 @@ class DiskBlockStore:
         self.stopped: str | None = None  # why writing stopped (a full disk), if it did
         self._scan(Path(root))
         self._queue: queue.Queue = queue.Queue(QUEUE_BLOCKS)
+        self._is_closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk", daemon=True)
         self._writer.start()
 
@@ -158,7 +159,7 @@ class DiskBlockStore:
         """Queue a block for writing (returns at once; a full queue drops it). A block
         computed again replaces its file: the chain that led to computing it broke
         earlier, and this file may be what broke a later one."""
-        if self.stopped:
+        if self.stopped or self._is_closed:
             return
         try:
             self._queue.put_nowait((block_hash, token_ids, block))
@@ -169,9 +170,22 @@ class DiskBlockStore:
         """Wait until every queued block is on disk (tests, shutdown)."""
         self._queue.join()
 
+    def close(self) -> None:
+        """Write what is queued, then stop the writer thread (the engine is going away: a
+        server unloads a model)."""
+        if self._is_closed:
+            return
+        self._is_closed = True  # put() queues no more
+        self._queue.put(None)
+        self._writer.join(timeout=60)
+
     def _write_loop(self) -> None:
         while True:
-            block_hash, token_ids, block = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # close()
+                self._queue.task_done()
+                return
+            block_hash, token_ids, block = item
             try:
                 if not self.stopped:
                     self._write(block_hash, token_ids, block)

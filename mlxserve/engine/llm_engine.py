@@ -409,9 +409,10 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Write what the disk tier has still to keep, and stop the other tensor-parallel
         ranks. Call it on the thread that steps; the engine cannot step afterwards."""
-        if self.kv_store is not None and self._in_flight is None:
-            self._save_blocks()
-            self.kv_store.flush()
+        if self.kv_store is not None:
+            if self._in_flight is None:
+                self._save_blocks()
+            self.kv_store.close()  # its writer thread ends with the engine
         if self.ranks is None:
             return
         ranks, self.ranks = self.ranks, None

@@ -72,6 +72,22 @@ def list_models(models_dir: Path | None = None) -> list[LocalModel]:
     return [m for m in found if m is not None]
 
 
+def models_in_dir(models_dir: Path) -> list[tuple[str, Path]]:
+    """(name, path) of every model under ``models_dir``: each directory that holds a
+    config.json (not those inside another model's) and each .gguf file outside them,
+    named by its path under ``models_dir`` (a .gguf without its suffix)."""
+    dirs = sorted(p.parent for p in models_dir.rglob("config.json") if p.is_file())
+    model_dirs: list[Path] = []
+    for d in dirs:
+        if not any(d.is_relative_to(m) for m in model_dirs):
+            model_dirs.append(d)
+    files = sorted(p for p in models_dir.rglob("*.gguf") if p.is_file())
+    files = [f for f in files if not any(f.is_relative_to(m) for m in model_dirs)]
+    found = [(d.relative_to(models_dir).as_posix(), d) for d in model_dirs if d != models_dir]
+    found += [(f.relative_to(models_dir).with_suffix("").as_posix(), f) for f in files]
+    return sorted(found)
+
+
 def _readable(path: Path, name: str, size: int | None = None) -> LocalModel | None:
     """:func:`describe`, or None with a warning for a file that cannot be read (a
     truncated copy, a foreign file), so one bad file does not hide the others."""

@@ -21,12 +21,15 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 logger = logging.getLogger("mlxserve")
+
+# A download's progress: (file name, bytes there, the file's size when known).
+Progress = Callable[[str, int, "int | None"], None]
 
 if TYPE_CHECKING:
     from huggingface_hub.hf_api import ModelInfo, RepoSibling
@@ -59,6 +62,33 @@ def split_gguf_ref(name: str) -> tuple[str, str] | None:
     if len(parts) >= 3 and name.endswith(".gguf") and is_repo_id("/".join(parts[:2])):
         return "/".join(parts[:2]), "/".join(parts[2:])
     return None
+
+
+def parse_pull_name(name: str, quant: str | None = None) -> tuple[str, str | None, str | None]:
+    """(repo id, GGUF file or None, quant or None) of a name to pull: ``owner/name``,
+    ``owner/name:FILE.gguf`` / ``owner/name/FILE.gguf``, or Ollama's spelling of a hub GGUF,
+    ``hf.co/owner/name:QUANT``; ValueError for anything else."""
+    model = name.removeprefix("hf.co/").removeprefix("huggingface.co/")
+    repo, colon, tail = model.partition(":")
+    if colon and is_repo_id(repo) and not tail.endswith(".gguf"):
+        model, quant = repo, quant or tail
+    ref = split_gguf_ref(model)
+    if ref is None and not is_repo_id(model):
+        raise ValueError(
+            f"{name!r} is not a hub model: give owner/name, owner/name:FILE.gguf or "
+            f"owner/name:QUANT"
+        )
+    repo_id, filename = ref or (model, None)
+    return repo_id, filename, quant
+
+
+def cache_name(repo_id: str, path: Path) -> str:
+    """The name `mlxserve list` gives what :func:`pull` returned: the repo id, or
+    ``owner/name/FILE.gguf`` for one GGUF file."""
+    if not path.is_file():
+        return repo_id
+    snapshots = repo_cache_dir(repo_id) / "snapshots"  # .../snapshots/<commit>/<file>
+    return f"{repo_id}/{Path(*path.relative_to(snapshots).parts[1:]).as_posix()}"
 
 
 def repo_cache_dir(repo_id: str) -> Path:
@@ -119,11 +149,13 @@ def pull(
     filename: str | None = None,
     quant: str | None = None,
     revision: str | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Download a model (a repo's model files, or one GGUF file of it) into the cache.
 
     Unlike :func:`download` it never settles for the cache: offline or an unreachable hub
     is a one-line ValueError. Returns the snapshot directory or the GGUF file.
+    ``progress`` hears of every file's bytes as they come (a server's pull streams them).
     """
     from huggingface_hub import constants
 
@@ -137,7 +169,7 @@ def pull(
                 f"cannot pull {what!r}: the hub at {constants.ENDPOINT} {trouble}. "
                 f"Check the network (or HF_ENDPOINT)"
             )
-        return fetch(info, repo_id, filename, quant, revision)
+        return fetch(info, repo_id, filename, quant, revision, progress)
 
 
 @contextmanager
@@ -246,6 +278,7 @@ def fetch(
     filename: str | None = None,
     quant: str | None = None,
     revision: str | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Download :func:`select_files` into the cache: the snapshot directory, or the one
     GGUF file when the selection is one."""
@@ -255,7 +288,7 @@ def fetch(
     repo_dir = repo_cache_dir(repo_id)
     snapshot = repo_dir / "snapshots" / str(info.sha)
     for sibling in files:
-        _fetch_file(repo_id, str(info.sha), sibling, repo_dir, snapshot)
+        _fetch_file(repo_id, str(info.sha), sibling, repo_dir, snapshot, progress)
     ref = repo_dir / "refs" / (revision or "main")
     if revision != info.sha:
         ref.parent.mkdir(parents=True, exist_ok=True)
@@ -265,7 +298,12 @@ def fetch(
 
 
 def _fetch_file(
-    repo_id: str, commit: str, sibling: RepoSibling, repo_dir: Path, snapshot: Path
+    repo_id: str,
+    commit: str,
+    sibling: RepoSibling,
+    repo_dir: Path,
+    snapshot: Path,
+    progress: Progress | None = None,
 ) -> None:
     """One file: its blob (downloaded unless there) and its link in the snapshot."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
@@ -279,7 +317,9 @@ def _fetch_file(
         etag, size = meta.etag, meta.size
     blob = repo_dir / "blobs" / str(etag)
     if not blob.exists():
-        _download_blob(url, blob, size, sha256, sibling.rfilename)
+        _download_blob(url, blob, size, sha256, sibling.rfilename, progress)
+    elif progress is not None:
+        progress(sibling.rfilename, blob.stat().st_size, blob.stat().st_size)
     link = snapshot / sibling.rfilename
     if not link.exists():
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -287,7 +327,14 @@ def _fetch_file(
         link.symlink_to(os.path.relpath(blob, link.parent))
 
 
-def _download_blob(url: str, blob: Path, size: int | None, sha256: str | None, label: str) -> None:
+def _download_blob(
+    url: str,
+    blob: Path,
+    size: int | None,
+    sha256: str | None,
+    label: str,
+    progress: Progress | None = None,
+) -> None:
     """GET ``url`` into ``blob``, resuming ``<blob>.incomplete`` with a Range request."""
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError
@@ -326,11 +373,15 @@ def _download_blob(url: str, blob: Path, size: int | None, sha256: str | None, l
                         start = 0
                         digest = hashlib.sha256()
                         bar.reset(total=size)
+                    num_done = start
                     with partial.open("ab" if start else "wb") as f:
                         for chunk in response.iter_bytes():
                             f.write(chunk)
                             digest.update(chunk)
                             bar.update(len(chunk))
+                            num_done += len(chunk)
+                            if progress is not None:
+                                progress(label, num_done, size)
             except HfHubHTTPError:
                 raise
             except Exception as e:  # noqa: BLE001 -- the connection broke: keep what came

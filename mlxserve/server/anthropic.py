@@ -358,7 +358,7 @@ class AnthropicServing:
         return messages, {"applied_edits": applied}, original
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:
-        model = self.serving.check_model(req.model)
+        model = await self.serving.resolve(req.model)
         req.check()
         run = ChatRun(self.serving, model, "count")
         tool_args = req.tool_args()
@@ -371,7 +371,7 @@ class AnthropicServing:
         return body
 
     async def messages(self, raw: Request, req: MessagesRequest) -> Response:
-        model = self.serving.check_model(req.model)
+        model = await self.serving.resolve(req.model)
         req.check()
         params = req.sampling_params(model.sampling_defaults)
         run = ChatRun(self.serving, model, "msg", "messages")

@@ -38,7 +38,8 @@ from mlxserve.server.metrics import ServerMetrics
 from mlxserve.server.ollama import OLLAMA_API
 from mlxserve.server.openai_api import OPENAI_API
 from mlxserve.server.responses import RESPONSES_API
-from mlxserve.server.serving import Serving, make_served_model
+from mlxserve.server.served_model import make_served_model
+from mlxserve.server.serving import ModelLeases, Serving
 from mlxserve.server.webui import add_webui_routes
 
 logger = logging.getLogger("mlxserve")
@@ -77,26 +78,36 @@ class ServerConfig:
             )
 
 
-def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
-    """The app over a running AsyncLLM (whose on_step feeds ``metrics``): every API in
-    APIS, health, version, metrics and the web page."""
-    model = make_served_model(
-        llm,
-        config.model_names,
-        config.tool_call_parser,
-        config.reasoning_parser,
-        config.sampling_defaults,
-        root=config.model_root,
-        prompt_normalization=config.prompt_normalization,
-    )
-    serving = Serving([model])
+def build_app(
+    llm: AsyncLLM | None,
+    metrics: ServerMetrics,
+    config: ServerConfig,
+    serving: Serving | None = None,
+) -> FastAPI:
+    """The app over a running AsyncLLM (whose on_step feeds ``metrics``), or over the
+    models of ``serving`` (several models: server/serving.py): every API in APIS, health,
+    version, metrics and the web page."""
+    if serving is None:
+        assert llm is not None, "build_app needs a running AsyncLLM or a Serving"
+        model = make_served_model(
+            llm,
+            config.model_names,
+            config.tool_call_parser,
+            config.reasoning_parser,
+            config.sampling_defaults,
+            root=config.model_root,
+            prompt_normalization=config.prompt_normalization,
+        )
+        serving = Serving([model])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         task = None
         if config.log_stats_interval:
             task = asyncio.create_task(_log_stats(metrics, config.log_stats_interval))
+        serving.start()
         yield
+        await serving.stop()
         if task is not None:
             task.cancel()
 
@@ -105,10 +116,12 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, config: ServerConfig) -> Fa
         title="mlxserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.in_flight = serving.in_flight  # for a graceful shutdown (server/shutdown.py)
+    app.state.serving = serving
     install_error_handlers(app)
     doc.install_openapi(app, [b for api in APIS for b in api.bodies], serving.model_names)
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys, apis=APIS)
+    app.add_middleware(ModelLeases, serving=serving)  # no unload under a request
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

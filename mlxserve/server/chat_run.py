@@ -30,7 +30,8 @@ from mlxserve.server.chat_tools import ChatPlan
 from mlxserve.server.errors import APIError, bad_request
 from mlxserve.server.formatting import PromptResult
 from mlxserve.server.prompt_normalization import dropped_reasoning
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ServedModel
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import (
     ClientDisconnected,
     RequestGroup,
@@ -84,7 +85,7 @@ class ChatRun:
         self, serving: Serving, model: ServedModel, prefix: str, prompt_param: str = "messages"
     ) -> None:
         self.serving = serving  # shutdown state, in-flight requests
-        self.model = model  # the model that runs it (Serving.check_model's answer)
+        self.model = model  # the model that runs it (Serving.resolve's answer)
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_param = prompt_param  # the request field a rejected prompt is blamed on
         self.result = ChatResult()

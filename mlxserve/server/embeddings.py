@@ -68,7 +68,7 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 async def create_embedding(serving, raw: Request, req: EmbeddingRequest) -> Response:
     """POST /v1/embeddings over ``serving`` (server/serving.py's Serving: the models)."""
     serving.check_accepting()
-    model = serving.check_model(req.model)
+    model = await serving.resolve(req.model)
     items = req.inputs()
     try:
         pooling = PoolingParams(dimensions=req.dimensions)

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -64,7 +65,10 @@ class _Window:
 
 
 class ServerMetrics:
-    """The server's Prometheus registry, fed from the engine thread."""
+    """One model's metrics in the server's Prometheus registry, fed from its engine thread.
+
+    Several models share one registry (``for_model``): each metric is one family, and each
+    model its ``model_name`` label."""
 
     def __init__(
         self,
@@ -72,21 +76,29 @@ class ServerMetrics:
         registry: CollectorRegistry | None = None,
         prefix_caching_off: str | None = None,
         speculative: bool = False,
+        families: dict[str, Any] | None = None,
     ) -> None:
         """``prefix_caching_off``: why the engine does not cache prefixes (None: it does);
-        ``speculative``: the engine speculates (vLLM's spec_decode counters are exported)."""
+        ``speculative``: the engine speculates (vLLM's spec_decode counters are exported);
+        ``families``: the metric families of ``registry`` made already (another model's)."""
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
+        self._families = {} if families is None else families
         r, labels = self.registry, ["model_name"]
 
+        def family(kind: type, name: str, doc: str, labelnames: list[str], **kw: Any) -> Any:
+            if name not in self._families:
+                self._families[name] = kind(name, doc, labelnames, registry=r, **kw)
+            return self._families[name]
+
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+            return family(Gauge, name, doc, labels).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+            return family(Counter, name, doc, labels).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return family(Histogram, name, doc, labels, buckets=buckets).labels(model_name)
 
         self.num_requests_running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
@@ -114,22 +126,21 @@ class ServerMetrics:
             "mlxserve:prefix_cache_requests_hit", "Requests that found part of their prompt."
         )
         tier_labels = ["model_name", "tier"]
-        self.prefix_cache_blocks = Gauge(
-            "mlxserve:prefix_cache_blocks", "Blocks held by the prefix cache.", tier_labels,
-            registry=r,
-        )  # fmt: skip
-        self.prefix_cache_bytes = Gauge(
-            "mlxserve:prefix_cache_bytes", "Bytes of K/V held by the prefix cache.", tier_labels,
-            registry=r,
+        self.prefix_cache_blocks = family(
+            Gauge, "mlxserve:prefix_cache_blocks", "Blocks held by the prefix cache.", tier_labels
+        )
+        self.prefix_cache_bytes = family(
+            Gauge, "mlxserve:prefix_cache_bytes", "Bytes of K/V held by the prefix cache.",
+            tier_labels,
         )  # fmt: skip
         self._requests = (0, 0)
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         # Never silently off: 1 when on, else 0 with the reason as a label.
-        Gauge(
+        family(
+            Gauge,
             "mlxserve:prefix_caching_enabled",
             "1 if automatic prefix caching is on; 0 with the reason why not.",
             ["model_name", "reason"],
-            registry=r,
         ).labels(model_name, prefix_caching_off or "").set(0 if prefix_caching_off else 1)
         self.speculative = speculative
         if speculative:
@@ -157,11 +168,11 @@ class ServerMetrics:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        self._request_success = Counter(
+        self._request_success = family(
+            Counter,
             "vllm:request_success",
             "Count of successfully processed requests.",
             ["model_name", "finished_reason"],
-            registry=r,
         )
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token.", LATENCY_BUCKETS
@@ -215,6 +226,15 @@ class ServerMetrics:
         self._num_preemptions = 0
         self._gauges = (0, 0, 0.0)  # running, waiting, kv usage
         self._last_step = time.monotonic()  # when the engine last finished a step
+
+    def for_model(
+        self, model_name: str, prefix_caching_off: str | None = None, speculative: bool = False
+    ) -> ServerMetrics:
+        """Metrics of one more model (or of a model loaded again: its counters go on), in
+        this registry under its own ``model_name`` label."""
+        return ServerMetrics(
+            model_name, self.registry, prefix_caching_off, speculative, self._families
+        )
 
     # -------------------------------------------------------------- engine thread
     def on_step(self, engine, outputs: list[RequestOutput]) -> None:

@@ -4,7 +4,10 @@
     POST /api/embed /api/embeddings   the embedding requests of /v1/embeddings
     POST /api/show   GET /api/tags /api/ps /api/version
 
-    POST /api/pull   DELETE /api/delete   (one model per server: ollama_models.py)
+    POST /api/pull /api/copy   DELETE /api/delete   (ollama_models.py)
+
+A request's ``model`` picks one of the server's models, loaded on first use; its
+``keep_alive`` says how long the model stays loaded afterwards (server/serving.py).
 
 Errors are Ollama's shape, ``{"error": "<message>"}``, with the same status codes as the
 OpenAI routes. The request bodies and their options are in ollama_protocol.py.
@@ -22,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlxserve import __version__
 from mlxserve.exceptions import ParameterError
@@ -41,9 +44,10 @@ from mlxserve.server.chat_run import (
 )
 from mlxserve.server.embeddings import MAX_EMBEDDING_INPUTS
 from mlxserve.server.errors import APIError, bad_request, closing_headers
-from mlxserve.server.ollama_models import OllamaModels
+from mlxserve.server.ollama_models import OllamaModels, describe_spec, details_of_spec
 from mlxserve.server.ollama_protocol import (
     OllamaChatRequest,
+    OllamaCopyRequest,
     OllamaDeleteRequest,
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
@@ -52,7 +56,8 @@ from mlxserve.server.ollama_protocol import (
     OllamaShowRequest,
     _Common,
 )
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ServedModel
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import ClientDisconnected, RequestGroup, run_unless_disconnected
 from mlxserve.server.tool_messages import call_input, function_tool, ollama_messages
 
@@ -87,12 +92,16 @@ class OllamaServing:
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        self.models = OllamaModels(serving.model_names)
+        self.models = OllamaModels(serving)
 
-    def model_name(self, name: str) -> ServedModel:
-        """The model of a served name (Ollama's ":latest" tag allowed); 404 otherwise."""
+    def served_name(self, name: str) -> str:
+        """A served name for ``name``, Ollama's ":latest" tag allowed."""
         bare = name.removesuffix(":latest")
-        return self.serving.check_model(bare if bare in self.serving.model_names else name)
+        return bare if bare in self.serving.model_names else name
+
+    async def model_name(self, name: str) -> ServedModel:
+        """The model of a served name (loaded first if need be); 404 otherwise."""
+        return await self.serving.resolve(self.served_name(name))
 
     def details(self, model: ServedModel) -> dict[str, Any]:
         family = model.info.architecture
@@ -115,33 +124,72 @@ class OllamaServing:
             "details": self.details(model),
         }
 
+    def unloaded_entry(self, name: str) -> dict[str, Any]:
+        """A model that is not loaded: what its files say (headers only), when local."""
+        entry: dict[str, Any] = {"name": name, "model": name, "modified_at": now_iso()}
+        local = describe_spec(self.serving.spec_of(name))
+        details = {"parent_model": "", "format": "", "family": "", "families": []}
+        details |= {"parameter_size": "", "quantization_level": ""}
+        if local is not None:
+            details |= {"format": local.format, "family": local.architecture}
+            details |= {"families": [local.architecture], "quantization_level": local.quantization}
+        return entry | {"size": local.size if local else 0, "digest": "", "details": details}
+
     # ------------------------------------------------------------- metadata
-    def tags(self) -> dict:
-        names = self.serving.model_names
-        return {"models": [self.model_entry(self.serving.check_model(n)) for n in names]}
+    async def tags(self) -> dict:
+        entries = []
+        for name in self.serving.model_names:
+            model = self.serving.loaded(name)
+            if model is not None:
+                entries.append(self.model_entry(model))
+            else:
+                entries.append(await run_in_threadpool(self.unloaded_entry, name))
+        return {"models": entries}
 
     def ps(self) -> dict:
-        served = [self.serving.check_model(n) for n in self.serving.model_names]
         models = [
             self.model_entry(m)
-            | {"size_vram": 0, "expires_at": "2999-01-01T00:00:00Z"}
+            | {"size_vram": m.info.weight_bytes, "expires_at": self.serving.expires_at(m)}
             | {"context_length": m.max_model_len}
-            for m in served
+            for m in self.serving.models
         ]
         return {"models": models}
 
-    def show(self, body: dict[str, Any]) -> dict:
+    async def show(self, body: dict[str, Any]) -> dict:
+        """A model's details, facts, chat template and sampling defaults: from its files
+        when they are local (without loading it), else from the loaded model."""
         name = body.get("model") or body.get("name")
         if not isinstance(name, str):
             raise bad_request("model is required", "model")
-        model = self.model_name(name)
-        info = {f"general.{k}": v for k, v in model.info.config_facts.items()}
-        info["general.context_length"] = model.max_model_len
-        return {
-            "modelfile": "",
-            "parameters": "",
-            "template": "",
-            "details": self.details(model),
+        served = self.served_name(name)
+        model = self.serving.loaded(served)  # 404 for a name this server does not serve
+        local = await run_in_threadpool(details_of_spec, self.serving.spec_of(served))
+        if model is None and local is None:
+            model = await self.model_name(name)
+        out: dict[str, Any] = {"modelfile": "", "parameters": "", "template": ""}
+        if local is not None:
+            template = local.chat_template
+            if isinstance(template, dict):
+                template = template.get("default") or next(iter(template.values()), "")
+            out["template"] = template or ""
+            defaults = local.generation_defaults
+            out["parameters"] = "\n".join(f"{k} {v}" for k, v in sorted(defaults.items()))
+            if license_ := local.license:
+                out["license"] = license_
+        if model is not None:
+            info = {f"general.{k}": v for k, v in model.info.config_facts.items()}
+            info["general.context_length"] = model.max_model_len
+            details = self.details(model)
+        else:
+            assert local is not None
+            arch = local.model.architecture
+            info = {"general.architecture": arch, "general.parameter_count": local.parameters}
+            info["general.context_length"] = local.model.context_length
+            details = {"parent_model": "", "format": local.model.format, "family": arch}
+            details |= {"families": [arch], "parameter_size": "", "quantization_level": ""}
+            details["quantization_level"] = local.model.quantization
+        return out | {
+            "details": details,
             "model_info": info,
             "capabilities": ["completion", "embedding"],
             "modified_at": now_iso(),
@@ -152,7 +200,8 @@ class OllamaServing:
 
     # ------------------------------------------------------------ generation
     async def chat(self, raw: Request, req: OllamaChatRequest) -> Response:
-        model = self.model_name(req.model)
+        self.models.check_keep_alive(req.keep_alive)
+        model = await self.model_name(req.model)
         if not req.messages:  # Ollama's way of asking for the model to be (un)loaded
             return self._load(req, model, "message", {"role": "assistant", "content": ""})
         if any(m.images for m in req.messages):
@@ -174,7 +223,8 @@ class OllamaServing:
         )
 
     async def generate(self, raw: Request, req: OllamaGenerateRequest) -> Response:
-        model = self.model_name(req.model)
+        self.models.check_keep_alive(req.keep_alive)
+        model = await self.model_name(req.model)
         for name in ("suffix", "context", "images"):
             if getattr(req, name):
                 raise bad_request(f"{name} is not supported", name)
@@ -319,7 +369,7 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
 
     @route("GET", "/api/tags")
     async def tags(request: Request):
-        return ollama.tags()
+        return await ollama.tags()
 
     @route("GET", "/api/ps")
     async def ps(request: Request):
@@ -334,19 +384,33 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
         body = parse_json(await read_body(request, limit))
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object")
-        return ollama.show(body)
+        return await ollama.show(body)
 
     @route("POST", "/api/pull", OllamaPullRequest, stream=True)
     async def pull(request: Request):
         body = parse_json(await read_body(request, limit))
-        status = ollama.models.pull(body)
+        statuses = ollama.models.pull(body)
+        first = await anext(statuses)  # a refusal (404, 400) is an error response
         if isinstance(body, dict) and body.get("stream") is False:
-            return status
-        return Response(_line(status), media_type=NDJSON)
+            return [first, *[status async for status in statuses]][-1]
+
+        async def lines():
+            yield _line(first)
+            try:
+                async for status in statuses:
+                    yield _line(status)
+            except APIError as e:  # the stream has begun: Ollama's error line
+                yield _line({"error": e.message})
+
+        return StreamingResponse(lines(), media_type=NDJSON)
 
     @route("DELETE", "/api/delete", OllamaDeleteRequest)
     async def delete(request: Request):
-        ollama.models.delete(parse_json(await read_body(request, limit)))
+        await ollama.models.delete(parse_json(await read_body(request, limit)))
+
+    @route("POST", "/api/copy", OllamaCopyRequest)
+    async def copy(request: Request):
+        ollama.models.copy(parse_json(await read_body(request, limit)))
 
     @route("POST", "/api/chat", OllamaChatRequest, stream=True)
     async def chat(request: Request):
@@ -360,7 +424,8 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     @route("POST", "/api/embed", OllamaEmbedRequest)
     async def embed(request: Request):
         body = await parse_body(request, OllamaEmbedRequest, limit)
-        model = ollama.model_name(body.model)
+        ollama.models.check_keep_alive(body.keep_alive)
+        model = await ollama.model_name(body.model)
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
         start = time.monotonic()
         vectors, num_tokens = await ollama.embed(request, model, texts, body.dimensions)
@@ -376,8 +441,10 @@ def add_ollama_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     @route("POST", "/api/embeddings", OllamaEmbeddingsRequest)
     async def embeddings(request: Request):
         body = await parse_body(request, OllamaEmbeddingsRequest, limit)
-        model = ollama.model_name(body.model)
+        ollama.models.check_keep_alive(body.keep_alive)
+        model = await ollama.model_name(body.model)
         (vector,), _ = await ollama.embed(request, model, [body.prompt], None)
+        ollama.models.keep_alive(body.keep_alive, model)
         return {"embedding": vector}
 
 
@@ -393,6 +460,7 @@ OLLAMA_API = API(
         OllamaShowRequest,
         OllamaPullRequest,
         OllamaDeleteRequest,
+        OllamaCopyRequest,
     ),
     open_paths=("/api/version",),  # like /version
     error_response=error_response,

@@ -143,3 +143,10 @@ class OllamaPullRequest(_Named):
 
 class OllamaDeleteRequest(_Named):
     """DELETE /api/delete (documented; read by hand)."""
+
+
+class OllamaCopyRequest(_Strict):
+    """POST /api/copy (documented; read by hand): serve ``source`` as ``destination`` too."""
+
+    source: str
+    destination: str

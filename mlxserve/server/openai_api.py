@@ -27,7 +27,8 @@ from mlxserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ServedModel
+from mlxserve.server.serving import Serving
 
 
 def add_openai_routes(app: FastAPI, serving: Serving, limit: int) -> None:
@@ -35,21 +36,26 @@ def add_openai_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     openai = OpenAIServing(serving)
     created = int(time.time())
 
-    def model_card(model: ServedModel) -> dict:
-        return {
-            "id": model.name,
+    def model_card(name: str) -> dict:
+        """A servable model's card; max_model_len once it is loaded (or set by a flag)."""
+        model, spec = serving.loaded(name), serving.spec_of(name)
+        card = {
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "mlxserve",
-            "root": model.root or model.name,
+            "root": (model.root if model else spec.root) or name,
             "parent": None,
-            "max_model_len": model.max_model_len,
         }
+        if model is not None:
+            card["max_model_len"] = model.max_model_len
+        elif spec.config is not None and spec.config.max_model_len is not None:
+            card["max_model_len"] = spec.config.max_model_len
+        return card
 
     @app.get("/v1/models", response_model=None, responses={200: doc.ok(doc.ModelList)} | doc.ERRORS)
     async def list_models() -> dict:
-        cards = [model_card(serving.check_model(n)) for n in serving.model_names]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [model_card(n) for n in serving.model_names]}
 
     @app.get(
         "/v1/models/{model_id:path}",
@@ -57,7 +63,7 @@ def add_openai_routes(app: FastAPI, serving: Serving, limit: int) -> None:
         responses={200: doc.ok(doc.ModelCard), 404: doc.BODY_ERRORS[404]} | doc.ERRORS,
     )
     async def retrieve_model(model_id: str) -> dict:
-        return model_card(serving.check_model(model_id))
+        return model_card(model_id)
 
     @app.post(
         "/v1/completions",
@@ -95,7 +101,7 @@ def add_openai_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     )
     async def tokenize(request: Request) -> dict:
         body = await parse_body(request, TokenizeRequest, limit)
-        model = serving.check_model(body.model)
+        model = await serving.resolve(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         tokens, strs = await run_in_threadpool(_tokenize, model, body)
@@ -112,7 +118,7 @@ def add_openai_routes(app: FastAPI, serving: Serving, limit: int) -> None:
     )
     async def detokenize(request: Request) -> dict:
         body = await parse_body(request, DetokenizeRequest, limit)
-        model = serving.check_model(body.model)
+        model = await serving.resolve(body.model)
         model.check_token_ids(body.tokens, "tokens")
         text = await run_in_threadpool(model.tokenizer.decode, body.tokens, False)
         return {"prompt": text}

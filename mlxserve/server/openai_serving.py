@@ -35,7 +35,8 @@ from mlxserve.server.formatting import (
     usage,
 )
 from mlxserve.server.protocol import ChatCompletionRequest, CompletionRequest, request_error
-from mlxserve.server.serving import ServedModel, Serving
+from mlxserve.server.served_model import ServedModel
+from mlxserve.server.serving import Serving
 from mlxserve.server.streams import (
     ClientDisconnected,
     RequestGroup,
@@ -106,7 +107,7 @@ class OpenAIServing:
     async def create_completion(self, raw: Request, req: CompletionRequest) -> Response:
         """POST /v1/completions: JSON, or an event stream when req.stream."""
         self.serving.check_accepting()
-        model = self.serving.check_model(req.model)
+        model = await self.serving.resolve(req.model)
         params = req.sampling_params(model.sampling_defaults)
         req.log_ignored()
         prompts = await run_in_threadpool(
@@ -231,7 +232,7 @@ class OpenAIServing:
     async def create_chat_completion(self, raw: Request, req: ChatCompletionRequest) -> Response:
         """POST /v1/chat/completions: JSON, or an event stream when req.stream."""
         self.serving.check_accepting()
-        model = self.serving.check_model(req.model)
+        model = await self.serving.resolve(req.model)
         params = req.sampling_params(model.sampling_defaults)
         req.log_ignored(() if req.tools else ("parallel_tool_calls",))
         chat = self.chat_request(req, params)

@@ -150,7 +150,7 @@ class ModelCard(_Doc):
     owned_by: str
     root: str
     parent: None
-    max_model_len: int
+    max_model_len: int | None = None  # absent for a model not loaded yet
 
 
 class ModelList(_Doc):
@@ -298,7 +298,7 @@ def install_openapi(
     app: FastAPI, body_models: list[type[BaseModel]], model_names: list[str]
 ) -> None:
     """Serve an /openapi.json that also holds the hand-parsed request bodies' schemas
-    (their ``model`` field: one of the served names)."""
+    (their ``model`` field, and /api/copy's ``source``: one of the served names)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -316,9 +316,10 @@ def install_openapi(
                 for name, field in properties.items():
                     if name not in required:  # a required field's null is a missing field
                         properties[name] = _nullable(field)
-                field = properties.get("model")
-                if field is not None:
-                    field["enum"] = [*model_names] + ([] if "model" in required else [None])
+                for key in ("model", "source"):  # /api/copy's source: a served model too
+                    field = properties.get(key)
+                    if field is not None:
+                        field["enum"] = [*model_names] + ([] if key in required else [None])
             _drop_422(schema)
             app.openapi_schema = schema
         return app.openapi_schema

@@ -291,7 +291,7 @@ class ResponsesServing:
 
     async def count_input_tokens(self, raw: Request, req: ResponsesRequest) -> dict:
         """POST /v1/responses/input_tokens: the prompt's length, as a create would render it."""
-        model = self.serving.model_or_default(req.model)
+        model = await self.serving.model_or_default(req.model)
         params = req.sampling_params(model.sampling_defaults)
         messages, _, _ = self._messages(req)
         tools = responses_tools(req.tools)
@@ -309,7 +309,7 @@ class ResponsesServing:
         return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
     async def create(self, raw: Request, req: ResponsesRequest) -> Response:
-        model = self.serving.check_model(req.model)
+        model = await self.serving.resolve(req.model)
         req.check_refused()
         params = req.sampling_params(model.sampling_defaults)
         template_kwargs = effort_template_kwargs(req.effort, "reasoning.effort")
