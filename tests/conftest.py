@@ -56,6 +56,8 @@ SLOW_FIRST = (
     "test_engine_smollm2.py",
     "test_structured_engine.py",
     "test_cli.py",
+    "test_cli_models.py",
+    "test_server_multi_model.py",
     "test_spec_decode_smollm2.py",
     "test_server_openai.py",
     "test_engine_exit.py",
