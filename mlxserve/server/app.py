@@ -151,7 +151,7 @@ def build_app(
 
     @app.get("/cache/stats", response_model=None, responses={200: doc.ok(doc.CacheStats)})
     async def cache_stats() -> dict:
-        """Each model's prefix cache: blocks and bytes per tier, hits since start."""
+        """Each loaded model's prefix cache: blocks and bytes per tier, hits since start."""
         data = [{"model": m.name} | m.llm.cache_stats().as_dict() for m in serving.models]
         return {"data": data}
 
