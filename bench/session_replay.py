@@ -5,9 +5,11 @@ Replays a session shaped like Claude Code's (bodies written here, not its text) 
 system block with a billing header whose `cch` changes every request, a long system prompt
 ending in a `<total_tokens>` budget that falls every turn, 20 tools, and turns that each add
 the assistant's tool call, a tool result of a file's worth of text with its own budget
-marker, and a mid-conversation system reminder::
+marker, and a `<system-reminder>` text block (as Claude Code sends them)::
 
     PYTHONPATH=. python bench/session_replay.py MODEL [--turns 10] [--out FILE]
+    PYTHONPATH=. python bench/session_replay.py MODEL --base-url http://127.0.0.1:8080  # any
+                                                 # server with /v1/messages (llama-server)
 
 Per turn it prints the prompt, the tokens the cache served (Anthropic's
 cache_read_input_tokens) and the time to the answer (max_tokens 1: the prompt's cost). A
@@ -61,10 +63,13 @@ def session(turns: int, system_words: int, result_words: int) -> list[dict]:
         call = {"type": "tool_use", "id": f"t{turn}", "name": "tool_0", "input": {"path": "a.py"}}
         result = {"type": "tool_result", "tool_use_id": f"t{turn}",
                   "content": f"{text(result_words, turn)}\n{budget}"}  # fmt: skip
+        reminder = {
+            "type": "text",
+            "text": f"<system-reminder>Turn {turn}: keep going.</system-reminder>",
+        }
         messages += [
             {"role": "assistant", "content": [call]},
-            {"role": "user", "content": [result]},
-            {"role": "system", "content": f"Reminder {turn}: keep going."},
+            {"role": "user", "content": [result, reminder]},
         ]
     return bodies
 
@@ -112,22 +117,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--settings", default="all,none", help="--prompt-normalization values")
+    p.add_argument("--base-url", default=None, help="replay against this server instead")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     bodies = session(args.turns, args.system_words, args.result_words)
     results = {"uptime_start": os.getloadavg(), "model": args.model, "runs": {}}
-    for normalization in args.settings.split(","):
-        log = Path(f"/tmp/session-replay-{normalization}.log")
-        proc, url = serve(args.model, args.port, normalization, args.max_model_len, log)
-        try:
-            rows = replay(url, bodies)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    for normalization in [args.base_url] if args.base_url else args.settings.split(","):
+        if args.base_url:
+            rows = replay(args.base_url, bodies)
+        else:
+            log = Path(f"/tmp/session-replay-{normalization}.log")
+            proc, url = serve(args.model, args.port, normalization, args.max_model_len, log)
+            try:
+                rows = replay(url, bodies)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
         served = sum(r["cached"] for r in rows[1:])
         possible = sum(r["prompt"] for r in rows[:-1])
         results["runs"][normalization] = {"turns": rows, "reuse": round(served / possible, 4)}
-        print(f"\n--prompt-normalization {normalization}: reuse {served / possible:.1%}")
+        print(f"\n{normalization}: reuse {served / possible:.1%}")
         print("| turn | prompt | cached | seconds |\n|---:|---:|---:|---:|")
         for i, r in enumerate(rows):
             print(f"| {i} | {r['prompt']} | {r['cached']} | {r['seconds']} |")
