@@ -247,7 +247,7 @@ def test_models_import_no_cpu_backend() -> None:
 ENVIRONMENT_READERS = ("mlxserve.config", "mlxserve.settings")
 FOREIGN_VARIABLES = {
     "mlxserve.cpu.blas": {"CC", "XDG_CACHE_HOME"},
-    "mlxserve.cpu.build": {"XDG_CACHE_HOME"},  # and _tool(env) below: CC / CXX
+    "mlxserve.cpu.build": set(),  # _tool(env): CC / CXX, by name in a variable
     "mlxserve.worker.launch": {"MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE"},
 }
 

@@ -5,18 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import fields
-from pathlib import Path
 
 from mlxserve.cli.vllm_compat import ENGINE_FLAGS, add_no_effect_flags, human_int, warn_no_effect
 from mlxserve.config import DTYPES, KV_CACHE_DTYPES, KV_CACHE_SPACE_ENV, EngineConfig
+from mlxserve.cpu.blas import user_cache_dir
 
 DEFAULT_DISK_BYTES = 4 * 2**30  # `serve`'s KV disk tier: a few long agent sessions
-
-
-def user_cache_dir() -> Path:
-    """mlxserve's folder in the user's cache ($XDG_CACHE_HOME or ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlxserve"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -160,10 +154,8 @@ def engine_config(
         values.pop("kv_cache_memory_bytes", None)
     if values.get("seed") is None:
         values.pop("seed", None)
-    disk_dir, disk_bytes = (
-        values.pop("kv_cache_disk_dir", None),
-        values.pop("kv_cache_disk_bytes", None),
-    )
+    disk_dir = values.pop("kv_cache_disk_dir", None)
+    disk_bytes = values.pop("kv_cache_disk_bytes", None)
     if disk_default and disk_bytes is None:
         disk_bytes = DEFAULT_DISK_BYTES
     if disk_bytes and disk_dir is None:

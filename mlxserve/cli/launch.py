@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxserve.cli.engine_args import user_cache_dir
+from mlxserve.cpu.blas import user_cache_dir
 
 AGENTS = ("claude", "codex", "aider", "opencode")
 INSTALL = {

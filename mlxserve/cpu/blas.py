@@ -275,10 +275,16 @@ def _load_gemv_shim(gemv: bool) -> ctypes.CDLL | None:
     return shim
 
 
-def shim_cache_dir() -> Path:
-    """Where the compiled shim is kept ($XDG_CACHE_HOME/mlxserve, else ~/.cache/mlxserve)."""
+def user_cache_dir() -> Path:
+    """mlxserve's folder in the user's cache ($XDG_CACHE_HOME/mlxserve, else
+    ~/.cache/mlxserve): the BLAS shim, the CPU kernels, the KV disk tier, launch's logs."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlxserve" / "blas"
+    return Path(base) / "mlxserve"
+
+
+def shim_cache_dir() -> Path:
+    """Where the compiled shim is kept."""
+    return user_cache_dir() / "blas"
 
 
 def _build_shim() -> Path:

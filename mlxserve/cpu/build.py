@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+from mlxserve.cpu.blas import user_cache_dir
+
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ["qmm.c", "qmm_scalar.c", "qmm_avx2.c", "qmm_avx512.c", "qmm_neon.c"]
 SOURCES += ["q8_scalar.c", "q8_avx2.c", "q8_avxvnni.c", "q8_avx512vnni.c", "q8_neon.c"]
@@ -65,8 +67,7 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlxserve" / "cpu"
+    return user_cache_dir() / "cpu"
 
 
 def _tool(env: str, *names: str) -> str:
