@@ -22,6 +22,7 @@ settings and mlxserve's version.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -36,6 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mlxserve import settings
+from mlxserve.config import EngineConfig
+from mlxserve.kv_cache_spec import KVCacheLayout
+from mlxserve.loader import LoadedModel
 from mlxserve.worker.kv_transfer import StoredBlock
 
 logger = logging.getLogger("mlxserve")
@@ -65,6 +70,60 @@ def model_file_facts(path: Path) -> list[tuple[str, int, int]]:
     return out
 
 
+def open_disk_tier(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    layout: KVCacheLayout,
+    kv_dtype: object,
+    *,
+    prefix_caching_off: str | None,
+    parallel: bool,
+    drafter: bool,
+) -> DiskBlockStore | None:
+    """The disk tier of an engine, where its config asks for one and it can work (either
+    way the log says so)."""
+    if not (config.kv_cache_disk_bytes and config.kv_cache_disk_dir):
+        return None
+    why = None
+    if prefix_caching_off is not None:
+        why = "prefix caching is off"
+    elif parallel:
+        why = "tensor and pipeline parallel keep their pools on several ranks"
+    elif layout.has_state or layout.num_groups != 1 or layout.groups[0].window is not None:
+        why = "only models whose layers all attend fully (no windows, no recurrent state)"
+    elif drafter:
+        why = "a draft model or MTP layer keeps a second pool"
+    if why is not None:
+        logger.info("KV disk cache: off (%s)", why)
+        return None
+    source = loaded.source
+    facts = {
+        "format": 1,
+        "mlxserve": _version(),
+        "model": [source.kind, str(source.path.resolve()), model_file_facts(source.path)],
+        "dtype": str(loaded.dtype),
+        "kv_dtype": str(kv_dtype),
+        "block_size": config.block_size,
+        "tensors": layout.tensor_shapes,
+        "settings": settings.describe(),
+    }
+    store = DiskBlockStore(
+        Path(config.kv_cache_disk_dir), fingerprint(facts), config.kv_cache_disk_bytes
+    )
+    logger.info(
+        "KV disk cache: %s (%d blocks kept; %.1f GiB for every model in %s)",
+        store.folder.name, store.num_blocks, store.budget / 2**30, config.kv_cache_disk_dir,
+    )  # fmt: skip
+    return store
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mlxserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a clone, not installed
+        return "unknown"
+
+
 class DiskBlockStore:
     """Blocks on disk by hash, under ``budget`` bytes; thread-safe."""
 
@@ -75,13 +134,11 @@ class DiskBlockStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.budget = budget
         self._lock = threading.Lock()
-        # hash hex -> file size; order: least recently used first (the whole root shares
-        # the budget: other models' folders count and are evicted too).
+        # every block file under root -> its size; least recently used first (the whole
+        # root shares the budget: other models' folders count and are evicted too).
         self._files: OrderedDict[Path, int] = OrderedDict()
         self._bytes = 0
         self._own = [0, 0]  # this model's files and bytes (for stats, read every step)
-        self.num_written = 0
-        self.num_dropped = 0  # the writer's queue was full
         self.num_invalid = 0  # files ignored: torn, corrupt, another model's or tokens
         self.stopped: str | None = None  # why writing stopped (a full disk), if it did
         self._scan(Path(root))
@@ -150,10 +207,6 @@ class DiskBlockStore:
         """This model's files' bytes."""
         return self._own[1]
 
-    def __contains__(self, block_hash: bytes) -> bool:
-        with self._lock:
-            return self._path(block_hash) in self._files
-
     # ------------------------------------------------------------------ write
     def put(self, block_hash: bytes, token_ids: tuple[int, ...], block: StoredBlock) -> None:
         """Queue a block for writing (returns at once; a full queue drops it). A block
@@ -163,8 +216,8 @@ class DiskBlockStore:
             return
         try:
             self._queue.put_nowait((block_hash, token_ids, block))
-        except queue.Full:
-            self.num_dropped += 1
+        except queue.Full:  # the disk is behind: this block is not kept (a miss later)
+            pass
 
     def flush(self) -> None:
         """Wait until every queued block is on disk (tests, shutdown)."""
@@ -228,7 +281,6 @@ class DiskBlockStore:
         with self._lock:
             self._add(path, len(data))
             self._evict_over_budget()
-        self.num_written += 1
 
     # ------------------------------------------------------------------ read
     def load(self, block_hash: bytes, token_ids: tuple[int, ...]) -> StoredBlock | None:

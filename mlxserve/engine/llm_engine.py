@@ -29,10 +29,8 @@ KV arrays, every evaluation). A request whose step fails ends alone with finish_
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -42,7 +40,7 @@ from mlxserve.core.request import Request, RequestOutput, RequestStatus
 from mlxserve.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 from mlxserve.engine import admission
 from mlxserve.engine.cache_stats import CacheStats, CacheTier
-from mlxserve.engine.kv_disk import DiskBlockStore, fingerprint, model_file_facts
+from mlxserve.engine.kv_disk import open_disk_tier
 from mlxserve.engine.model_info import ModelInfo, config_facts
 from mlxserve.engine.output_processor import OutputProcessor
 from mlxserve.engine.parallel_sampling import ParallelSampling
@@ -70,14 +68,6 @@ logger = logging.getLogger("mlxserve")
 # KV blocks that exist at start; the pool grows (doubling) up to the planned size as
 # requests need more, so a small job never commits the whole memory budget.
 INITIAL_KV_BLOCKS = 256
-
-
-def _version() -> str:
-    """mlxserve's version (for the disk tier's fingerprint)."""
-    try:
-        return importlib.metadata.version("mlxserve")
-    except importlib.metadata.PackageNotFoundError:  # run from a clone, not installed
-        return "unknown"
 
 
 def finish_embedding(vector: list[float], pooling: PoolingParams) -> list[float]:
@@ -151,7 +141,18 @@ class LLMEngine:
         self.state_pool = self.scheduler.kv_cache_manager.state_pool
         # Why prefix caching is off (None: on); the start-up log and /metrics say so.
         self.prefix_caching_off = prefix_caching_off(config.enable_prefix_caching)
-        self.kv_store = self._open_disk_tier(config, loaded)
+        self.kv_store = open_disk_tier(
+            config,
+            loaded,
+            layout,
+            self.runner.kv_dtype,
+            prefix_caching_off=self.prefix_caching_off,
+            parallel=self.ranks is not None,
+            drafter=self.runner.drafter is not None,
+        )
+        if self.kv_store is not None:
+            self.scheduler.kv_cache_manager.store = self.kv_store
+            self.block_pool.pending_saves = {}
         log_prefix_caching(self.prefix_caching_off, layout.has_state)
         self.fanout = ParallelSampling()
         self.outputs = OutputProcessor(self.tokenizer, self.fanout)
@@ -292,46 +293,6 @@ class LLMEngine:
         num_cached = self.scheduler.kv_cache_manager.block_pool.num_cached_blocks
         self.scheduler.reset_prefix_cache()
         return num_cached
-
-    def _open_disk_tier(self, config: EngineConfig, loaded: LoadedModel) -> DiskBlockStore | None:
-        """The prefix cache's disk tier, where this engine can use one (logged either way)."""
-        if not (config.kv_cache_disk_bytes and config.kv_cache_disk_dir):
-            return None
-        layout = self.runner.layout
-        why = None
-        if self.prefix_caching_off is not None:
-            why = "prefix caching is off"
-        elif self.ranks is not None:
-            why = "tensor and pipeline parallel keep their pools on several ranks"
-        elif layout.has_state or layout.num_groups != 1 or layout.groups[0].window is not None:
-            why = "only models whose layers all attend fully (no windows, no recurrent state)"
-        elif self.runner.drafter is not None:
-            why = "a draft model or MTP layer keeps a second pool"
-        if why is not None:
-            logger.info("KV disk cache: off (%s)", why)
-            return None
-        source = loaded.source
-        facts = {
-            "format": 1,
-            "mlxserve": _version(),
-            "model": [source.kind, str(source.path.resolve()), model_file_facts(source.path)],
-            "dtype": str(loaded.dtype),
-            "kv_dtype": str(self.runner.kv_dtype),
-            "block_size": config.block_size,
-            "tensors": layout.tensor_shapes,
-            "settings": settings.describe(),
-        }
-        store = DiskBlockStore(
-            Path(config.kv_cache_disk_dir), fingerprint(facts), config.kv_cache_disk_bytes
-        )
-        kv = self.scheduler.kv_cache_manager
-        kv.store = store
-        kv.block_pool.pending_saves = {}
-        logger.info(
-            "KV disk cache: %s (%d blocks kept; %.1f GiB for every model in %s)",
-            store.folder.name, store.num_blocks, store.budget / 2**30, config.kv_cache_disk_dir,
-        )  # fmt: skip
-        return store
 
     def _save_blocks(self) -> None:
         """Copy the blocks registered since the last call to the disk tier (with no step in

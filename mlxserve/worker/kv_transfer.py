@@ -24,17 +24,13 @@ class StoredBlock:
     dtypes: tuple[str, ...]
 
 
-def _pools(cache: KVCache) -> list[mx.array]:
-    return [*cache.keys, *cache.values]
-
-
 def read_blocks(cache: KVCache, block_ids: list[int]) -> list[StoredBlock]:
     """Copies of pool blocks ``block_ids`` (evaluates the pools: call it with no step in
     flight, or it waits for that step)."""
     if not block_ids:
         return []
     index = mx.array(block_ids, dtype=mx.int32)
-    pools = _pools(cache)
+    pools = [arrays[i] for arrays, i in _slots(cache)]
     gathered = [pool[index] for pool in pools]
     mx.eval(gathered)
     dtypes = tuple(str(pool.dtype).rsplit(".", 1)[-1] for pool in pools)
@@ -57,7 +53,7 @@ def write_blocks(cache: KVCache, loads: list[tuple[int, StoredBlock]]) -> None:
 
 
 def _slots(cache: KVCache) -> list[tuple[list[mx.array], int]]:
-    """(list, index) of every pool array, in _pools' order."""
+    """(list, index) of every pool array: keys, then values (a stored block's order)."""
     return [(cache.keys, i) for i in range(len(cache.keys))] + [
         (cache.values, i) for i in range(len(cache.values))
     ]
