@@ -229,3 +229,28 @@ def test_shutdown_writes_what_is_queued_and_ends_the_writer_thread(tiny, tmp_pat
     llm.shutdown()
     assert not store._writer.is_alive() and len(files(tmp_path / "kv")) == 6
     llm.shutdown()  # twice is harmless
+
+
+def test_a_waiting_request_reads_its_stored_blocks_once() -> None:
+    from mlxserve.core.kv_cache_manager import KVCacheManager
+    from mlxserve.core.request import Request
+
+    class Store:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def load(self, block_hash, token_ids):
+            self.reads += 1
+            return ("block", token_ids)
+
+    kv = KVCacheManager(block_size=4, num_blocks=4)  # 3 usable blocks
+    kv.store = store = Store()
+    req = Request("r", list(range(1, 18)), SamplingParams(max_tokens=1))  # 4 full blocks
+    hit, num_hit = kv.get_computed_blocks(req)
+    stored = kv.load_stored_blocks(req, num_hit)
+    assert (num_hit, len(stored), store.reads) == (0, 4, 4)
+    assert kv.allocate_slots(req, req.num_tokens, hit, 16) is None  # no room yet
+    assert kv.load_stored_blocks(req, num_hit) == stored and store.reads == 4  # not re-read
+    kv.free(req)  # aborted while it waited: another read is a fresh one
+    kv.load_stored_blocks(req, num_hit)
+    assert store.reads == 8

@@ -130,6 +130,10 @@ class KVCacheManager:
         # Full blocks kept beyond the pool (set by the engine for one full-attention group
         # without recurrent state; None: no such tier).
         self.store: BlockStore | None = None
+        # The blocks last read for a request still waiting for room: (request id, first
+        # block, blocks), so a head of the queue that does not fit yet is read once, not
+        # at every step it waits.
+        self._stored_read: tuple[str, int, list[object]] | None = None
         # A hit stops a block short (MTP: the scheduler sets it).
         self.drop_last_hit_block = False
 
@@ -226,14 +230,19 @@ class KVCacheManager:
         bs = self.block_size
         if self.store is None or self.drop_last_hit_block or not self._use_prefix_cache(request):
             return []
+        first = num_hit_tokens // bs
+        read = self._stored_read
+        if read is not None and read[:2] == (request.request_id, first):
+            return read[2]
         self.update_block_hashes(request)
         found: list[object] = []
-        for i in range(num_hit_tokens // bs, (request.num_tokens - 1) // bs):
+        for i in range(first, (request.num_tokens - 1) // bs):
             token_ids = tuple(request.get_token_ids(i * bs, (i + 1) * bs))
             block = self.store.load(request.block_hashes[i], token_ids)
             if block is None:
                 break
             found.append(block)
+        self._stored_read = (request.request_id, first, found) if found else None
         return found
 
     def _find_snapshot(self, hashes: Sequence[BlockHash], max_blocks: int) -> tuple[int, int]:
@@ -307,6 +316,8 @@ class KVCacheManager:
             self.prefix_cache_requests += 1
             self.prefix_cache_requests_hit += cached.num_tokens + num_stored_tokens > 0
         if is_first_allocation:
+            if self._stored_read is not None and self._stored_read[0] == rid:
+                self._stored_read = None  # admitted: its blocks go into the pool now
             for m, hit in zip(self.managers, cached.blocks, strict=True):
                 m.take_hits(rid, hit)
         new = tuple(m.allocate(rid, total) for m in self.managers)
@@ -399,6 +410,8 @@ class KVCacheManager:
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)
         self._step_state.pop(request.request_id, None)
+        if self._stored_read is not None and self._stored_read[0] == request.request_id:
+            self._stored_read = None  # aborted while it waited
 
     def get_block_ids(self, request: Request) -> tuple[list[int], ...]:
         """The request's block table in each group, as block ids (fresh lists)."""
