@@ -161,6 +161,8 @@ def test_serve_keeps_blocks_in_the_users_cache_unless_told_not_to(monkeypatch, t
     assert (elsewhere.kv_cache_disk_dir, elsewhere.kv_cache_disk_bytes) == ("/x", 4 * 2**30)
     run = engine_config(parse(["run"]), None)  # a chat in the terminal keeps nothing
     assert run.kv_cache_disk_bytes == 0
+    asked = engine_config(parse(["run", "--kv-cache-disk-dir", "/y"]), None)  # unless told
+    assert (asked.kv_cache_disk_dir, asked.kv_cache_disk_bytes) == ("/y", 4 * 2**30)
 
 
 def test_a_full_disk_stops_the_writes_with_one_warning(tiny, tmp_path, monkeypatch, caplog) -> None:

@@ -65,8 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=human_int,
         default=None,
         metavar="BYTES",
-        help=f"the disk tier's size, every model's blocks together (`serve`'s default: "
-        f"{DEFAULT_DISK_BYTES // 2**30}G); 0: off",
+        help=f"the disk tier's size, every model's blocks together (default with `serve` "
+        f"or --kv-cache-disk-dir: {DEFAULT_DISK_BYTES // 2**30}G); 0: off",
     )
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     g.add_argument(
@@ -156,7 +156,7 @@ def engine_config(
         values.pop("seed", None)
     disk_dir = values.pop("kv_cache_disk_dir", None)
     disk_bytes = values.pop("kv_cache_disk_bytes", None)
-    if disk_default and disk_bytes is None:
+    if disk_bytes is None and (disk_default or disk_dir):  # a folder alone means "on"
         disk_bytes = DEFAULT_DISK_BYTES
     if disk_bytes and disk_dir is None:
         disk_dir = str(user_cache_dir() / "kv-cache")
